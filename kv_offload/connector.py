@@ -1,0 +1,272 @@
+"""KVOffloadConnector: the thin vLLM ``KVConnectorBase_V1`` adapter.
+
+vLLM builds it twice: in the scheduler process (role SCHEDULER), where it routes calls
+to ``OffloadScheduler``, and in every worker (role WORKER), where it routes them to
+``OffloadWorker``. The two halves talk only through ``StepPlan`` (in the connector
+metadata) and ``WorkerReport`` (in the worker metadata).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kv_offload.config import OffloadConfig, format_size
+from kv_offload.engine_info import UnsupportedEngineError, layer_names, layout_from_vllm
+from kv_offload.jobs import StepPlan, WorkerReport
+from kv_offload.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("kv_offload")
+SUMMARY_INTERVAL_S = 60.0
+
+
+class OffloadConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: this step's plan."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: a ``WorkerReport``, merged over ranks by vLLM."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, OffloadWorkerMetadata):
+            self.report.merge(other.report)
+        return self
+
+
+def num_cpu_slots(config: OffloadConfig, layout: KVLayout) -> int:
+    """CPU-tier slots per rank; ValueError naming ``cpu_size`` when not even one fits."""
+    slots = config.cpu_size // layout.slot_bytes
+    if slots < 1:
+        raise ValueError(
+            f"cpu_size: {format_size(config.cpu_size)} holds no chunk of this model "
+            f"({format_size(layout.slot_bytes)} per chunk of {layout.chunk_tokens} tokens); "
+            f"raise cpu_size or lower chunk_tokens"
+        )
+    return slots
+
+
+class KVOffloadConnector(KVConnectorBase_V1):
+    """Offloads prefix KV to host RAM and local disk; loads it back asynchronously."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = OffloadConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.config)
+        self.namespace = self.layout.fingerprint()
+        self.persistent = self.config.disk_enabled and self._check_hash_reproducible()
+        self._scheduler = None
+        self._worker = None
+        self._pending_failed_blocks: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        logger.info(
+            "kv-offload %s: chunk %d tokens (%s per rank), CPU tier %s, disk tier %s, "
+            "namespace %s", role.name.lower(), self.layout.chunk_tokens,
+            format_size(self.layout.slot_bytes), format_size(self.config.cpu_size),
+            self.config.disk_path if self.persistent else "off", self.namespace)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped store is only a future miss
+
+    def _check_hash_reproducible(self) -> bool:
+        if self.layout.hashes_reproducible(os.environ.get("PYTHONHASHSEED")):
+            return True
+        logger.warning(
+            "kv-offload: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block "
+            "hashes that change on every restart, so the disk tier could never hit; it is "
+            "OFF for this run. Fix: set PYTHONHASHSEED to the same value for every "
+            "instance, or use --prefix-caching-hash-algo sha256.", self.layout.hash_algo)
+        return False
+
+    # ==== scheduler side =====================================================================
+
+    def _init_scheduler(self) -> None:
+        from kv_offload.scheduler import OffloadScheduler, PlannerConfig
+
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "kv-offload: kv_load_failure_policy is %r, so a chunk that fails its "
+                "checksum fails the request instead of being recomputed. Add "
+                "\"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config "
+                "(OffloadConfig.to_json() does).",
+                self._kv_transfer_config.kv_load_failure_policy)
+        disk_index = None
+        if self.persistent:
+            from kv_offload.disk import DiskIndex
+
+            disk_index = DiskIndex.open(
+                self.config.disk_path, namespace_id=self.namespace,
+                descriptor=self.layout.descriptor(), slot_bytes=self.layout.slot_bytes,
+                num_ranks=self.layout.tp_size, capacity_bytes=self.config.disk_size)
+        planner_config = PlannerConfig(
+            chunk_tokens=self.layout.chunk_tokens, block_size=self.layout.block_size,
+            tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,
+            num_cpu_slots=num_cpu_slots(self.config, self.layout),
+            store_generated=self.config.store_generated,
+            eviction_policy=self.config.eviction_policy)
+        self._scheduler = OffloadScheduler(
+            planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of)
+        self._last_summary = time.monotonic()
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        return self._kv_cache_manager.get_block_ids(req_id)[0]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        hit = self._scheduler.num_matched_tokens(request, num_computed_tokens)
+        return hit, hit > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if num_external_tokens > 0:
+            block_ids = blocks.get_block_ids()[0]
+            self._scheduler.plan_load(request, block_ids, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0:
+            return {}
+        tiers = self._scheduler.hit_tokens_by_tier(request.request_id)
+        out = {CacheHitSource.HOST: tiers.get("cpu", 0), CacheHitSource.DISK: tiers.get("disk", 0)}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+
+        def computed_after(req_id: str, before: int) -> int:
+            return before + num_scheduled.get(req_id, 0) - len(spec.get(req_id, ()))
+
+        scheduled = [(r.req_id, computed_after(r.req_id, r.num_computed_tokens))
+                     for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += [(rid, computed_after(rid, n))
+                      for rid, n in zip(cached.req_ids, cached.num_computed_tokens)]
+        plan = self._scheduler.plan_step(scheduled)
+        self._maybe_log_summary()
+        return OffloadConnectorMetadata(plan)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, OffloadWorkerMetadata):
+            self._scheduler.on_report(meta.report)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # Engine -> host copies finish inside the step that planned them (see
+        # OffloadWorker.run_stores), so the blocks can be freed at once (invariant 3).
+        self._scheduler.request_finished(request.request_id)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping until workers report their disk writes.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        if self._scheduler is not None:
+            self._scheduler.reset_cpu_tier()
+        return True
+
+    def scheduler_counters(self) -> dict[str, int]:
+        """The scheduler side's counters (hits per tier, stores, evictions...)."""
+        return self._scheduler.counters.snapshot() if self._scheduler else {}
+
+    def _maybe_log_summary(self) -> None:
+        now = time.monotonic()
+        if now - self._last_summary < SUMMARY_INTERVAL_S:
+            return
+        self._last_summary = now
+        c = self._scheduler.counters
+        logger.info("kv-offload: hit tokens cpu=%d disk=%d; stored chunks=%d (disk %d); "
+                    "skipped=%d; evictions=%d; failed loads=%d", c.hit_tokens_cpu,
+                    c.hit_tokens_disk, c.stored_chunks, c.disk_stored_chunks,
+                    c.skipped_stores, c.cpu_evictions, c.load_failed_chunks)
+
+    # ==== worker side ========================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kv_offload.worker.setup import build_worker
+
+        names = layer_names(self._kv_cache_config)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise UnsupportedEngineError(
+                f"kv-offload: KV tensors missing for layers {missing[:3]}...; this "
+                f"engine's KV cache layout is not supported")
+        self._worker = build_worker(
+            tensors=[kv_caches[n] for n in names], layout=self.layout, config=self.config,
+            num_blocks=int(self._kv_cache_config.num_blocks), namespace=self.namespace,
+            persistent=self.persistent)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and plan.loads and self._worker is not None:
+            self._worker.start_loads(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: requests wait outside the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return  # stores run once per step in wait_for_save, after the whole forward
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is not None and plan.stores and self._worker is not None:
+            self._worker.run_stores(plan.stores)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_stores()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        result = self._worker.poll()
+        self._pending_failed_blocks |= result.failed_block_ids
+        return None, (result.finished_req_ids or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._pending_failed_blocks = self._pending_failed_blocks, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        report = self._worker.take_report()
+        return OffloadWorkerMetadata(report) if report else None
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, OffloadConnectorMetadata) else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None

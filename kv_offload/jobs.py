@@ -1,0 +1,88 @@
+"""Jobs and reports: the plain values that cross the scheduler/worker boundary.
+
+Scheduler -> workers: ``LoadJob`` and ``StoreJob`` inside ``StepPlan``.
+Workers -> scheduler: ``WorkerReport``, merged across ranks with ``merge``.
+Everything here is small, immutable (or merge-only) and picklable; no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SKIP_BLOCK = -1
+"""A block id that means "do not copy this block of the chunk" (it is already computed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMove:
+    """One chunk of a job on every rank.
+
+    ``block_ids``: the engine blocks of the chunk in order, ``SKIP_BLOCK`` for blocks
+    that must not be touched. ``cpu_slot``: the host slot; None in a load means the
+    chunk vanished after lookup and must be reported as failed. ``disk_slot``: the slab slot
+    to read (loads) or write (stores), None when the disk is not involved.
+    ``checksums``: per rank, the expected checksum of a disk read.
+    ``after_job``: for loads, a job that is still filling ``cpu_slot`` from disk;
+    this chunk is copied once that read is done (a shared load).
+    """
+
+    block_ids: tuple[int, ...]
+    cpu_slot: int | None
+    disk_slot: int | None = None
+    checksums: tuple[int, ...] | None = None
+    after_job: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Disk -> host (when ``disk_slot`` is set) -> engine blocks, for one request."""
+
+    job_id: int
+    req_id: str
+    chunks: tuple[ChunkMove, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    """Engine blocks -> host slot -> disk slot (when ``disk_slot`` is set)."""
+
+    job_id: int
+    chunks: tuple[ChunkMove, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the workers do this step: loads to start and stores to take after compute."""
+
+    loads: tuple[LoadJob, ...] = ()
+    stores: tuple[StoreJob, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What workers finished since their last report (merged over ranks by the connector).
+
+    ``host_stored``: store job -> number of ranks whose engine -> host copy finished.
+    ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed).
+    ``loaded``: load job -> rank -> indexes of chunks that failed on that rank.
+    """
+
+    host_stored: dict[int, int] = field(default_factory=dict)
+    disk_stored: dict[int, dict[int, tuple[int | None, ...]]] = field(default_factory=dict)
+    loaded: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.host_stored or self.disk_stored or self.loaded)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """Fold ``other`` (another rank's report) into this one; returns self."""
+        for job, count in other.host_stored.items():
+            self.host_stored[job] = self.host_stored.get(job, 0) + count
+        for job, per_rank in other.disk_stored.items():
+            self.disk_stored.setdefault(job, {}).update(per_rank)
+        for job, per_rank in other.loaded.items():
+            self.loaded.setdefault(job, {}).update(per_rank)
+        return self

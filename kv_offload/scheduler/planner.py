@@ -1,0 +1,357 @@
+"""OffloadScheduler: the scheduler-side brain (lookups, load and store planning, pins).
+
+Pure logic: imports neither torch nor vLLM. It sees requests through a small protocol
+(``request_id``, ``block_hashes``, ``num_tokens``, ``num_prompt_tokens``) and engine
+block ids through an injected callable, so it is unit-tested with fakes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StepPlan, StoreJob, WorkerReport
+from kv_offload.keys import ChunkKey, chunk_keys
+from kv_offload.scheduler.counters import SchedulerCounters
+from kv_offload.scheduler.cpu_index import CpuIndex, SlotState
+
+logger = logging.getLogger(__name__)
+
+ACCESS_FLUSH_INTERVAL_S = 2.0
+
+
+class RequestLike(Protocol):
+    request_id: str
+    block_hashes: Sequence[bytes]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class _Request:
+    request: Any
+    next_store_chunk: int = 0
+    lookup: tuple[int, int] | None = None  # (num_computed_tokens, hit tokens) memo
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Job:
+    """Scheduler-side record of an in-flight job, with what to release on completion."""
+
+    kind: str  # "load" or "store"
+    keys: tuple[ChunkKey, ...]
+    moves: tuple[ChunkMove, ...]
+    staged: frozenset[int] = frozenset()  # load: chunk indexes read from disk by this job
+    ranks_host: int = 0
+    disk_reports: dict[int, Any] = field(default_factory=dict)
+    host_done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """The numbers the planner needs, resolved from OffloadConfig and the engine."""
+
+    chunk_tokens: int
+    block_size: int
+    tokens_per_hash: int
+    num_ranks: int
+    num_cpu_slots: int
+    store_generated: bool = False
+    eviction_policy: str = "lru"
+
+
+class OffloadScheduler:
+    """Plans loads and stores from the CPU and disk indexes; owns every pin.
+
+    Scheduler thread only. ``disk_index`` is a ``kv_offload.disk.DiskIndex`` or None
+    (disk tier off). ``block_ids_of(req_id)`` returns the request's engine block ids.
+    """
+
+    def __init__(
+        self,
+        config: PlannerConfig,
+        *,
+        disk_index: Any | None,
+        block_ids_of: Callable[[str], Sequence[int]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config.chunk_tokens % config.block_size or config.block_size % config.tokens_per_hash:
+            raise ValueError(
+                f"chunk_tokens={config.chunk_tokens} must be a multiple of the block size "
+                f"{config.block_size}, itself a multiple of tokens_per_hash "
+                f"{config.tokens_per_hash}"
+            )
+        self.config = config
+        self.blocks_per_chunk = config.chunk_tokens // config.block_size
+        self.cpu = CpuIndex(config.num_cpu_slots, policy=config.eviction_policy)
+        self.disk = disk_index
+        self.counters = SchedulerCounters()
+        self._block_ids_of = block_ids_of
+        self._clock = clock
+        self._requests: dict[str, _Request] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._job_ids = itertools.count(1)
+        self._pending_loads: list[LoadJob] = []
+        self._last_access_flush = clock()
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _keys(self, request: Any, *, for_load: bool) -> list[ChunkKey]:
+        # A load leaves at least one token to compute so vLLM can sample the next one.
+        limit = request.num_tokens - 1 if for_load else None
+        return chunk_keys(
+            request.block_hashes,
+            tokens_per_hash=self.config.tokens_per_hash,
+            chunk_tokens=self.config.chunk_tokens,
+            max_tokens=limit,
+        )
+
+    def _lookup(self, keys: Sequence[ChunkKey], first: int) -> tuple[list, list]:
+        cpu_hits = self.cpu.lookup_prefix(keys[first:])
+        rest = keys[first + len(cpu_hits):]
+        disk_hits = self.disk.lookup_prefix(rest) if (self.disk is not None and rest) else []
+        return cpu_hits, disk_hits
+
+    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens past ``num_computed_tokens`` that the tiers can load. No side effects
+        beyond a per-request memo of the answer."""
+        keys = self._keys(request, for_load=True)
+        first = num_computed_tokens // self.config.chunk_tokens
+        if first >= len(keys):
+            hit_tokens = 0
+        else:
+            cpu_hits, disk_hits = self._lookup(keys, first)
+            end = (first + len(cpu_hits) + len(disk_hits)) * self.config.chunk_tokens
+            hit_tokens = max(0, end - num_computed_tokens)
+        state = self._requests.setdefault(request.request_id, _Request(request))
+        state.request = request
+        state.lookup = (num_computed_tokens, hit_tokens)
+        return hit_tokens
+
+    # -- loads -----------------------------------------------------------------------------
+
+    def plan_load(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Pin sources and queue a LoadJob for ``num_external_tokens`` after the local hit.
+
+        Called once vLLM allocated the request's blocks. Chunks that vanished since the
+        lookup (another process evicted them) are queued as failed moves, so the worker
+        reports their blocks as load errors and vLLM recomputes them.
+        """
+        state = self._requests.get(request.request_id)
+        if num_external_tokens <= 0 or state is None or state.lookup is None:
+            return
+        num_local, _ = state.lookup
+        state.lookup = None
+        chunk = self.config.chunk_tokens
+        first = num_local // chunk
+        last = (num_local + num_external_tokens) // chunk
+        keys = self._keys(request, for_load=True)[first:last]
+        cpu_hits, disk_hits = self._lookup(keys, 0) if keys else ([], [])
+        job_id = next(self._job_ids)
+        moves: list[ChunkMove] = []
+        staged: set[int] = set()
+        tiers: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            blocks = self._chunk_blocks(block_ids, first + i, skip_before=num_local)
+            tokens = (first + i + 1) * chunk - max(num_local, (first + i) * chunk)
+            if i < len(cpu_hits):
+                hit = cpu_hits[i]
+                self.cpu.pin([key])
+                moves.append(ChunkMove(blocks, hit.slot, after_job=hit.staging_job))
+                tiers["cpu"] = tiers.get("cpu", 0) + tokens
+                continue
+            d = i - len(cpu_hits)
+            entry = disk_hits[d] if d < len(disk_hits) else None
+            slot = None
+            if entry is not None:
+                slot = self.cpu.reserve(key, SlotState.STAGING, staging_job=job_id)
+            if slot is None:  # vanished since the lookup, or no CPU slot to stage into
+                moves.append(ChunkMove(blocks, None))
+                self.counters.load_vanished_chunks += 1
+                continue
+            self.disk.pin([entry.slot])
+            staged.add(i)
+            moves.append(ChunkMove(blocks, slot, entry.slot, tuple(entry.checksums)))
+            tiers["disk"] = tiers.get("disk", 0) + tokens
+        self.cpu.touch(k for k, m in zip(keys, moves) if m.cpu_slot is not None)
+        state.tier_tokens = tiers
+        self.counters.hit_tokens_cpu += tiers.get("cpu", 0)
+        self.counters.hit_tokens_disk += tiers.get("disk", 0)
+        self._jobs[job_id] = _Job("load", tuple(keys), tuple(moves), frozenset(staged))
+        self._pending_loads.append(LoadJob(job_id, request.request_id, tuple(moves)))
+
+    def hit_tokens_by_tier(self, req_id: str) -> dict[str, int]:
+        """Tokens of the last planned load of ``req_id`` per tier ("cpu", "disk")."""
+        state = self._requests.get(req_id)
+        return dict(state.tier_tokens) if state else {}
+
+    def _chunk_blocks(self, block_ids: Sequence[int], chunk_index: int, *, skip_before: int
+                      ) -> tuple[int, ...]:
+        bpc, bs = self.blocks_per_chunk, self.config.block_size
+        out = []
+        for j in range(bpc):
+            b = chunk_index * bpc + j
+            out.append(SKIP_BLOCK if (b + 1) * bs <= skip_before else int(block_ids[b]))
+        return tuple(out)
+
+    # -- stores ----------------------------------------------------------------------------
+
+    def plan_step(self, scheduled: Iterable[tuple[str, int]]) -> StepPlan:
+        """Build this step's plan: queued loads, plus stores for chunks that this step
+        completes. ``scheduled`` yields (req_id, tokens computed once the step ran)."""
+        stores: list[tuple[ChunkKey, tuple[int, ...]]] = []
+        for req_id, computed in scheduled:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            limit = computed if self.config.store_generated else min(
+                computed, request.num_prompt_tokens)
+            keys = self._keys(request, for_load=False)
+            num_done = min(len(keys), limit // self.config.chunk_tokens)
+            if num_done <= state.next_store_chunk:
+                continue
+            block_ids = self._block_ids_of(req_id)
+            for c in range(state.next_store_chunk, num_done):
+                key = keys[c]
+                if key in self.cpu:
+                    self.cpu.touch([key])
+                    continue
+                stores.append((key, self._chunk_blocks(block_ids, c, skip_before=0)))
+            state.next_store_chunk = num_done
+        store_jobs = (self._plan_store(stores),) if stores else ()
+        store_jobs = tuple(j for j in store_jobs if j is not None)
+        loads, self._pending_loads = tuple(self._pending_loads), []
+        self._maybe_flush_access()
+        return StepPlan(loads, store_jobs)
+
+    def _plan_store(self, chunks: list[tuple[ChunkKey, tuple[int, ...]]]) -> StoreJob | None:
+        seen: set[ChunkKey] = set()
+        unique = [(k, b) for k, b in chunks if not (k in seen or seen.add(k))]
+        disk_slots: list[int | None] = [None] * len(unique)
+        if self.disk is not None:
+            disk_slots = list(self.disk.allocate([k for k, _ in unique]))
+        job_id = next(self._job_ids)
+        keys, moves, unused_disk = [], [], []
+        for (key, blocks), disk_slot in zip(unique, disk_slots):
+            evictions = self.cpu.num_evictions
+            slot = self.cpu.reserve(key, SlotState.STORING)
+            self.counters.cpu_evictions += self.cpu.num_evictions - evictions
+            if slot is None:
+                self.counters.skipped_stores += 1
+                if disk_slot is not None:
+                    unused_disk.append(disk_slot)
+                continue
+            keys.append(key)
+            moves.append(ChunkMove(blocks, slot, disk_slot))
+        if unused_disk:
+            self.disk.release(unused_disk)
+        if not moves:
+            return None
+        self.counters.stored_chunks += len(moves)
+        self._jobs[job_id] = _Job("store", tuple(keys), tuple(moves))
+        return StoreJob(job_id, tuple(moves))
+
+    # -- completions -----------------------------------------------------------------------
+
+    def on_report(self, report: WorkerReport) -> None:
+        """Apply what workers finished: publish, commit, release pins (invariants 1-2)."""
+        for job_id, count in report.host_stored.items():
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            job.ranks_host += count
+            if job.ranks_host >= self.config.num_ranks and not job.host_done:
+                job.host_done = True
+                for key, move in zip(job.keys, job.moves):
+                    self.cpu.publish(key)
+                    if move.disk_slot is None:
+                        self.cpu.unpin([key])
+                self._maybe_finish_store(job_id, job)
+        for job_id, per_rank in report.disk_stored.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.disk_reports.update(per_rank)
+                self._maybe_finish_store(job_id, job)
+        for job_id, per_rank in report.loaded.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.disk_reports.update(per_rank)
+                if len(job.disk_reports) >= self.config.num_ranks:
+                    self._finish_load(job_id, job)
+
+    def _maybe_finish_store(self, job_id: int, job: _Job) -> None:
+        has_disk = any(m.disk_slot is not None for m in job.moves)
+        if not job.host_done or (has_disk and len(job.disk_reports) < self.config.num_ranks):
+            return
+        del self._jobs[job_id]
+        if not has_disk:
+            return
+        ranks = sorted(job.disk_reports)
+        commits, releases = [], []
+        for i, (key, move) in enumerate(zip(job.keys, job.moves)):
+            if move.disk_slot is None:
+                continue
+            self.cpu.unpin([key])
+            sums = tuple(job.disk_reports[r][i] for r in ranks)
+            if all(s is not None for s in sums):
+                commits.append((key, move.disk_slot, sums))
+            else:
+                releases.append(move.disk_slot)
+        self.counters.disk_stored_chunks += len(commits)
+        self.counters.disk_store_failures += len(releases)
+        if commits:
+            self.disk.commit(commits)
+        if releases:
+            self.disk.release(releases)
+
+    def _finish_load(self, job_id: int, job: _Job) -> None:
+        del self._jobs[job_id]
+        failed = set().union(*job.disk_reports.values())
+        self.counters.load_failed_chunks += len(failed)
+        for i, (key, move) in enumerate(zip(job.keys, job.moves)):
+            if move.cpu_slot is None:
+                continue
+            if i in job.staged:
+                self.disk.unpin([move.disk_slot])
+                if i in failed:
+                    self.cpu.discard(key)
+                    self.disk.drop(key, move.disk_slot)
+                    continue
+                if self.cpu.state(key) is SlotState.STAGING:
+                    self.cpu.publish(key)
+            self.cpu.unpin([key])
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget a finished request. Its jobs keep their pins until they complete."""
+        self._requests.pop(req_id, None)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._pending_loads)
+
+    def reset_cpu_tier(self) -> int:
+        """Drop unpinned READY CPU entries (vLLM ``reset_prefix_cache(reset_connector=True)``)."""
+        return self.cpu.clear_unpinned()
+
+    def _maybe_flush_access(self) -> None:
+        now = self._clock()
+        if self.disk is not None and now - self._last_access_flush >= ACCESS_FLUSH_INTERVAL_S:
+            self._last_access_flush = now
+            self.disk.flush_access()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.flush_access()
+            self.disk.close()
+

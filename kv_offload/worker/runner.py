@@ -1,0 +1,274 @@
+"""OffloadWorker: the worker-side muscle that executes load and store jobs on one rank.
+
+Owns the rank's host slots, copy engine and slab file; makes no policy decisions.
+Disk I/O runs on a thread pool and engine copies of loads on one copy thread, so the
+engine never waits on disk (invariant 6). Everything it finished is reported back
+through ``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport``
+for the scheduler side.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerReport
+
+logger = logging.getLogger(__name__)
+
+STAGED_READ_TTL_S = 300.0
+_READING, _COPYING, _DONE, _CANCELLED = "reading", "copying", "done", "cancelled"
+
+
+@dataclass(slots=True)
+class _Load:
+    job: LoadJob
+    started: float
+    future: Future | None = None
+    state: str = _READING
+    failed: set[int] = field(default_factory=set)
+    reported_to_vllm: bool = False
+
+
+@dataclass(slots=True)
+class _Store:
+    job: StoreJob
+    handle: Any
+    writes: list[Future | None]
+    host_reported: bool = False
+
+
+@dataclass(slots=True)
+class PollResult:
+    """What finished since the last poll (owned by the caller)."""
+
+    finished_req_ids: set[str]
+    failed_block_ids: set[int]
+
+
+class OffloadWorker:
+    """Executes jobs for one rank. Methods are called from vLLM's worker thread only;
+    internal threads never call back into vLLM.
+
+    ``engine``: a ``kv_offload.copy.CopyEngine`` over this rank's KV planes and
+    ``host`` slots. ``slab``: this rank's ``kv_offload.disk.SlabFile`` or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        engine: Any,
+        host: Any,
+        slab: Any | None,
+        io_threads: int = 4,
+        load_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rank = rank
+        self.engine = engine
+        self.host = host
+        self.slab = slab
+        self.load_timeout_s = load_timeout_s
+        self._clock = clock
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-copy")
+        self._lock = threading.Lock()
+        self._loads: dict[int, _Load] = {}
+        self._stores: dict[int, _Store] = {}
+        self._staged: dict[tuple[int, int], tuple[Future, float]] = {}
+        self._report = WorkerReport()
+        self._write_errors = 0
+        self.bytes_loaded = 0
+        self.bytes_stored = 0
+
+    # -- loads -----------------------------------------------------------------------------
+
+    def start_loads(self, jobs: Sequence[LoadJob]) -> None:
+        """Start ``jobs`` in the background: disk reads on the I/O pool, then one engine
+        copy per job on the copy thread. Returns at once."""
+        now = self._clock()
+        for job in jobs:
+            load = _Load(job, now)
+            reads: dict[int, Future] = {}
+            for i, move in enumerate(job.chunks):
+                if move.cpu_slot is not None and move.disk_slot is not None:
+                    fut = self._io.submit(self._read_chunk, move)
+                    reads[i] = fut
+                    self._staged[(job.job_id, move.cpu_slot)] = (fut, now)
+            with self._lock:
+                self._loads[job.job_id] = load
+            load.future = self._copier.submit(self._run_load, load, reads)
+
+    def _read_chunk(self, move: ChunkMove) -> bool:
+        if self.slab is None or move.checksums is None:
+            return False
+        view = self.host.slot_view(move.cpu_slot)
+        try:
+            return bool(self.slab.read(move.disk_slot, view, move.checksums[self.rank]))
+        except Exception:  # any I/O failure is a miss; vLLM recomputes
+            logger.exception("kv-offload: reading disk slot %d failed", move.disk_slot)
+            return False
+
+    def _run_load(self, load: _Load, reads: dict[int, Future]) -> None:
+        job = load.job
+        ok_rows: list[int] = []
+        for i, move in enumerate(job.chunks):
+            if move.cpu_slot is None:
+                load.failed.add(i)
+            elif i in reads:
+                if not reads[i].result():
+                    load.failed.add(i)
+                else:
+                    ok_rows.append(i)
+            elif move.after_job is not None:
+                if self._wait_staged(move.after_job, move.cpu_slot):
+                    ok_rows.append(i)
+                else:
+                    load.failed.add(i)
+            else:
+                ok_rows.append(i)
+        with self._lock:
+            if load.state == _CANCELLED:
+                return
+            load.state = _COPYING
+        if ok_rows:
+            slots = np.array([job.chunks[i].cpu_slot for i in ok_rows], dtype=np.int64)
+            blocks = np.array([job.chunks[i].block_ids for i in ok_rows], dtype=np.int64)
+            try:
+                self.engine.wait(self.engine.load(slots, blocks))
+                self.bytes_loaded += self._chunk_bytes(blocks)
+            except Exception:
+                logger.exception("kv-offload: copying job %d into the engine failed", job.job_id)
+                load.failed.update(ok_rows)
+        with self._lock:
+            load.state = _DONE
+
+    def _wait_staged(self, job_id: int, cpu_slot: int) -> bool:
+        entry = self._staged.get((job_id, cpu_slot))
+        if entry is None:
+            return False
+        try:
+            return bool(entry[0].result(timeout=self.load_timeout_s))
+        except Exception:
+            return False
+
+    # -- stores ----------------------------------------------------------------------------
+
+    def run_stores(self, jobs: Sequence[StoreJob]) -> None:
+        """Copy engine blocks to host slots for ``jobs`` (after this step's compute),
+        then queue slab writes. The engine copy is issued before returning; on the
+        torch engine it is complete on return (invariant 3)."""
+        for job in jobs:
+            slots = np.array([m.cpu_slot for m in job.chunks], dtype=np.int64)
+            blocks = np.array([m.block_ids for m in job.chunks], dtype=np.int64)
+            handle = self.engine.store(blocks, slots)
+            self.bytes_stored += self._chunk_bytes(blocks)
+            writes: list[Future | None] = []
+            for move in job.chunks:
+                if move.disk_slot is None or self.slab is None:
+                    writes.append(None)
+                else:
+                    writes.append(self._io.submit(self._write_chunk, handle, move))
+            self._stores[job.job_id] = _Store(job, handle, writes)
+
+    def _write_chunk(self, handle: Any, move: ChunkMove) -> int | None:
+        try:
+            self.engine.wait(handle)
+            return self.slab.write(move.disk_slot, self.host.slot_view(move.cpu_slot))
+        except OSError as exc:
+            self._write_errors += 1
+            if self._write_errors == 1 or self._write_errors % 1000 == 0:
+                logger.warning(
+                    "kv-offload: disk write failed (%s); %d failures so far; the chunk "
+                    "stays in the CPU tier only", exc, self._write_errors)
+            return None
+
+    def wait_for_stores(self) -> None:
+        """Block until engine -> host copies issued so far are complete (preemption)."""
+        for store in list(self._stores.values()):
+            self.engine.wait(store.handle)
+
+    # -- completion ------------------------------------------------------------------------
+
+    def poll(self) -> PollResult:
+        """Collect finished work. Loads past ``load_timeout_s`` that are still reading
+        are failed now (their blocks reported for recompute); their slots stay pinned on
+        the scheduler side until the reads really end."""
+        finished: set[str] = set()
+        failed_blocks: set[int] = set()
+        now = self._clock()
+        with self._lock:
+            for job_id, load in list(self._loads.items()):
+                if load.state == _READING and now - load.started > self.load_timeout_s:
+                    load.state = _CANCELLED
+                    logger.warning("kv-offload: load job %d timed out after %.1fs; "
+                                   "recomputing", job_id, self.load_timeout_s)
+                if load.state == _CANCELLED and not load.reported_to_vllm:
+                    load.reported_to_vllm = True
+                    finished.add(load.job.req_id)
+                    failed_blocks.update(_blocks_of(load.job.chunks))
+                if load.future is not None and load.future.done():
+                    if not load.reported_to_vllm:
+                        finished.add(load.job.req_id)
+                        failed_blocks.update(
+                            _blocks_of(load.job.chunks[i] for i in load.failed))
+                    failed = set(range(len(load.job.chunks))) if (
+                        load.state == _CANCELLED) else load.failed
+                    self._report.loaded[job_id] = {self.rank: frozenset(failed)}
+                    del self._loads[job_id]
+        for job_id, store in list(self._stores.items()):
+            if not store.host_reported and self.engine.is_done(store.handle):
+                store.host_reported = True
+                self._report.host_stored[job_id] = 1
+            if store.host_reported and all(w is None or w.done() for w in store.writes):
+                if any(w is not None for w in store.writes):
+                    sums = tuple(None if w is None else w.result() for w in store.writes)
+                    self._report.disk_stored[job_id] = {self.rank: sums}
+                del self._stores[job_id]
+        self._prune_staged(now)
+        return PollResult(finished, failed_blocks)
+
+    def take_report(self) -> WorkerReport | None:
+        """The report accumulated since the last call (None when empty)."""
+        report, self._report = self._report, WorkerReport()
+        return report if report else None
+
+    def has_pending_jobs(self) -> bool:
+        return bool(self._loads or self._stores)
+
+    def _prune_staged(self, now: float) -> None:
+        for key, (fut, t0) in list(self._staged.items()):
+            if fut.done() and now - t0 > STAGED_READ_TTL_S:
+                del self._staged[key]
+
+    def _chunk_bytes(self, blocks: np.ndarray) -> int:
+        per_block = self.host.slot_bytes // max(1, blocks.shape[1]) if blocks.size else 0
+        return int((blocks != SKIP_BLOCK).sum()) * per_block
+
+    def close(self, *, timeout_s: float = 30.0) -> None:
+        """Finish queued disk writes and reads (bounded by ``timeout_s``), then stop."""
+        deadline = self._clock() + timeout_s
+        for store in list(self._stores.values()):
+            for w in store.writes:
+                if w is not None:
+                    try:
+                        w.result(timeout=max(0.0, deadline - self._clock()))
+                    except Exception:
+                        pass
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._copier.shutdown(wait=False, cancel_futures=True)
+        if self.slab is not None:
+            self.slab.close()
+        self.engine.close()
+
+
+def _blocks_of(moves: Any) -> set[int]:
+    return {b for m in moves for b in m.block_ids if b != SKIP_BLOCK}
