@@ -9,6 +9,7 @@ for the scheduler side.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -259,10 +260,8 @@ class OffloadWorker:
         for store in list(self._stores.values()):
             for w in store.writes:
                 if w is not None:
-                    try:
+                    with contextlib.suppress(Exception):
                         w.result(timeout=max(0.0, deadline - self._clock()))
-                    except Exception:
-                        pass
         self._io.shutdown(wait=False, cancel_futures=True)
         self._copier.shutdown(wait=False, cancel_futures=True)
         if self.slab is not None:

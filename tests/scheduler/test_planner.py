@@ -1,0 +1,186 @@
+"""OffloadScheduler contracts, driven with fake requests and completed by hand.
+
+Covers invariants 1 and 2 (visibility only after every rank finished; pins protect
+slots being read) and the plan shapes the workers rely on.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import pytest
+
+from kv_offload.jobs import SKIP_BLOCK, WorkerReport
+from kv_offload.scheduler import OffloadScheduler, PlannerConfig, SlotState
+
+BLOCK = 4  # tokens per block (and per hash)
+CHUNK = 8  # tokens per chunk: 2 blocks
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    block_hashes: list
+    num_tokens: int
+    num_prompt_tokens: int
+
+
+def make_request(req_id: str, tokens: list[int]) -> FakeRequest:
+    hashes, parent = [], b"root"
+    for i in range(len(tokens) // BLOCK):
+        parent = hashlib.sha256(parent + bytes(tokens[i * BLOCK:(i + 1) * BLOCK])).digest()
+        hashes.append(parent)
+    return FakeRequest(req_id, hashes, len(tokens), len(tokens))
+
+
+def make_scheduler(*, num_ranks=1, num_cpu_slots=16, disk_index=None, blocks=None):
+    blocks = blocks if blocks is not None else {}
+    config = PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
+                           num_ranks=num_ranks, num_cpu_slots=num_cpu_slots)
+    sched = OffloadScheduler(config, disk_index=disk_index,
+                             block_ids_of=lambda rid: blocks[rid])
+    return sched, blocks
+
+
+def store_request(sched, blocks, req, block_ids, *, ranks=1):
+    """Schedule ``req`` fully and complete its store on ``ranks`` ranks; returns the job."""
+    blocks[req.request_id] = block_ids
+    plan = sched.plan_step([(req.request_id, req.num_tokens)])
+    (job,) = plan.stores
+    for _ in range(ranks):
+        sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+    return job
+
+
+def test_store_plans_full_chunks_with_their_blocks():
+    sched, blocks = make_scheduler()
+    req = make_request("a", list(range(20)))  # 2 full chunks + 4 tokens
+    sched.num_matched_tokens(req, 0)
+    blocks["a"] = [10, 11, 12, 13, 14]
+    plan = sched.plan_step([("a", 20)])
+    (job,) = plan.stores
+    assert [m.block_ids for m in job.chunks] == [(10, 11), (12, 13)]
+    assert len({m.cpu_slot for m in job.chunks}) == 2
+    assert all(m.disk_slot is None for m in job.chunks)
+    # The same chunks are not stored twice.
+    assert not sched.plan_step([("a", 20)]).stores
+
+
+def test_chunk_is_invisible_until_every_rank_finished():
+    sched, blocks = make_scheduler(num_ranks=2)
+    req = make_request("a", list(range(17)))
+    sched.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(5))
+    (job,) = sched.plan_step([("a", 17)]).stores
+    other = make_request("b", list(range(17)))
+    assert sched.num_matched_tokens(other, 0) == 0
+    sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+    assert sched.num_matched_tokens(other, 0) == 0, "visible after one of two ranks"
+    sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+    assert sched.num_matched_tokens(other, 0) == 16
+
+
+def test_hit_leaves_one_token_to_compute():
+    sched, blocks = make_scheduler()
+    req = make_request("a", list(range(16)))
+    sched.num_matched_tokens(req, 0)
+    store_request(sched, blocks, req, [0, 1, 2, 3])
+    again = make_request("b", list(range(16)))
+    # 16 tokens = 2 full chunks, but the last one is not loaded: vLLM must compute a token.
+    assert sched.num_matched_tokens(again, 0) == 8
+
+
+def test_lookup_is_side_effect_free_and_stops_at_first_miss():
+    sched, blocks = make_scheduler()
+    req = make_request("a", list(range(17)))
+    sched.num_matched_tokens(req, 0)
+    store_request(sched, blocks, req, [0, 1, 2, 3, 4])
+    diverged = make_request("b", list(range(8)) + [99] * 9)
+    before = sched.cpu.counts()
+    assert sched.num_matched_tokens(diverged, 0) == 8
+    assert sched.num_matched_tokens(diverged, 0) == 8
+    assert sched.cpu.counts() == before
+
+
+def test_load_pins_slots_until_done_and_skips_locally_computed_blocks():
+    sched, blocks = make_scheduler(num_cpu_slots=2)
+    req = make_request("a", list(range(17)))
+    sched.num_matched_tokens(req, 0)
+    store_request(sched, blocks, req, [0, 1, 2, 3, 4])
+    reader = make_request("b", list(range(17)))
+    # vLLM's own cache already has the first block: 4 tokens computed locally.
+    assert sched.num_matched_tokens(reader, 4) == 12
+    sched.plan_load(reader, [20, 21, 22, 23, 24], 12)
+    plan = sched.plan_step([])
+    (load,) = plan.loads
+    assert [m.block_ids for m in load.chunks] == [(SKIP_BLOCK, 21), (22, 23)]
+    assert sched.cpu.counts()["pinned"] == 2
+    # The CPU tier is full and both slots are pinned: a new store is skipped, not blocking.
+    newcomer = make_request("c", [7] * 9)
+    sched.num_matched_tokens(newcomer, 0)
+    blocks["c"] = [30, 31, 32]
+    assert not sched.plan_step([("c", 9)]).stores
+    assert sched.counters.skipped_stores == 1
+    sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset()}}))
+    assert sched.cpu.counts()["pinned"] == 0
+    assert not sched.has_pending_work()
+
+
+@pytest.fixture
+def disk_index(tmp_path):
+    from kv_offload.disk import DiskIndex
+
+    index = DiskIndex.open(tmp_path / "store", namespace_id="ab" * 16,
+                           descriptor={"test": True}, slot_bytes=64, num_ranks=2,
+                           capacity_bytes=64 * 2 * 8)
+    yield index
+    index.close()
+
+
+def test_disk_commit_needs_every_rank_and_a_failed_rank_releases(disk_index):
+    sched, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
+    req = make_request("a", list(range(17)))
+    sched.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(5))
+    (job,) = sched.plan_step([("a", 17)]).stores
+    assert all(m.disk_slot is not None for m in job.chunks)
+    sched.on_report(WorkerReport(host_stored={job.job_id: 2},
+                                 disk_stored={job.job_id: {0: (11, 12)}}))
+    keys = [req.block_hashes[1], req.block_hashes[3]]
+    assert disk_index.lookup_prefix(keys) == []
+    # Rank 1 failed the second chunk: only the first is committed.
+    sched.on_report(WorkerReport(disk_stored={job.job_id: {1: (21, None)}}))
+    (entry,) = disk_index.lookup_prefix(keys)
+    assert entry.checksums == (11, 21)
+    assert sched.cpu.counts()["pinned"] == 0
+
+
+def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
+    writer, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
+    req = make_request("a", list(range(17)))
+    writer.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(5))
+    (job,) = writer.plan_step([("a", 17)]).stores
+    writer.on_report(WorkerReport(host_stored={job.job_id: 2},
+                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    # A fresh scheduler (a restarted engine) has an empty CPU tier.
+    sched, _ = make_scheduler(num_ranks=2, disk_index=disk_index)
+    first, second = make_request("x", list(range(17))), make_request("y", list(range(17)))
+    assert sched.num_matched_tokens(first, 0) == 16
+    sched.plan_load(first, [40, 41, 42, 43, 44], 16)
+    assert sched.hit_tokens_by_tier("x") == {"disk": 16}
+    assert sched.num_matched_tokens(second, 0) == 16
+    sched.plan_load(second, [50, 51, 52, 53, 54], 16)
+    load_x, load_y = sched.plan_step([]).loads
+    assert all(m.disk_slot is not None for m in load_x.chunks)
+    assert [m.after_job for m in load_y.chunks] == [load_x.job_id] * 2
+    assert all(m.disk_slot is None for m in load_y.chunks)
+    # Chunk 1 failed its checksum on rank 1: it is dropped from disk and CPU.
+    sched.on_report(WorkerReport(loaded={load_x.job_id: {0: frozenset(), 1: frozenset({1})}}))
+    assert sched.cpu.state(req.block_hashes[1]) is SlotState.READY
+    assert sched.cpu.state(req.block_hashes[3]) is None
+    assert [e.key for e in disk_index.lookup_prefix([req.block_hashes[1],
+                                                      req.block_hashes[3]])] == [
+        req.block_hashes[1]]
+    sched.on_report(WorkerReport(loaded={load_y.job_id: {0: frozenset(), 1: frozenset({1})}}))
+    assert sched.cpu.counts()["pinned"] == 0
+    assert not sched.has_pending_work()

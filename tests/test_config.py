@@ -1,0 +1,92 @@
+"""OffloadConfig: round trips and every bad input, each with a message that says the fix."""
+
+import json
+
+import pytest
+
+from kv_offload import OffloadConfig
+from kv_offload.config import parse_size
+
+
+def test_sizes_accept_units_and_integers():
+    assert parse_size("8GiB", name="x") == 8 * 2**30
+    assert parse_size("500MB", name="x") == 500 * 10**6
+    assert parse_size("1.5 KiB", name="x") == 1536
+    assert parse_size(4096, name="x") == 4096
+    assert OffloadConfig(cpu_size="1GiB").cpu_size == 2**30
+
+
+def test_round_trip_through_extra_config_and_json(tmp_path):
+    cfg = OffloadConfig(cpu_size="256MiB", disk_path=str(tmp_path / "store"), disk_size="2GB",
+                        chunk_tokens=64, io_threads=2, namespace_salt="tenant-a")
+    assert OffloadConfig.from_extra_config(cfg.to_extra_config()) == cfg
+    assert OffloadConfig.from_json(cfg.to_json()) == cfg
+    data = json.loads(cfg.to_json())
+    assert data["kv_connector"] == "KVOffloadConnector"
+    assert data["kv_connector_module_path"] == "kv_offload.connector"
+    assert data["kv_role"] == "kv_both"
+    assert data["kv_load_failure_policy"] == "recompute"
+
+
+def test_to_kv_transfer_config_is_vllms_object():
+    ktc = OffloadConfig(cpu_size="64MiB").to_kv_transfer_config()
+    assert type(ktc).__name__ == "KVTransferConfig"
+    assert ktc.kv_connector == "KVOffloadConnector"
+    assert ktc.kv_connector_module_path == "kv_offload.connector"
+    assert ktc.kv_connector_extra_config["cpu_size"] == 64 * 2**20
+
+
+def test_disk_tier_is_off_without_path():
+    assert not OffloadConfig().disk_enabled
+    assert OffloadConfig(disk_path="/tmp/kvo-x").disk_enabled
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"cpu_size": "-1GiB"}, "cpu_size"),
+        ({"cpu_size": -5}, "must not be negative"),
+        ({"cpu_size": "lots"}, "cannot parse 'lots'"),
+        ({"cpu_size": "8 parsecs"}, "units"),
+        ({"cpu_size": 0}, "cpu_size: must be > 0"),
+        ({"disk_size": [1]}, "disk_size"),
+        ({"chunk_tokens": 0}, "chunk_tokens: must be >= 1"),
+        ({"chunk_tokens": "256"}, "chunk_tokens: expected an integer"),
+        ({"io_threads": 0}, "io_threads"),
+        ({"eviction_policy": "random"}, "choose one of lru, fifo"),
+        ({"verify_checksums": "yes"}, "verify_checksums: expected true or false"),
+        ({"load_timeout_s": 0}, "load_timeout_s"),
+        ({"namespace_salt": 3}, "namespace_salt"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig(**kwargs)
+
+
+def test_disk_path_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        OffloadConfig(disk_path=str(f))
+
+
+def test_unknown_key_names_key_valid_keys_and_closest_match():
+    with pytest.raises(ValueError) as info:
+        OffloadConfig.from_extra_config({"cpu_sise": "1GiB"})
+    text = str(info.value)
+    assert "'cpu_sise'" in text and "Did you mean 'cpu_size'" in text and "disk_path" in text
+
+
+def test_chunk_tokens_must_be_multiple_of_block_size():
+    assert OffloadConfig(chunk_tokens=256).resolve_chunk_tokens(128) == 256
+    assert OffloadConfig().resolve_chunk_tokens(128) == 256
+    assert OffloadConfig().resolve_chunk_tokens(16) == 256
+    assert OffloadConfig().resolve_chunk_tokens(96) == 288
+    with pytest.raises(ValueError, match="not a multiple of vLLM's block size 128; use 128 or 256"):
+        OffloadConfig(chunk_tokens=200).resolve_chunk_tokens(128)
+
+
+def test_bad_json_is_a_clear_error():
+    with pytest.raises(ValueError, match="not valid JSON"):
+        OffloadConfig.from_json("{cpu_size: 1}")
