@@ -87,6 +87,7 @@ class OffloadWorker:
         self._staged: dict[tuple[int, int], tuple[Future, float]] = {}
         self._report = WorkerReport()
         self._write_errors = 0
+        self._read_failures = 0
         self.bytes_loaded = 0
         self.bytes_stored = 0
 
@@ -113,10 +114,18 @@ class OffloadWorker:
             return False
         view = self.host.slot_view(move.cpu_slot)
         try:
-            return bool(self.slab.read(move.disk_slot, view, move.checksums[self.rank]))
-        except Exception:  # any I/O failure is a miss; vLLM recomputes
-            logger.exception("kv-offload: reading disk slot %d failed", move.disk_slot)
+            result = self.slab.read(move.disk_slot, view, move.checksums[self.rank])
+        except Exception as exc:  # any I/O failure is a miss; vLLM recomputes
+            result = exc
+        if not result or isinstance(result, Exception):
+            self._read_failures += 1
+            if self._read_failures == 1 or self._read_failures % 1000 == 0:
+                logger.warning(
+                    "kv-offload: disk chunk in slot %d failed verification (%s); its tokens "
+                    "are recomputed and the entry is dropped (%d failures so far)",
+                    move.disk_slot, result, self._read_failures)
             return False
+        return True
 
     def _run_load(self, load: _Load, reads: dict[int, Future]) -> None:
         job = load.job

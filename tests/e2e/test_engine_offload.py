@@ -1,0 +1,126 @@
+"""kv-offload in a real vLLM engine (CPU backend): every load path against recompute.
+
+Each engine runs in a fresh process (``kv_offload.testing.workload``); module-scoped
+fixtures share them between tests. Greedy tokens of the tiny model depend on every
+prompt token, so KV loaded for the wrong prompt, layer or model changes the output.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
+from kv_offload.testing.workload import run_in_subprocess
+
+pytestmark = pytest.mark.engine
+
+PREFIX_TOKENS = 640
+CHUNK = 64
+
+
+def prompts() -> list[str]:
+    """Four prompts sharing a 640-token prefix, and two unrelated ones."""
+    prefix = make_prompt(PREFIX_TOKENS, seed=1)
+    shared = [prefix + make_prompt(40 + 7 * i, seed=10 + i) for i in range(4)]
+    return shared + [make_prompt(300, seed=50), make_prompt(520, seed=51)]
+
+
+def offload(store: Path, **extra) -> dict:
+    return {"cpu_size": "64MiB", "disk_path": str(store), "disk_size": "256MiB",
+            "chunk_tokens": CHUNK, "io_threads": 2, **extra}
+
+
+def spec(model: Path, offload_cfg: dict | None, phases: list[dict], **engine) -> dict:
+    return {"model": str(model), "offload": offload_cfg, "engine": engine, "phases": phases}
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def other_model() -> Path:
+    return make_tiny_model(num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kv-store") / "store"
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> list[list[int]]:
+    """Tokens recomputed by vLLM without any connector."""
+    out = run_in_subprocess(spec(model, None, [{"prompts": prompts()}]),
+                            tmp_path_factory.mktemp("ref"))
+    return out["phases"][0]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def first_engine(model, store, reference, tmp_path_factory) -> dict:
+    """Cold run, then the same prompts after vLLM's own prefix cache was reset."""
+    phases = [{"name": "cold", "prompts": prompts()},
+              {"name": "cpu", "prompts": prompts(), "reset_prefix_cache": True}]
+    return run_in_subprocess(spec(model, offload(store), phases),
+                             tmp_path_factory.mktemp("first"))
+
+
+@pytest.fixture(scope="module")
+def restarted_engine(model, store, first_engine, tmp_path_factory) -> dict:
+    """A new process on the same store: the CPU tier is empty, the disk tier is not."""
+    return run_in_subprocess(spec(model, offload(store), [{"name": "disk", "prompts": prompts()}]),
+                             tmp_path_factory.mktemp("restart"))
+
+
+def test_cold_outputs_equal_recompute(first_engine, reference):
+    assert first_engine["phases"][0]["tokens"] == reference
+    assert first_engine["phases"][0]["metrics"]["external_hits"] == 0
+
+
+def test_cpu_tier_serves_after_prefix_cache_reset(first_engine, reference):
+    warm = first_engine["phases"][1]
+    assert warm["tokens"] == reference
+    # Every chunk-aligned prefix below the last token is served: at least the shared prefix.
+    assert warm["metrics"]["hits_host"] >= PREFIX_TOKENS
+    assert warm["metrics"]["prefix_cache_hits"] == 0
+
+
+def test_restarted_engine_hits_disk_tier(restarted_engine, reference):
+    phase = restarted_engine["phases"][0]
+    assert phase["tokens"] == reference
+    assert phase["metrics"]["hits_disk"] >= PREFIX_TOKENS
+
+
+def test_other_model_never_hits(other_model, store, restarted_engine, tmp_path_factory):
+    phases = [{"name": "other", "prompts": prompts()}]
+    out = run_in_subprocess(spec(other_model, offload(store), phases),
+                            tmp_path_factory.mktemp("other"))
+    ref = run_in_subprocess(spec(other_model, None, phases), tmp_path_factory.mktemp("other-ref"))
+    assert out["phases"][0]["metrics"]["external_hits"] == 0
+    assert out["phases"][0]["tokens"] == ref["phases"][0]["tokens"]
+
+
+def test_corrupted_slab_is_recomputed(model, store, reference, restarted_engine,
+                                      tmp_path_factory):
+    """Runs last in this module: it damages the shared store (tests run in file order)."""
+    slabs = sorted(Path(store).glob("slabs/*/rank0-of-1.slab"))
+    assert slabs, "the first engine wrote no slab"
+    for slab in slabs:  # flip one byte in every 4 KiB page: every chunk is damaged
+        with open(slab, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            for off in range(0, size, 4096):
+                f.seek(off)
+                byte = f.read(1)
+                if byte:
+                    f.seek(off)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+    out = run_in_subprocess(spec(model, offload(store), [{"name": "corrupt", "prompts": prompts()}]),
+                            tmp_path_factory.mktemp("corrupt"))
+    phase = out["phases"][0]
+    assert phase["tokens"] == reference
+    assert phase["metrics"]["hits_disk"] >= PREFIX_TOKENS, "the damaged chunks were looked up"
+    assert "failed verification" in out["log"], "the load errors were reported"

@@ -1,0 +1,127 @@
+"""kv-offload behind the OpenAI server (JSON --kv-transfer-config) and with TP=2."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kv_offload import OffloadConfig
+from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
+from kv_offload.testing.workload import run_in_subprocess
+
+pytestmark = pytest.mark.engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, payload: dict | None = None, timeout: float = 120) -> str:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if payload is None else "POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def source_hits(metrics_text: str, source: str) -> float:
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:prompt_tokens_cached_by_source") and f'source="{source}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`vllm serve` (as python -m, see README) with the connector, on a loopback port."""
+    model = make_tiny_model()
+    store = tmp_path_factory.mktemp("serve-store")
+    cfg = OffloadConfig(cpu_size="64MiB", disk_path=str(store), chunk_tokens=64)
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
+         "--max-model-len", "4096", "--enforce-eager", "--kv-transfer-config", cfg.to_json()],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"server exited early:\n{log.read()[-4000:]}")
+        try:
+            http(base + "/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy in 240 s")
+    yield base, model
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def test_served_requests_hit_the_cpu_tier_and_match_recompute(server, tmp_path):
+    base, model = server
+    prefix = make_prompt(600, seed=3)
+    prompts = [prefix + make_prompt(30, seed=4), prefix + make_prompt(45, seed=5)]
+    ref = run_in_subprocess({"model": str(model), "offload": None, "engine": {},
+                             "phases": [{"prompts": prompts}]}, tmp_path)
+    texts = []
+    for i, prompt in enumerate(prompts):
+        if i == 1:  # empty vLLM's own cache so the shared prefix must come from kv-offload
+            http(base + "/reset_prefix_cache", {})
+        body = http(base + "/v1/completions", {"model": str(model), "prompt": prompt,
+                                               "max_tokens": 16, "temperature": 0,
+                                               "ignore_eos": True})
+        texts.append(json.loads(body)["choices"][0]["text"])
+    assert texts == ref["phases"][0]["texts"]
+    assert source_hits(http(base + "/metrics"), "host") >= 576
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory):
+    model = make_tiny_model()
+    store = tmp_path_factory.mktemp("tp2") / "store"
+    prompts = [make_prompt(500, seed=7) + make_prompt(20 + i, seed=8 + i) for i in range(3)]
+    offload = {"cpu_size": "64MiB", "disk_path": str(store), "chunk_tokens": 64}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    engine = {"tensor_parallel_size": 2}
+    first = run_in_subprocess(
+        {"model": str(model), "offload": offload, "engine": engine,
+         "phases": [{"name": "cold", "prompts": prompts},
+                    {"name": "cpu", "prompts": prompts, "reset_prefix_cache": True}]},
+        tmp_path_factory.mktemp("tp2-a"), env=env)
+    second = run_in_subprocess(
+        {"model": str(model), "offload": offload, "engine": engine,
+         "phases": [{"name": "disk", "prompts": prompts}]},
+        tmp_path_factory.mktemp("tp2-b"), env=env)
+    return store, first, second
+
+
+def test_tp2_ranks_have_own_slabs_and_outputs_match(tp2_runs):
+    store, first, second = tp2_runs
+    cold, cpu = first["phases"]
+    (disk,) = second["phases"]
+    assert cold["metrics"]["external_hits"] == 0
+    assert cpu["tokens"] == cold["tokens"] and cpu["metrics"]["hits_host"] >= 448
+    assert disk["tokens"] == cold["tokens"] and disk["metrics"]["hits_disk"] >= 448
+    ranks = sorted(p.name for p in Path(store).glob("slabs/*/*.slab"))
+    assert ranks == ["rank0-of-2.slab", "rank1-of-2.slab"]
