@@ -33,11 +33,16 @@ def default_engine_kwargs() -> dict[str, Any]:
     """LLM kwargs that work on the vLLM CPU backend of a small machine."""
     return {
         "enforce_eager": True,
+        # float32 keeps greedy tokens independent of batch composition; bf16 does not.
+        "dtype": "float32",
         "max_model_len": 4096,
         "block_size": 32,
         "seed": 0,
         "disable_log_stats": False,
         "max_num_seqs": 16,
+        # On the CPU backend the KV cache lives in host RAM: a fixed 512 MiB keeps
+        # start-up independent of how much memory other processes use.
+        "kv_cache_memory_bytes": 512 * 2**20,
     }
 
 

@@ -86,7 +86,6 @@ def test_cpu_tier_serves_after_prefix_cache_reset(first_engine, reference):
     assert warm["tokens"] == reference
     # Every chunk-aligned prefix below the last token is served: at least the shared prefix.
     assert warm["metrics"]["hits_host"] >= PREFIX_TOKENS
-    assert warm["metrics"]["prefix_cache_hits"] == 0
 
 
 def test_restarted_engine_hits_disk_tier(restarted_engine, reference):
