@@ -25,12 +25,14 @@ from kv_offload.config import OffloadConfig, format_size
 from kv_offload.engine_info import UnsupportedEngineError, layer_names, layout_from_vllm
 from kv_offload.jobs import StepPlan, WorkerReport
 from kv_offload.layout import KVLayout
+from kv_offload.metrics import OffloadPromMetrics, OffloadStats, summarize
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("kv_offload")
 SUMMARY_INTERVAL_S = 60.0
+DISK_STATS_INTERVAL_S = 5.0
 
 
 class OffloadConnectorMetadata(KVConnectorMetadata):
@@ -130,6 +132,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self._scheduler = OffloadScheduler(
             planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of)
         self._last_summary = time.monotonic()
+        self._last_counters = self._scheduler.counters.snapshot()
+        self._summary_totals: dict[str, float] = {}
+        self._disk_gauges: dict[str, int] = {}
+        self._disk_gauges_at = 0.0
 
     def _block_ids_of(self, req_id: str) -> list[int]:
         return self._kv_cache_manager.get_block_ids(req_id)[0]
@@ -140,9 +146,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return hit, hit > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        if num_external_tokens > 0:
-            block_ids = blocks.get_block_ids()[0]
-            self._scheduler.plan_load(request, block_ids, num_external_tokens)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._scheduler.plan_load(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
@@ -172,6 +177,9 @@ class KVOffloadConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata):
             self._scheduler.on_report(meta.report)
+        stats = connector_output.kv_connector_stats
+        if isinstance(stats, OffloadStats):  # worker-side deltas, for the log summary
+            _add(self._summary_totals, stats.data)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -189,20 +197,61 @@ class KVOffloadConnector(KVConnectorBase_V1):
             self._scheduler.reset_cpu_tier()
         return True
 
-    def scheduler_counters(self) -> dict[str, int]:
-        """The scheduler side's counters (hits per tier, stores, evictions...)."""
-        return self._scheduler.counters.snapshot() if self._scheduler else {}
+    # ==== metrics (both sides) ===============================================================
+
+    def get_kv_connector_stats(self) -> OffloadStats | None:
+        if self._scheduler is not None:
+            data = self._scheduler_stats()
+        elif self._worker is not None:
+            data = self._worker.take_stats()
+        else:
+            return None
+        return OffloadStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadStats:
+        return OffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> OffloadPromMetrics:
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def _scheduler_stats(self) -> dict[str, float]:
+        """Counter deltas since the last call, plus current gauges."""
+        now_counters = self._scheduler.counters.snapshot()
+        data: dict[str, float] = {k: v - self._last_counters.get(k, 0)
+                                  for k, v in now_counters.items()}
+        self._last_counters = now_counters
+        cpu = self._scheduler.cpu
+        data["pending_jobs"] = self._scheduler.num_pending_jobs()
+        data["cpu_used_bytes"] = len(cpu) * self.layout.slot_bytes
+        data["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
+        disk = self._scheduler.disk
+        now = time.monotonic()
+        if disk is not None and now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:
+            self._disk_gauges_at = now
+            st = disk.stats()
+            per_slot = self.layout.slot_bytes * self.layout.tp_size
+            self._disk_gauges = {"disk_used_bytes": st["used_slots"] * per_slot,
+                                 "disk_capacity_bytes": st["num_slots"] * per_slot}
+        data.update(self._disk_gauges)
+        return data
 
     def _maybe_log_summary(self) -> None:
         now = time.monotonic()
         if now - self._last_summary < SUMMARY_INTERVAL_S:
             return
         self._last_summary = now
-        c = self._scheduler.counters
-        logger.info("kv-offload: hit tokens cpu=%d disk=%d; stored chunks=%d (disk %d); "
-                    "skipped=%d; evictions=%d; failed loads=%d", c.hit_tokens_cpu,
-                    c.hit_tokens_disk, c.stored_chunks, c.disk_stored_chunks,
-                    c.skipped_stores, c.cpu_evictions, c.load_failed_chunks)
+        totals = dict(self._summary_totals)
+        _add(totals, self._scheduler.counters.snapshot())
+        totals.update(self._disk_gauges)
+        cpu = self._scheduler.cpu
+        totals["cpu_used_bytes"] = len(cpu)
+        totals["cpu_capacity_bytes"] = cpu.num_slots
+        logger.info("kv-offload summary since start: %s",
+                    ", ".join(f"{k}={v}" for k, v in summarize(totals).items()))
 
     # ==== worker side ========================================================================
 
@@ -270,3 +319,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.close()
             self._scheduler = None
+
+
+def _add(totals: dict[str, float], deltas: dict[str, Any]) -> None:
+    for name, value in deltas.items():
+        totals[name] = totals.get(name, 0) + value

@@ -142,15 +142,20 @@ class OffloadScheduler:
     def plan_load(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Pin sources and queue a LoadJob for ``num_external_tokens`` after the local hit.
 
-        Called once vLLM allocated the request's blocks. Chunks that vanished since the
+        Called once vLLM allocated the request's blocks, also with 0 tokens (then it only
+        counts the miss). Chunks that vanished since the
         lookup (another process evicted them) are queued as failed moves, so the worker
         reports their blocks as load errors and vLLM recomputes them.
         """
         state = self._requests.get(request.request_id)
-        if num_external_tokens <= 0 or state is None or state.lookup is None:
+        if state is None or state.lookup is None:
             return
         num_local, _ = state.lookup
         state.lookup = None
+        looked_up = max(0, request.num_tokens - 1 - num_local)
+        self.counters.miss_tokens += max(0, looked_up - num_external_tokens)
+        if num_external_tokens <= 0:
+            return
         chunk = self.config.chunk_tokens
         first = num_local // chunk
         last = (num_local + num_external_tokens) // chunk
@@ -176,7 +181,7 @@ class OffloadScheduler:
                 slot = self.cpu.reserve(key, SlotState.STAGING, staging_job=job_id)
             if slot is None:  # vanished since the lookup, or no CPU slot to stage into
                 moves.append(ChunkMove(blocks, None))
-                self.counters.load_vanished_chunks += 1
+                self.counters.load_errors += 1
                 continue
             self.disk.pin([entry.slot])
             staged.add(i)
@@ -186,6 +191,8 @@ class OffloadScheduler:
         state.tier_tokens = tiers
         self.counters.hit_tokens_cpu += tiers.get("cpu", 0)
         self.counters.hit_tokens_disk += tiers.get("disk", 0)
+        self.counters.chunks_loaded_cpu += len(cpu_hits)
+        self.counters.chunks_loaded_disk += len(staged)
         self._jobs[job_id] = _Job("load", tuple(keys), tuple(moves), frozenset(staged))
         self._pending_loads.append(LoadJob(job_id, request.request_id, tuple(moves)))
 
@@ -245,7 +252,7 @@ class OffloadScheduler:
         for (key, blocks), disk_slot in zip(unique, disk_slots):
             evictions = self.cpu.num_evictions
             slot = self.cpu.reserve(key, SlotState.STORING)
-            self.counters.cpu_evictions += self.cpu.num_evictions - evictions
+            self.counters.evictions_cpu += self.cpu.num_evictions - evictions
             if slot is None:
                 self.counters.skipped_stores += 1
                 if disk_slot is not None:
@@ -257,7 +264,6 @@ class OffloadScheduler:
             self.disk.release(unused_disk)
         if not moves:
             return None
-        self.counters.stored_chunks += len(moves)
         self._jobs[job_id] = _Job("store", tuple(keys), tuple(moves))
         return StoreJob(job_id, tuple(moves))
 
@@ -272,6 +278,7 @@ class OffloadScheduler:
             job.ranks_host += count
             if job.ranks_host >= self.config.num_ranks and not job.host_done:
                 job.host_done = True
+                self.counters.chunks_stored_cpu += len(job.keys)
                 for key, move in zip(job.keys, job.moves):
                     self.cpu.publish(key)
                     if move.disk_slot is None:
@@ -307,8 +314,7 @@ class OffloadScheduler:
                 commits.append((key, move.disk_slot, sums))
             else:
                 releases.append(move.disk_slot)
-        self.counters.disk_stored_chunks += len(commits)
-        self.counters.disk_store_failures += len(releases)
+        self.counters.chunks_stored_disk += len(commits)
         if commits:
             self.disk.commit(commits)
         if releases:
@@ -317,7 +323,7 @@ class OffloadScheduler:
     def _finish_load(self, job_id: int, job: _Job) -> None:
         del self._jobs[job_id]
         failed = set().union(*job.disk_reports.values())
-        self.counters.load_failed_chunks += len(failed)
+        self.counters.load_errors += len(failed)
         for i, (key, move) in enumerate(zip(job.keys, job.moves)):
             if move.cpu_slot is None:
                 continue
@@ -336,6 +342,10 @@ class OffloadScheduler:
     def request_finished(self, req_id: str) -> None:
         """Forget a finished request. Its jobs keep their pins until they complete."""
         self._requests.pop(req_id, None)
+
+    def num_pending_jobs(self) -> int:
+        """Jobs planned or in flight (loads not yet handed out count too)."""
+        return len(self._jobs)
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._pending_loads)

@@ -88,8 +88,7 @@ class OffloadWorker:
         self._report = WorkerReport()
         self._write_errors = 0
         self._read_failures = 0
-        self.bytes_loaded = 0
-        self.bytes_stored = 0
+        self._stats: dict[str, float] = {}
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -113,12 +112,15 @@ class OffloadWorker:
         if self.slab is None or move.checksums is None:
             return False
         view = self.host.slot_view(move.cpu_slot)
+        start = self._clock()
         try:
             result = self.slab.read(move.disk_slot, view, move.checksums[self.rank])
         except Exception as exc:  # any I/O failure is a miss; vLLM recomputes
             result = exc
+        self._count(bytes_disk_read=len(view), seconds_disk_read=self._clock() - start)
         if not result or isinstance(result, Exception):
             self._read_failures += 1
+            self._count(checksum_failures=1)
             if self._read_failures == 1 or self._read_failures % 1000 == 0:
                 logger.warning(
                     "kv-offload: disk chunk in slot %d failed verification (%s); its tokens "
@@ -153,8 +155,10 @@ class OffloadWorker:
             slots = np.array([job.chunks[i].cpu_slot for i in ok_rows], dtype=np.int64)
             blocks = np.array([job.chunks[i].block_ids for i in ok_rows], dtype=np.int64)
             try:
+                start = self._clock()
                 self.engine.wait(self.engine.load(slots, blocks))
-                self.bytes_loaded += self._chunk_bytes(blocks)
+                self._count(bytes_load=self._chunk_bytes(blocks),
+                            seconds_load=self._clock() - start)
             except Exception:
                 logger.exception("kv-offload: copying job %d into the engine failed", job.job_id)
                 load.failed.update(ok_rows)
@@ -179,8 +183,10 @@ class OffloadWorker:
         for job in jobs:
             slots = np.array([m.cpu_slot for m in job.chunks], dtype=np.int64)
             blocks = np.array([m.block_ids for m in job.chunks], dtype=np.int64)
+            start = self._clock()
             handle = self.engine.store(blocks, slots)
-            self.bytes_stored += self._chunk_bytes(blocks)
+            # Issue time on CUDA (the copy is asynchronous); copy time on the torch engine.
+            self._count(bytes_store=self._chunk_bytes(blocks), seconds_store=self._clock() - start)
             writes: list[Future | None] = []
             for move in job.chunks:
                 if move.disk_slot is None or self.slab is None:
@@ -192,9 +198,14 @@ class OffloadWorker:
     def _write_chunk(self, handle: Any, move: ChunkMove) -> int | None:
         try:
             self.engine.wait(handle)
-            return self.slab.write(move.disk_slot, self.host.slot_view(move.cpu_slot))
+            view = self.host.slot_view(move.cpu_slot)
+            start = self._clock()
+            checksum = self.slab.write(move.disk_slot, view)
+            self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
+            return checksum
         except OSError as exc:
             self._write_errors += 1
+            self._count(disk_write_errors=1)
             if self._write_errors == 1 or self._write_errors % 1000 == 0:
                 logger.warning(
                     "kv-offload: disk write failed (%s); %d failures so far; the chunk "
@@ -250,6 +261,17 @@ class OffloadWorker:
         """The report accumulated since the last call (None when empty)."""
         report, self._report = self._report, WorkerReport()
         return report if report else None
+
+    def take_stats(self) -> dict[str, float]:
+        """Counter deltas since the last call (names of ``kv_offload.metrics.COUNTERS``)."""
+        with self._lock:
+            stats, self._stats = self._stats, {}
+        return stats
+
+    def _count(self, **deltas: float) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                self._stats[name] = self._stats.get(name, 0) + value
 
     def has_pending_jobs(self) -> bool:
         return bool(self._loads or self._stores)

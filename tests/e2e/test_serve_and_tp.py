@@ -34,10 +34,11 @@ def http(url: str, payload: dict | None = None, timeout: float = 120) -> str:
         return resp.read().decode()
 
 
-def source_hits(metrics_text: str, source: str) -> float:
+def metric_sum(metrics_text: str, name: str, label: str = "") -> float:
+    """Sum of the samples of ``name`` whose labels contain ``label``."""
     total = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith("vllm:prompt_tokens_cached_by_source") and f'source="{source}"' in line:
+        if line.startswith(name + "{") and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -88,12 +89,20 @@ def test_served_requests_hit_the_cpu_tier_and_match_recompute(server, tmp_path):
     for i, prompt in enumerate(prompts):
         if i == 1:  # empty vLLM's own cache so the shared prefix must come from kv-offload
             http(base + "/reset_prefix_cache", {})
+            before = http(base + "/metrics")
         body = http(base + "/v1/completions", {"model": str(model), "prompt": prompt,
                                                "max_tokens": 16, "temperature": 0,
                                                "ignore_eos": True})
         texts.append(json.loads(body)["choices"][0]["text"])
     assert texts == ref["phases"][0]["texts"]
-    assert source_hits(http(base + "/metrics"), "host") >= 576
+    after = http(base + "/metrics")
+    assert metric_sum(after, "vllm:prompt_tokens_cached_by_source", 'source="host"') >= 576
+    # kv-offload's own metrics are on /metrics and moved with the warm request.
+    hit = ("kv_offload_hit_tokens_total", 'tier="cpu"')
+    assert metric_sum(after, *hit) - metric_sum(before, *hit) >= 576
+    stored = ("kv_offload_chunks_stored_total", 'tier="cpu"')
+    assert metric_sum(after, *stored) >= 9
+    assert metric_sum(after, "kv_offload_transfer_bytes_total", 'direction="load"') > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,137 @@
+"""Metrics: kv-offload's counters in vLLM's connector stats, Prometheus and logs.
+
+Workers and the scheduler side each produce deltas (plain dicts of numbers); vLLM
+ships them in ``KVConnectorStats`` objects, merges ranks with ``aggregate`` and hands
+the result to ``OffloadPromMetrics.observe`` (``/metrics``) and to its periodic log
+(``reduce``). Every metric is documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# name -> (Prometheus name, help, labels). A "tier"/"direction" label value follows the
+# last underscore-separated part of the short name (e.g. hit_tokens_cpu -> tier="cpu").
+COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "hit_tokens_cpu": ("kv_offload_hit_tokens_total", "Prompt tokens loaded", {"tier": "cpu"}),
+    "hit_tokens_disk": ("kv_offload_hit_tokens_total", "Prompt tokens loaded", {"tier": "disk"}),
+    "miss_tokens": ("kv_offload_miss_tokens_total",
+                    "Prompt tokens past vLLM's own hit that no tier held", {}),
+    "chunks_loaded_cpu": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "cpu"}),
+    "chunks_loaded_disk": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "disk"}),
+    "chunks_stored_cpu": ("kv_offload_chunks_stored_total", "Chunks stored", {"tier": "cpu"}),
+    "chunks_stored_disk": ("kv_offload_chunks_stored_total", "Chunks stored", {"tier": "disk"}),
+    "evictions_cpu": ("kv_offload_evictions_total", "Chunks evicted", {"tier": "cpu"}),
+    "skipped_stores": ("kv_offload_skipped_stores_total",
+                       "Chunks not stored because no CPU slot was free", {}),
+    "load_errors": ("kv_offload_load_errors_total",
+                    "Chunks whose load failed and were recomputed", {}),
+    "checksum_failures": ("kv_offload_checksum_failures_total",
+                          "Disk chunk reads that failed verification", {}),
+    "disk_write_errors": ("kv_offload_disk_write_errors_total", "Failed slab writes", {}),
+    "bytes_load": ("kv_offload_transfer_bytes_total", "Bytes copied host -> engine",
+                   {"direction": "load"}),
+    "bytes_store": ("kv_offload_transfer_bytes_total", "Bytes copied engine -> host",
+                    {"direction": "store"}),
+    "bytes_disk_read": ("kv_offload_transfer_bytes_total", "Bytes read from slabs",
+                        {"direction": "disk_read"}),
+    "bytes_disk_write": ("kv_offload_transfer_bytes_total", "Bytes written to slabs",
+                         {"direction": "disk_write"}),
+    "seconds_load": ("kv_offload_transfer_seconds_total", "Time copying host -> engine",
+                     {"direction": "load"}),
+    "seconds_store": ("kv_offload_transfer_seconds_total", "Time copying engine -> host",
+                      {"direction": "store"}),
+    "seconds_disk_read": ("kv_offload_transfer_seconds_total", "Time reading slabs",
+                          {"direction": "disk_read"}),
+    "seconds_disk_write": ("kv_offload_transfer_seconds_total", "Time writing slabs",
+                           {"direction": "disk_write"}),
+}
+GAUGES: dict[str, tuple[str, str]] = {
+    "pending_jobs": ("kv_offload_pending_jobs", "Load and store jobs in flight"),
+    "cpu_used_bytes": ("kv_offload_cpu_used_bytes", "Bytes of CPU-tier slots in use, per rank"),
+    "cpu_capacity_bytes": ("kv_offload_cpu_capacity_bytes", "CPU-tier size, per rank"),
+    "disk_used_bytes": ("kv_offload_disk_used_bytes",
+                        "Bytes of disk slots in use in this namespace, all ranks"),
+    "disk_capacity_bytes": ("kv_offload_disk_capacity_bytes", "Disk budget of this namespace"),
+}
+
+
+@dataclass
+class OffloadStats(KVConnectorStats):
+    """Counter deltas (summed over ranks and steps) and gauges (latest value wins)."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            if name in GAUGES:
+                self.data[name] = value
+            else:
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in COUNTERS)
+
+    def reduce(self) -> dict[str, int | float]:
+        return summarize(self.data)
+
+
+def summarize(data: dict[str, Any]) -> dict[str, int | float]:
+    """A few numbers an operator reads at a glance (hit rate, GB/s, usage)."""
+    hits_cpu, hits_disk = data.get("hit_tokens_cpu", 0), data.get("hit_tokens_disk", 0)
+    looked_up = hits_cpu + hits_disk + data.get("miss_tokens", 0)
+    out: dict[str, int | float] = {
+        "hit_rate_cpu": round(hits_cpu / looked_up, 3) if looked_up else 0.0,
+        "hit_rate_disk": round(hits_disk / looked_up, 3) if looked_up else 0.0,
+    }
+    for direction in ("load", "store", "disk_read", "disk_write"):
+        seconds = data.get(f"seconds_{direction}", 0)
+        nbytes = data.get(f"bytes_{direction}", 0)
+        out[f"{direction}_GBps"] = round(nbytes / seconds / 1e9, 2) if seconds else 0.0
+    for name in ("chunks_stored_cpu", "chunks_stored_disk", "load_errors", "skipped_stores"):
+        out[name] = data.get(name, 0)
+    if data.get("cpu_capacity_bytes"):
+        out["cpu_usage"] = round(data.get("cpu_used_bytes", 0) / data["cpu_capacity_bytes"], 3)
+    if data.get("disk_capacity_bytes"):
+        out["disk_usage"] = round(data.get("disk_used_bytes", 0) / data["disk_capacity_bytes"], 3)
+    return out
+
+
+class OffloadPromMetrics(KVConnectorPromMetrics):
+    """Registers the ``kv_offload_*`` metrics and records observed stats into them."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        families: dict[str, Any] = {}
+        for short, (name, doc, labels) in COUNTERS.items():
+            if name not in families:
+                families[name] = self._counter_cls(
+                    name=name, documentation=doc, labelnames=labelnames + sorted(labels))
+            self._counters[short] = {
+                idx: families[name].labels(*values, *[labels[k] for k in sorted(labels)])
+                for idx, values in per_engine_labelvalues.items()}
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for short, (name, doc) in GAUGES.items():
+            gauge = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                    multiprocess_mode="mostrecent")
+            self._gauges[short] = {idx: gauge.labels(*values)
+                                   for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for short, value in transfer_stats_data.items():
+            if short in self._counters and value:
+                self._counters[short][engine_idx].inc(value)
+            elif short in self._gauges:
+                self._gauges[short][engine_idx].set(value)
