@@ -68,14 +68,17 @@ class WorkerReport:
     ``host_stored``: store job -> number of ranks whose engine -> host copy finished.
     ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed).
     ``loaded``: load job -> rank -> indexes of chunks that failed on that rank.
+    ``disk_broken``: a rank's store directory keeps failing (deleted, read-only, I/O
+    errors); the scheduler then stops using the disk tier.
     """
 
     host_stored: dict[int, int] = field(default_factory=dict)
     disk_stored: dict[int, dict[int, tuple[int | None, ...]]] = field(default_factory=dict)
     loaded: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
+    disk_broken: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.host_stored or self.disk_stored or self.loaded)
+        return bool(self.host_stored or self.disk_stored or self.loaded or self.disk_broken)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Fold ``other`` (another rank's report) into this one; returns self."""
@@ -85,4 +88,5 @@ class WorkerReport:
             self.disk_stored.setdefault(job, {}).update(per_rank)
         for job, per_rank in other.loaded.items():
             self.loaded.setdefault(job, {}).update(per_rank)
+        self.disk_broken = self.disk_broken or other.disk_broken
         return self

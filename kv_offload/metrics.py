@@ -16,6 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+_BYTES_DOC = ("Bytes moved by direction: load (host -> engine), store (engine -> host), "
+              "disk_read, disk_write")
+_SECONDS_DOC = "Seconds spent moving bytes, by direction (see transfer_bytes)"
 # name -> (Prometheus name, help, labels). A "tier"/"direction" label value follows the
 # last underscore-separated part of the short name (e.g. hit_tokens_cpu -> tier="cpu").
 COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
@@ -35,21 +38,21 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "checksum_failures": ("kv_offload_checksum_failures_total",
                           "Disk chunk reads that failed verification", {}),
     "disk_write_errors": ("kv_offload_disk_write_errors_total", "Failed slab writes", {}),
-    "bytes_load": ("kv_offload_transfer_bytes_total", "Bytes copied host -> engine",
+    "bytes_load": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
                    {"direction": "load"}),
-    "bytes_store": ("kv_offload_transfer_bytes_total", "Bytes copied engine -> host",
+    "bytes_store": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
                     {"direction": "store"}),
-    "bytes_disk_read": ("kv_offload_transfer_bytes_total", "Bytes read from slabs",
+    "bytes_disk_read": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
                         {"direction": "disk_read"}),
-    "bytes_disk_write": ("kv_offload_transfer_bytes_total", "Bytes written to slabs",
+    "bytes_disk_write": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
                          {"direction": "disk_write"}),
-    "seconds_load": ("kv_offload_transfer_seconds_total", "Time copying host -> engine",
+    "seconds_load": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
                      {"direction": "load"}),
-    "seconds_store": ("kv_offload_transfer_seconds_total", "Time copying engine -> host",
+    "seconds_store": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
                       {"direction": "store"}),
-    "seconds_disk_read": ("kv_offload_transfer_seconds_total", "Time reading slabs",
+    "seconds_disk_read": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
                           {"direction": "disk_read"}),
-    "seconds_disk_write": ("kv_offload_transfer_seconds_total", "Time writing slabs",
+    "seconds_disk_write": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
                            {"direction": "disk_write"}),
 }
 GAUGES: dict[str, tuple[str, str]] = {

@@ -94,6 +94,7 @@ class OffloadScheduler:
         self.blocks_per_chunk = config.chunk_tokens // config.block_size
         self.cpu = CpuIndex(config.num_cpu_slots, policy=config.eviction_policy)
         self.disk = disk_index
+        self.disk_enabled = disk_index is not None
         self.counters = SchedulerCounters()
         self._block_ids_of = block_ids_of
         self._clock = clock
@@ -118,7 +119,7 @@ class OffloadScheduler:
     def _lookup(self, keys: Sequence[ChunkKey], first: int) -> tuple[list, list]:
         cpu_hits = self.cpu.lookup_prefix(keys[first:])
         rest = keys[first + len(cpu_hits):]
-        disk_hits = self.disk.lookup_prefix(rest) if (self.disk is not None and rest) else []
+        disk_hits = self.disk.lookup_prefix(rest) if (self.disk_enabled and rest) else []
         return cpu_hits, disk_hits
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -245,7 +246,7 @@ class OffloadScheduler:
         seen: set[ChunkKey] = set()
         unique = [(k, b) for k, b in chunks if not (k in seen or seen.add(k))]
         disk_slots: list[int | None] = [None] * len(unique)
-        if self.disk is not None:
+        if self.disk_enabled:
             disk_slots = list(self.disk.allocate([k for k, _ in unique]))
         job_id = next(self._job_ids)
         keys, moves, unused_disk = [], [], []
@@ -271,6 +272,12 @@ class OffloadScheduler:
 
     def on_report(self, report: WorkerReport) -> None:
         """Apply what workers finished: publish, commit, release pins (invariants 1-2)."""
+        if report.disk_broken and self.disk_enabled:
+            self.disk_enabled = False
+            logger.error(
+                "kv-offload: the disk tier keeps failing (%s); it is disabled for this run and "
+                "serving continues from the CPU tier. Fix the store directory (deleted, "
+                "read-only or failing disk) and restart to use it again.", report.disk_broken)
         for job_id, count in report.host_stored.items():
             job = self._jobs.get(job_id)
             if job is None:

@@ -10,6 +10,7 @@ for the scheduler side.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import threading
 import time
@@ -25,6 +26,9 @@ from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerRepo
 logger = logging.getLogger(__name__)
 
 STAGED_READ_TTL_S = 300.0
+DISK_BROKEN_AFTER = 8  # consecutive I/O errors (not checksum mismatches) before giving up
+_BROKEN_ERRNOS = {errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EBADF,
+                  errno.ENOTDIR, errno.ESTALE}
 _READING, _COPYING, _DONE, _CANCELLED = "reading", "copying", "done", "cancelled"
 
 
@@ -88,6 +92,8 @@ class OffloadWorker:
         self._report = WorkerReport()
         self._write_errors = 0
         self._read_failures = 0
+        self._io_errors_in_a_row = 0
+        self._disk_broken_reported = False
         self._stats: dict[str, float] = {}
 
     # -- loads -----------------------------------------------------------------------------
@@ -118,6 +124,10 @@ class OffloadWorker:
         except Exception as exc:  # any I/O failure is a miss; vLLM recomputes
             result = exc
         self._count(bytes_disk_read=len(view), seconds_disk_read=self._clock() - start)
+        self._note_io(ok=bool(result) and not isinstance(result, Exception),
+                      io_error=isinstance(result, Exception)
+                      or getattr(result, "name", "") in ("IO_ERROR", "MISSING"),
+                      what=str(result))
         if not result or isinstance(result, Exception):
             self._read_failures += 1
             self._count(checksum_failures=1)
@@ -202,10 +212,12 @@ class OffloadWorker:
             start = self._clock()
             checksum = self.slab.write(move.disk_slot, view)
             self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
+            self._note_io(ok=True, io_error=False, what="")
             return checksum
         except OSError as exc:
             self._write_errors += 1
             self._count(disk_write_errors=1)
+            self._note_io(ok=False, io_error=exc.errno in _BROKEN_ERRNOS, what=str(exc))
             if self._write_errors == 1 or self._write_errors % 1000 == 0:
                 logger.warning(
                     "kv-offload: disk write failed (%s); %d failures so far; the chunk "
@@ -259,8 +271,23 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport | None:
         """The report accumulated since the last call (None when empty)."""
-        report, self._report = self._report, WorkerReport()
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
         return report if report else None
+
+    def _note_io(self, *, ok: bool, io_error: bool, what: str) -> None:
+        """Track consecutive I/O errors; past DISK_BROKEN_AFTER the disk is reported broken.
+        Checksum mismatches and a full disk (ENOSPC) do not count: they are per chunk."""
+        with self._lock:
+            if ok:
+                self._io_errors_in_a_row = 0
+                return
+            if not io_error:
+                return
+            self._io_errors_in_a_row += 1
+            if self._io_errors_in_a_row >= DISK_BROKEN_AFTER and not self._disk_broken_reported:
+                self._disk_broken_reported = True
+                self._report.disk_broken = f"rank {self.rank}: {what}"
 
     def take_stats(self) -> dict[str, float]:
         """Counter deltas since the last call (names of ``kv_offload.metrics.COUNTERS``)."""

@@ -1,0 +1,163 @@
+"""OffloadWorker on CPU: real torch copy engine and slab file, jobs as the scheduler sends them.
+
+Regression scenarios: a load that never finishes must not hang the request (timeout),
+a slow disk read that ends after the timeout must not write into engine blocks, a broken
+store directory must be reported once so the scheduler can stop using it.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kv_offload.copy import make_copy_engine
+from kv_offload.disk import SlabFile
+from kv_offload.host_buffer import allocate_host_slots
+from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
+from kv_offload.worker import OffloadWorker
+
+NUM_BLOCKS, PLANE_BYTES, BPC = 16, 128, 2
+SLOT_BYTES = 2 * PLANE_BYTES * BPC  # two planes (layers)
+NS = "ab" * 16
+
+
+@pytest.fixture
+def planes():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (NUM_BLOCKS, PLANE_BYTES), dtype=torch.uint8, generator=gen)
+            for _ in range(2)]
+
+
+def make_worker(planes, slab, **kwargs):
+    host = allocate_host_slots(4, SLOT_BYTES, pinned=False)
+    engine = make_copy_engine(planes, host, BPC)
+    return OffloadWorker(rank=0, engine=engine, host=host, slab=slab, io_threads=2, **kwargs)
+
+
+def drain(worker, *, until, timeout=10.0):
+    """Poll until ``until(report, finished, failed)`` holds; returns the merged results."""
+    finished, failed, reports = set(), set(), []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = worker.poll()
+        finished |= result.finished_req_ids
+        failed |= result.failed_block_ids
+        report = worker.take_report()
+        if report:
+            reports.append(report)
+        if until(reports, finished, failed):
+            return reports, finished, failed
+        time.sleep(0.01)
+    raise AssertionError("worker did not finish in time")
+
+
+def blocks_of(planes, ids):
+    return [p[ids].clone() for p in planes]
+
+
+def test_store_then_load_from_disk_restores_bytes(planes, tmp_path):
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    worker = make_worker(planes, slab)
+    original = blocks_of(planes, [3, 7])
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, 5),))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    (checksum,) = next(x for x in reports if x.disk_stored).disk_stored[1][0]
+    assert any(x.host_stored == {1: 1} for x in reports)
+    for p in planes:
+        p[[9, 10]] = 0
+    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 2, 5, (checksum,)),))])
+    reports, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
+    assert not failed
+    for p, orig in zip(planes, original):
+        assert torch.equal(p[[9, 10]], orig)
+    assert any(x.loaded.get(2) == {0: frozenset()} for x in reports)
+    stats = worker.take_stats()
+    assert stats["bytes_disk_read"] == SLOT_BYTES and stats["bytes_load"] == SLOT_BYTES
+    worker.close()
+
+
+def test_skip_blocks_are_left_alone_and_cpu_hits_need_no_disk(planes):
+    worker = make_worker(planes, None)
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 4), 0),))])
+    before = blocks_of(planes, [8])
+    worker.start_loads([LoadJob(2, "r", (ChunkMove((SKIP_BLOCK, 9), 0),))])
+    drain(worker, until=lambda r, f, b: "r" in f)
+    assert torch.equal(planes[0][9], planes[0][4]) and torch.equal(planes[1][9], planes[1][4])
+    assert torch.equal(planes[0][8], before[0][0])
+    worker.close()
+
+
+def test_corrupt_chunk_is_a_load_error_with_its_blocks(planes, tmp_path):
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    worker = make_worker(planes, slab)
+    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, 0),))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    checksum = next(x for x in reports if x.disk_stored).disk_stored[1][0][0]
+    with open(slab.path, "r+b") as f:
+        f.write(b"\xff\x00\xff")
+    target = blocks_of(planes, [11, 12])
+    job = LoadJob(2, "r", (ChunkMove((11, 12), 1, 0, (checksum,)), ChunkMove((13, 14), None)))
+    worker.start_loads([job])
+    reports, finished, failed = drain(worker, until=lambda r, f, b: "r" in f)
+    assert failed == {11, 12, 13, 14}
+    for p, orig in zip(planes, target):
+        assert torch.equal(p[[11, 12]], orig), "bad bytes reached the engine"
+    assert any(x.loaded.get(2) == {0: frozenset({0, 1})} for x in reports)
+    assert worker.take_stats()["checksum_failures"] == 1
+    worker.close()
+
+
+class BlockingSlab:
+    """A slab whose reads wait for ``release`` (a hung disk) and then succeed."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def read(self, slot, buf, expected):
+        self.release.wait(10)
+        np.frombuffer(buf, dtype=np.uint8)[:] = 7
+        return True
+
+    def close(self):
+        pass
+
+
+def test_load_timeout_fails_request_and_late_read_never_reaches_engine(planes):
+    slab = BlockingSlab()
+    worker = make_worker(planes, slab, load_timeout_s=0.2)
+    before = blocks_of(planes, [5, 6])
+    worker.start_loads([LoadJob(1, "slow", (ChunkMove((5, 6), 0, 3, (0,)),))])
+    reports, finished, failed = drain(worker, until=lambda r, f, b: "slow" in f)
+    assert failed == {5, 6}
+    assert not any(x.loaded for x in reports), "slots must stay pinned until the read ends"
+    slab.release.set()
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.loaded for x in r))
+    assert next(x for x in reports if x.loaded).loaded[1] == {0: frozenset({0})}
+    for p, orig in zip(planes, before):
+        assert torch.equal(p[[5, 6]], orig)
+    worker.close()
+
+
+class ReadOnlySlab:
+    def write(self, slot, buf):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    def close(self):
+        pass
+
+
+def test_repeated_io_errors_report_a_broken_disk_once(planes):
+    worker = make_worker(planes, ReadOnlySlab())
+    jobs = [StoreJob(i, (ChunkMove((i % 8, i % 8 + 1), i % 4, i),)) for i in range(10)]
+    worker.run_stores(jobs)
+    reports, _, _ = drain(worker, until=lambda r, f, b: sum(len(x.disk_stored) for x in r) == 10)
+    broken = [x.disk_broken for x in reports if x.disk_broken]
+    assert len(broken) == 1 and "Read-only" in broken[0]
+    assert all(s == (None,) for x in reports for per in x.disk_stored.values()
+               for s in per.values())
+    worker.close()
