@@ -204,6 +204,9 @@ class OffloadWorker:
                 else:
                     writes.append(self._io.submit(self._write_chunk, handle, move))
             self._stores[job.job_id] = _Store(job, handle, writes)
+        if jobs:
+            # Blocks copied out may be freed and reused by the very next forward.
+            self.engine.order_before_compute()
 
     def _write_chunk(self, handle: Any, move: ChunkMove) -> int | None:
         try:

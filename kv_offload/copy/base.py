@@ -1,0 +1,71 @@
+"""The copy-engine contract: move chunks between engine KV blocks and host slots.
+
+Pure (no torch, no CuPy) so the fake engine and scheduler-side tests can import it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+from kv_offload.copy.plan import Direction
+
+__all__ = ["CopyEngine", "CopyEngineClosedError", "CopyHandle", "CudaUnavailableError"]
+
+
+class CudaUnavailableError(RuntimeError):
+    """CuPy or a CUDA device is needed (pinned memory, the CuPy engine) but missing."""
+
+
+class CopyEngineClosedError(RuntimeError):
+    """A copy was submitted to an engine after ``close()``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CopyHandle:
+    """Names one submitted copy of one engine. Immutable and cheap; an engine answers
+    ``is_done``/``wait`` for its own handles (a forgotten handle leaks nothing)."""
+
+    seq: int
+    direction: Direction
+
+
+class CopyEngine(abc.ABC):
+    """Moves whole chunks between the engine's KV planes and host slots.
+
+    ``block_ids`` is int (n_chunks, blocks_per_chunk), ``slots`` int (n_chunks,); row c
+    pairs position i of slot ``slots[c]`` with engine block ``block_ids[c, i]``;
+    ``SKIP_BLOCK`` (-1) leaves a position untouched. Bad shapes, out-of-range ids and a
+    destination written twice in one call raise ValueError before anything is copied.
+    Callers own the arrays (they are not kept). Every method is safe to call from any
+    thread; copies of one call are unordered with respect to each other.
+    """
+
+    @abc.abstractmethod
+    def store(self, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
+        """Copy engine blocks into host slots (mutates the host buffer only). The copy
+        reads the blocks as the compute finished so far left them."""
+
+    @abc.abstractmethod
+    def load(self, slots: np.ndarray, block_ids: np.ndarray) -> CopyHandle:
+        """Copy host slots into engine blocks (mutates the engine's KV planes only)."""
+
+    @abc.abstractmethod
+    def is_done(self, handle: CopyHandle) -> bool:
+        """Whether the copy has completed (never blocks)."""
+
+    @abc.abstractmethod
+    def wait(self, handle: CopyHandle) -> None:
+        """Block the calling thread until the copy has completed."""
+
+    def order_before_compute(self) -> None:
+        """Make later compute wait (device-side, no host sync) for the copies issued so
+        far, so blocks being copied out are not overwritten (invariant 3). No-op for
+        engines whose copies are complete when ``store``/``load`` return."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for submitted copies and release the engine's resources (not the
+        planes or host slots, which the caller owns). Idempotent."""

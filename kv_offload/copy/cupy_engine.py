@@ -1,0 +1,389 @@
+"""CuPy copy engine: KV planes on a CUDA device <-> pinned host slots, asynchronously.
+
+All CuPy calls of the project live in this module; CuPy is imported on first use, so
+the module imports cleanly without it and only ``CupyCopyEngine(...)`` and
+``alloc_pinned_host`` raise ``CudaUnavailableError``. Planning comes from ``plan.py``.
+
+Ordering (per call, all GPU-side, no host synchronisation):
+
+- each direction has its own non-blocking stream, so stores and loads overlap each
+  other and the model;
+- ``store``/``load`` first record an event on the *compute stream* and make the copy
+  stream wait on it, so a store sees every kernel enqueued before the call (the
+  finished forward pass) and a load does not overtake earlier work on its blocks;
+- ``order_before_compute()`` makes the compute stream wait for the latest store and
+  load, so the next forward can neither overwrite blocks still being copied out nor
+  read blocks still being loaded;
+- completion is an event per call: ``is_done`` queries it, ``wait`` blocks on it.
+
+Copies are issued either as one ``cudaMemcpyAsync`` per coalesced byte range (DMA
+engines, no SMs) or, when ranges are many and small, as one kernel launch that copies
+64 KiB tiles straight between device memory and the mapped pinned host buffer (no
+staging buffer); ``mode`` picks one or lets ``auto`` choose by range count and size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kv_offload.copy.base import (
+    CopyEngine,
+    CopyEngineClosedError,
+    CopyHandle,
+    CudaUnavailableError,
+)
+from kv_offload.copy.plan import (
+    ByteRanges,
+    Direction,
+    SlotLayout,
+    check_block_map,
+    expand_chunks,
+    plan_runs,
+    runs_to_byte_ranges,
+    split_byte_ranges,
+)
+from kv_offload.copy.planes import describe_planes
+from kv_offload.host_buffer import HostSlots, InsufficientHostMemoryError
+
+__all__ = ["CupyCopyEngine", "alloc_pinned_host", "cuda_available"]
+
+logger = logging.getLogger(__name__)
+
+CopyMode = Literal["auto", "memcpy", "kernel"]
+
+_HOST_ALLOC_PORTABLE = 0x01  # cudaHostAllocPortable: usable from every context
+_HOST_ALLOC_MAPPED = 0x02  # cudaHostAllocMapped: addressable by kernels
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
+_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
+
+KERNEL_TILE_BYTES = 64 << 10
+"""Bytes one CUDA thread block copies in ``kernel`` mode."""
+AUTO_MEMCPY_MAX_RANGES = 16
+AUTO_MEMCPY_MIN_MEAN_BYTES = 2 << 20
+"""``auto`` issues one cudaMemcpyAsync per range when there are at most this many
+ranges or they average at least this size; otherwise one kernel launch. Defaults not yet
+measured on a GPU: calibrate with ``benchmarks/bench_copy.py --cuda``."""
+
+_KERNEL_SOURCE = r"""
+extern "C" __global__ void kvo_copy_tiles(unsigned long long table_addr) {
+    // table: one (src, dst, nbytes) triple of uint64 per thread block
+    __shared__ unsigned long long tile[3];
+    const unsigned long long* table = (const unsigned long long*)table_addr;
+    if (threadIdx.x < 3) {
+        tile[threadIdx.x] = table[3ULL * blockIdx.x + threadIdx.x];
+    }
+    __syncthreads();
+    const unsigned long long src = tile[0], dst = tile[1], n = tile[2];
+    if (((src | dst | n) & 15ULL) == 0) {
+        const int4* s = (const int4*)src;
+        int4* d = (int4*)dst;
+        const unsigned long long n16 = n >> 4;
+        #pragma unroll 4
+        for (unsigned long long i = threadIdx.x; i < n16; i += blockDim.x) {
+            d[i] = s[i];
+        }
+    } else {
+        const unsigned char* s = (const unsigned char*)src;
+        unsigned char* d = (unsigned char*)dst;
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+            d[i] = s[i];
+        }
+    }
+}
+"""
+_KERNEL_THREADS = 256
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise CudaUnavailableError(
+            "kv-offload needs CuPy for CUDA KV caches and pinned host memory; install "
+            "kv-offload[cuda12] or kv-offload[cuda13]") from exc
+    return cupy
+
+
+def cuda_available() -> bool:
+    """Whether CuPy imports and sees at least one CUDA device. Never raises."""
+    try:
+        return _cupy().cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def alloc_pinned_host(nbytes: int) -> tuple[np.ndarray, object]:
+    """Allocate exactly ``nbytes`` of page-locked, portable, CUDA-mapped host memory.
+
+    Returns a writable uint8 numpy array over it and the owning allocation (freed when
+    neither it nor the array is referenced any more). Raises CudaUnavailableError
+    without CuPy or a device, InsufficientHostMemoryError when CUDA refuses the size.
+    """
+    cp = _cupy()
+    try:
+        mem = cp.cuda.PinnedMemory(int(nbytes), _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        if "MemoryAllocation" in str(exc):
+            raise InsufficientHostMemoryError(
+                f"cannot pin {nbytes} bytes of host memory ({exc}); lower cpu_size in the "
+                "offload config") from None
+        raise CudaUnavailableError(f"cannot allocate pinned host memory: {exc}") from exc
+    array = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), dtype=np.uint8, count=int(nbytes))
+    return array, mem
+
+
+@dataclass(slots=True)
+class _Pending:
+    event: Any  # cupy.cuda.Event recorded after the call's copies
+    table: Any  # kernel range table to give back to the arena when done, or None
+
+
+class _TableArena:
+    """Reusable pinned, mapped buffers for kernel range tables (power-of-two sizes).
+    A buffer is taken per call and given back once that call's event has fired."""
+
+    def __init__(self, cp: Any) -> None:
+        self._cp = cp
+        self._free: dict[int, list[tuple[Any, np.ndarray, int]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> tuple[Any, np.ndarray, int]:
+        """(owner, uint64 array view, device address) of a buffer >= nbytes."""
+        size = max(4096, 1 << (int(nbytes) - 1).bit_length())
+        with self._lock:
+            pool = self._free.get(size)
+            if pool:
+                return pool.pop()
+        cp = self._cp
+        mem = cp.cuda.PinnedMemory(size, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
+        view = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), dtype=np.uint64,
+                             count=size // 8)
+        return mem, view, _device_address(cp, mem.ptr)
+
+    def give_back(self, item: tuple[Any, np.ndarray, int]) -> None:
+        with self._lock:
+            self._free.setdefault(item[1].nbytes, []).append(item)
+
+
+def _compile_kernel(cp: Any, *, required: bool) -> Any:
+    """The tile-copy kernel, compiled now (NVRTC) so a broken toolchain shows at start-up;
+    None when compilation fails and the kernel is optional (``auto`` then uses memcpy)."""
+    kernel = cp.RawKernel(_KERNEL_SOURCE, "kvo_copy_tiles")
+    try:
+        compile_now = getattr(kernel, "compile", None)
+        if compile_now is not None:
+            compile_now()
+        else:  # older CuPy: compiled on first attribute access
+            _ = kernel.attributes
+    except Exception:
+        if required:
+            raise
+        logger.warning("kv-offload: cannot compile the CUDA copy kernel; using "
+                       "cudaMemcpyAsync per range only", exc_info=True)
+        return None
+    return kernel
+
+
+def _device_address(cp: Any, host_ptr: int) -> int:
+    attrs = cp.cuda.runtime.pointerGetAttributes(host_ptr)
+    if getattr(attrs, "type", _MEMORY_TYPE_HOST) != _MEMORY_TYPE_HOST or not attrs.devicePointer:
+        raise ValueError("host memory is not pinned and mapped for CUDA; allocate it with "
+                         "allocate_host_slots(..., pinned=True)")
+    return int(attrs.devicePointer)
+
+
+class CupyCopyEngine(CopyEngine):
+    """Copies chunks between CUDA planes and pinned host slots on two CUDA streams.
+
+    Planes and ``host`` are owned by the caller and must outlive the engine. Methods
+    are thread-safe. ``compute_stream``: raw ``cudaStream_t`` of the stream that runs
+    the model; default: ``torch.cuda.current_stream(device)`` at construction (call
+    it from the model's thread). ``store``/``load`` return after *issuing* the copies;
+    the host buffer (store) or the planes (load) are valid once the handle is done.
+    """
+
+    def __init__(
+        self,
+        planes: list[torch.Tensor],
+        host: HostSlots,
+        blocks_per_chunk: int,
+        device: int,
+        *,
+        compute_stream: int | None = None,
+        mode: CopyMode = "auto",
+    ) -> None:
+        """Raises CudaUnavailableError without CuPy/CUDA, ValueError for planes not on
+        ``device``, unpinned host slots, a slot too small for a chunk, or a bad mode."""
+        cp = _cupy()
+        geometry = describe_planes(planes)
+        if geometry.device.type != "cuda" or (geometry.device.index or 0) != device:
+            raise ValueError(f"CupyCopyEngine(device={device}) got planes on {geometry.device}")
+        if not isinstance(host, HostSlots) or not host.pinned:
+            raise ValueError("CupyCopyEngine needs pinned host slots "
+                             "(allocate_host_slots(..., pinned=True))")
+        if mode not in ("auto", "memcpy", "kernel"):
+            raise ValueError(f"mode must be 'auto', 'memcpy' or 'kernel', got {mode!r}")
+        self.layout = SlotLayout(geometry.plane_bytes, int(blocks_per_chunk), host.slot_bytes)
+        self.num_blocks = geometry.num_blocks
+        self.num_slots = host.num_slots
+        self.mode = mode
+        self._cp = cp
+        self._device = cp.cuda.Device(device)
+        self._row_strides = geometry.row_strides
+        self._keepalive = (list(planes), host.tensor)  # the raw pointers below stay valid
+        self._plane_ptrs = np.array([p.data_ptr() for p in planes], dtype=np.int64)
+        self._host_ptr = int(host.tensor.data_ptr())
+        with self._device:
+            self._host_dev_ptr = _device_address(cp, self._host_ptr)
+            if compute_stream is None:
+                compute_stream = torch.cuda.current_stream(device).cuda_stream
+            self._compute = cp.cuda.ExternalStream(int(compute_stream), device)
+            self._streams = {d: cp.cuda.Stream(non_blocking=True) for d in Direction}
+            self._kernel = (None if mode == "memcpy"
+                            else _compile_kernel(cp, required=mode == "kernel"))
+        self._tables = _TableArena(cp)
+        self._issue_locks = {d: threading.Lock() for d in Direction}
+        self._lock = threading.Lock()  # guards _pending, _last and _closed
+        self._pending: dict[int, _Pending] = {}
+        self._last: dict[Direction, Any] = {}
+        self._seq = itertools.count()
+        self._closed = False
+
+    # -- CopyEngine --------------------------------------------------------------------
+
+    def store(self, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
+        """Issue engine -> host copies ordered after the compute stream's work so far."""
+        return self._submit(Direction.STORE, block_ids, slots)
+
+    def load(self, slots: np.ndarray, block_ids: np.ndarray) -> CopyHandle:
+        """Issue host -> engine copies (ordered after the compute stream's work so far)."""
+        return self._submit(Direction.LOAD, block_ids, slots)
+
+    def is_done(self, handle: CopyHandle) -> bool:
+        """Query the call's event (never blocks). Unknown or retired handles are done."""
+        with self._lock:
+            pending = self._pending.get(handle.seq)
+        if pending is None:
+            return True
+        if not pending.event.done:
+            return False
+        self._retire(handle.seq)
+        return True
+
+    def wait(self, handle: CopyHandle) -> None:
+        """Block the calling thread on the call's event (not the whole device)."""
+        with self._lock:
+            pending = self._pending.get(handle.seq)
+        if pending is not None:
+            pending.event.synchronize()
+            self._retire(handle.seq)
+
+    def close(self) -> None:
+        """Refuse new copies, then wait for every issued one. Idempotent."""
+        for lock in self._issue_locks.values():  # let calls that are issuing finish
+            lock.acquire()
+        try:
+            with self._lock:
+                self._closed = True
+                seqs = list(self._pending)
+        finally:
+            for lock in self._issue_locks.values():
+                lock.release()
+        for seq in seqs:
+            self.wait(CopyHandle(seq, Direction.STORE))
+
+    # -- ordering ----------------------------------------------------------------------
+
+    def order_before_compute(self) -> None:
+        """Make the compute stream wait (GPU-side) for the latest store and load.
+
+        Call before enqueuing the next forward pass when it may write blocks that are
+        still being stored or read blocks that are still being loaded. Never blocks
+        the host. Mutates only the compute stream's queue."""
+        with self._lock:
+            events = list(self._last.values())
+        with self._device:
+            for event in events:
+                self._compute.wait_event(event)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _submit(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
+        bpc = self.layout.blocks_per_chunk
+        bm = expand_chunks(block_ids, slots, blocks_per_chunk=bpc)
+        check_block_map(bm, direction, num_engine_blocks=self.num_blocks,
+                        num_slots=self.num_slots)
+        runs = plan_runs(bm, blocks_per_chunk=bpc,
+                         merge_across_slots=self.layout.contiguous_across_slots)
+        ranges = runs_to_byte_ranges(runs, self.layout, self._row_strides)
+        self._retire_done()
+        cp = self._cp
+        with self._issue_locks[direction], self._device:
+            with self._lock:
+                if self._closed:
+                    raise CopyEngineClosedError("CupyCopyEngine is closed")
+            stream = self._streams[direction]
+            ready = cp.cuda.Event(block=False, disable_timing=True)
+            ready.record(self._compute)
+            stream.wait_event(ready)
+            table = None
+            if ranges.num_ranges:
+                if self._use_kernel(ranges):
+                    table = self._launch_kernel(direction, ranges, stream)
+                else:
+                    self._issue_memcpys(direction, ranges, stream)
+            done = cp.cuda.Event(block=False, disable_timing=True)
+            done.record(stream)
+            seq = next(self._seq)
+            with self._lock:
+                self._pending[seq] = _Pending(done, table)
+                self._last[direction] = done
+        return CopyHandle(seq, direction)
+
+    def _use_kernel(self, ranges: ByteRanges) -> bool:
+        if self._kernel is None or self.mode != "auto":
+            return self._kernel is not None
+        n = ranges.num_ranges
+        return n > AUTO_MEMCPY_MAX_RANGES and ranges.total_bytes < n * AUTO_MEMCPY_MIN_MEAN_BYTES
+
+    def _endpoints(self, direction: Direction, ranges: ByteRanges, host_base: int):
+        engine = self._plane_ptrs[ranges.plane] + ranges.engine_offset
+        host = host_base + ranges.host_offset
+        return (engine, host) if direction is Direction.STORE else (host, engine)
+
+    def _issue_memcpys(self, direction: Direction, ranges: ByteRanges, stream: Any) -> None:
+        src, dst = self._endpoints(direction, ranges, self._host_ptr)
+        memcpy_async = self._cp.cuda.runtime.memcpyAsync
+        for s, d, n in zip(src.tolist(), dst.tolist(), ranges.nbytes.tolist()):
+            memcpy_async(d, s, n, _MEMCPY_DEFAULT, stream.ptr)
+
+    def _launch_kernel(self, direction: Direction, ranges: ByteRanges, stream: Any) -> Any:
+        tiles = split_byte_ranges(ranges, KERNEL_TILE_BYTES)
+        src, dst = self._endpoints(direction, tiles, self._host_dev_ptr)
+        item = self._tables.take(tiles.num_ranges * 24)
+        table = item[1][: 3 * tiles.num_ranges].reshape(-1, 3)
+        table[:, 0] = src
+        table[:, 1] = dst
+        table[:, 2] = tiles.nbytes
+        with stream:
+            self._kernel((tiles.num_ranges,), (_KERNEL_THREADS,), (np.uint64(item[2]),))
+        return item
+
+    def _retire(self, seq: int) -> None:
+        with self._lock:
+            pending = self._pending.pop(seq, None)
+        if pending is not None and pending.table is not None:
+            self._tables.give_back(pending.table)
+
+    def _retire_done(self) -> None:
+        with self._lock:
+            done = [seq for seq, p in self._pending.items() if p.event.done]
+        for seq in done:
+            self._retire(seq)

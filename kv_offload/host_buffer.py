@@ -1,0 +1,130 @@
+"""The host slot buffer: one block of host memory per worker, cut into equal slots.
+
+The CPU tier's bytes live here. Copy engines write and read whole slots; disk I/O reads
+and writes them through zero-copy ``memoryview``s. Pinned (page-locked, CUDA-mapped)
+memory is allocated through CuPy at exactly the requested size; plain memory by torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = [
+    "HostSlots",
+    "InsufficientHostMemoryError",
+    "allocate_host_slots",
+    "available_host_memory",
+]
+
+
+class InsufficientHostMemoryError(ValueError):
+    """The requested host buffer does not fit in the memory the system has available."""
+
+
+class HostSlots:
+    """``num_slots`` slots of ``slot_bytes`` bytes each, in one host allocation.
+
+    ``tensor``: the uint8 (num_slots, slot_bytes) CPU tensor (contiguous). The object
+    owns the memory; views handed out (``tensor``, ``slot_view``) keep it alive after
+    ``close``. Nothing here synchronises: callers make sure a slot is not read and
+    written at the same time (the scheduler's pins do).
+    """
+
+    def __init__(self, tensor: torch.Tensor, *, pinned: bool, owner: object = None) -> None:
+        """Wrap an existing buffer. ``owner``: an object that must outlive the tensor's
+        memory (e.g. the pinned allocation). Raises ValueError for a tensor that is not
+        a contiguous 2-D uint8 CPU tensor."""
+        if (not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8
+                or tensor.dim() != 2 or tensor.device.type != "cpu"
+                or not tensor.is_contiguous()):
+            raise ValueError("host slots must be a contiguous 2-D uint8 CPU tensor, got "
+                             f"{getattr(tensor, 'dtype', type(tensor).__name__)} "
+                             f"{tuple(getattr(tensor, 'shape', ()))}")
+        if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+            raise ValueError(f"host slots must not be empty, got {tuple(tensor.shape)}")
+        self.tensor: torch.Tensor | None = tensor
+        self.pinned = bool(pinned)
+        self.num_slots = int(tensor.shape[0])
+        self.slot_bytes = int(tensor.shape[1])
+        self._array: np.ndarray | None = tensor.numpy()
+        self._owner = owner
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def slot_view(self, slot: int) -> memoryview:
+        """A writable, zero-copy, 1-D byte view of one slot (for preadv/pwritev); it
+        keeps the memory alive. Raises IndexError for a slot outside [0, num_slots)
+        and ValueError after ``close``."""
+        if self._array is None:
+            raise ValueError("host slots are closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        return self._array[int(slot)].data
+
+    def close(self) -> None:
+        """Drop this object's references (``tensor`` becomes None); the memory is freed
+        once no view handed out earlier remains. Idempotent."""
+        self.tensor = None
+        self._array = None
+        self._owner = None
+
+    def __repr__(self) -> str:
+        kind = "pinned" if self.pinned else "pageable"
+        return f"HostSlots({self.num_slots} x {self.slot_bytes} bytes, {kind})"
+
+
+def available_host_memory(meminfo_path: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes, or None where the system does not report it."""
+    try:
+        with open(meminfo_path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    fields = line.split()
+                    scale = 1024 if len(fields) > 2 and fields[2].lower() == "kb" else 1
+                    return int(fields[1]) * scale
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def allocate_host_slots(
+    num_slots: int, slot_bytes: int, *, pinned: bool, meminfo_path: str = "/proc/meminfo"
+) -> HostSlots:
+    """Allocate ``num_slots * slot_bytes`` bytes of host memory as slots (uninitialised).
+
+    ``pinned=True``: page-locked, CUDA-mapped memory of exactly that size (needs CuPy and
+    a CUDA device, else ``CudaUnavailableError``); ``pinned=False``: ordinary memory.
+    Raises ValueError for non-positive sizes and ``InsufficientHostMemoryError`` when the
+    buffer exceeds MemAvailable (checked before allocating). The caller owns the result.
+    """
+    for name, value in (("num_slots", num_slots), ("slot_bytes", slot_bytes)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}; "
+                             "check cpu_size and the chunk size in the offload config")
+    nbytes = int(num_slots) * int(slot_bytes)
+    available = available_host_memory(meminfo_path)
+    if available is not None and nbytes > available:
+        raise InsufficientHostMemoryError(
+            f"the CPU tier needs {_gib(nbytes)} ({num_slots} slots x {slot_bytes} bytes) but "
+            f"only {_gib(available)} of host memory is available (MemAvailable); lower "
+            "cpu_size in the offload config")
+    if pinned:
+        from kv_offload.copy.cupy_engine import alloc_pinned_host
+
+        array, owner = alloc_pinned_host(nbytes)
+        tensor = torch.from_numpy(array).view(int(num_slots), int(slot_bytes))
+        return HostSlots(tensor, pinned=True, owner=owner)
+    try:
+        tensor = torch.empty((int(num_slots), int(slot_bytes)), dtype=torch.uint8)
+    except RuntimeError as exc:  # the allocator refused (overcommit limits)
+        raise InsufficientHostMemoryError(
+            f"could not allocate {_gib(nbytes)} for the CPU tier ({exc}); lower cpu_size "
+            "in the offload config") from None
+    return HostSlots(tensor, pinned=False)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"

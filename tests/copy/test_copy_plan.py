@@ -1,0 +1,346 @@
+"""Copy planning (kv_offload.copy.plan): runs, byte ranges and segments, checked by
+replaying them on byte arrays against a per-block reference copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kv_offload.copy.plan import (
+    SKIP_BLOCK,
+    BlockMap,
+    ByteRanges,
+    Direction,
+    SlotLayout,
+    check_block_map,
+    expand_chunks,
+    plan_runs,
+    plan_segments,
+    runs_to_byte_ranges,
+    split_byte_ranges,
+)
+
+# -- builders and reference ---------------------------------------------------------------
+
+
+def make_engine(rng, *, num_blocks, plane_bytes, row_strides):
+    """One flat byte buffer per plane, random bytes, rows row_strides[p] apart."""
+    return [rng.integers(0, 256, num_blocks * s, dtype=np.uint8)
+            for pb, s in zip(plane_bytes, row_strides)]
+
+
+def reference_copy(direction, engine, host, layout, row_strides, block_ids, slots):
+    """Per-block, per-plane copy straight from the layout formula (the spec)."""
+    bpc = layout.blocks_per_chunk
+    for c, slot in enumerate(slots):
+        for i in range(bpc):
+            b = int(block_ids[c][i])
+            if b == SKIP_BLOCK:
+                continue
+            for p, (pb, stride) in enumerate(zip(layout.plane_bytes, row_strides)):
+                h = slot * layout.slot_bytes + layout.plane_offsets[p] + i * pb
+                e = b * stride
+                if direction is Direction.STORE:
+                    host[h:h + pb] = engine[p][e:e + pb]
+                else:
+                    engine[p][e:e + pb] = host[h:h + pb]
+
+
+def replay_ranges(direction, engine, host, ranges: ByteRanges):
+    for p, e, h, n in zip(ranges.plane, ranges.engine_offset, ranges.host_offset,
+                          ranges.nbytes):
+        if direction is Direction.STORE:
+            host[h:h + n] = engine[p][e:e + n]
+        else:
+            engine[p][e:e + n] = host[h:h + n]
+
+
+def naive_runs(bm: BlockMap, bpc, merge_across_slots):
+    """Greedy run building over host order, one block at a time."""
+    order = sorted(range(bm.num_blocks),
+                   key=lambda k: bm.host_slots[k] * bpc + bm.host_positions[k])
+    runs = []
+    for k in order:
+        e, s, pos = int(bm.engine_blocks[k]), int(bm.host_slots[k]), int(bm.host_positions[k])
+        if runs:
+            e0, s0, p0, n0 = runs[-1]
+            host_next = s0 * bpc + p0 + n0 == s * bpc + pos
+            same_slot = (p0 + n0 - 1) // bpc + s0 == s or merge_across_slots
+            if e0 + n0 == e and host_next and same_slot:
+                runs[-1] = (e0, s0, p0, n0 + 1)
+                continue
+        runs.append((e, s, pos, 1))
+    return runs
+
+
+def random_request(rng, *, num_blocks, num_slots, n_chunks, bpc, pattern, skip_prob=0.0):
+    slots = rng.choice(num_slots, n_chunks, replace=False)
+    if pattern == "contiguous":
+        start = rng.integers(0, num_blocks - n_chunks * bpc + 1)
+        ids = np.arange(start, start + n_chunks * bpc).reshape(n_chunks, bpc)
+    elif pattern == "reversed":
+        ids = rng.choice(num_blocks, n_chunks * bpc, replace=False)
+        ids = np.sort(ids)[::-1].reshape(n_chunks, bpc)
+    else:
+        ids = rng.choice(num_blocks, n_chunks * bpc, replace=False).reshape(n_chunks, bpc)
+    ids = ids.astype(np.int64)
+    if skip_prob:
+        ids[rng.random(ids.shape) < skip_prob] = SKIP_BLOCK
+    return ids, slots
+
+
+# -- SlotLayout ---------------------------------------------------------------------------
+
+
+def test_layout_offsets_and_sizes():
+    layout = SlotLayout.packed([100, 40, 100], 4)
+    assert layout.plane_offsets == (0, 400, 560)
+    assert layout.chunk_bytes == layout.slot_bytes == 960
+    assert not layout.contiguous_across_slots
+
+
+@pytest.mark.parametrize(("planes", "slot_bytes", "contiguous"), [
+    ((64,), 256, True),  # one plane, no padding: slots abut
+    ((64,), 512, False),  # padding between slots
+    ((64, 64), 512, False),  # plane 1 lies between plane 0 of slot s and s+1
+])
+def test_contiguous_across_slots_only_for_a_single_unpadded_plane(planes, slot_bytes, contiguous):
+    assert SlotLayout(planes, 4, slot_bytes).contiguous_across_slots is contiguous
+
+
+@pytest.mark.parametrize(("planes", "bpc", "slot_bytes"), [
+    ((), 4, 100), ((0,), 4, 100), ((10,), 0, 100), ((10, 10), 4, 79),
+])
+def test_layout_rejects_bad_geometry(planes, bpc, slot_bytes):
+    with pytest.raises(ValueError):
+        SlotLayout(planes, bpc, slot_bytes)
+
+
+# -- expand_chunks / check_block_map ------------------------------------------------------
+
+
+def test_expand_drops_skipped_positions():
+    bm = expand_chunks(np.array([[SKIP_BLOCK, 5, 6], [9, SKIP_BLOCK, 1]]), np.array([7, 2]),
+                       blocks_per_chunk=3)
+    assert bm.engine_blocks.tolist() == [5, 6, 9, 1]
+    assert bm.host_slots.tolist() == [7, 7, 2, 2]
+    assert bm.host_positions.tolist() == [1, 2, 0, 2]
+    assert bm.rows.tolist() == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("ids", [[], np.empty((0, 4), np.int64), np.empty(0)])
+def test_expand_accepts_empty_batches(ids):
+    bm = expand_chunks(ids, np.empty(0, np.int64), blocks_per_chunk=4)
+    assert bm.num_blocks == 0
+    assert plan_runs(bm, blocks_per_chunk=4, merge_across_slots=False).num_runs == 0
+    assert plan_segments(bm).num_segments == 0
+
+
+@pytest.mark.parametrize(("ids", "slots"), [
+    (np.zeros((2, 3), np.int64), np.array([0, 1])),  # wrong blocks_per_chunk
+    (np.zeros((2, 4), np.int64), np.array([0])),  # rows != slots
+    (np.zeros(4, np.int64), np.array([0])),  # 1-D block ids
+    (np.zeros((1, 4), np.float64), np.array([0])),  # not integers
+    (np.array([[0, 1, -2, 3]]), np.array([0])),  # negative other than SKIP_BLOCK
+])
+def test_expand_rejects_bad_shapes_and_values(ids, slots):
+    with pytest.raises(ValueError):
+        expand_chunks(ids, slots, blocks_per_chunk=4)
+
+
+def test_check_block_map_bounds():
+    bm = expand_chunks(np.array([[0, 1], [2, 3]]), np.array([0, 1]), blocks_per_chunk=2)
+    check_block_map(bm, Direction.STORE, num_engine_blocks=4, num_slots=2)
+    with pytest.raises(ValueError, match="block ids"):
+        check_block_map(bm, Direction.STORE, num_engine_blocks=3, num_slots=2)
+    with pytest.raises(ValueError, match="slots"):
+        check_block_map(bm, Direction.LOAD, num_engine_blocks=4, num_slots=1)
+
+
+def test_check_block_map_duplicate_destinations():
+    same_slot = expand_chunks(np.array([[0, 1], [2, 3]]), np.array([5, 5]), blocks_per_chunk=2)
+    with pytest.raises(ValueError, match="twice"):
+        check_block_map(same_slot, Direction.STORE, num_engine_blocks=8, num_slots=8)
+    # loading one slot into two sets of blocks is fine
+    check_block_map(same_slot, Direction.LOAD, num_engine_blocks=8, num_slots=8)
+    same_block = expand_chunks(np.array([[0, 1], [1, 3]]), np.array([2, 5]), blocks_per_chunk=2)
+    with pytest.raises(ValueError, match="twice"):
+        check_block_map(same_block, Direction.LOAD, num_engine_blocks=8, num_slots=8)
+    # storing one block into two slots is fine
+    check_block_map(same_block, Direction.STORE, num_engine_blocks=8, num_slots=8)
+
+
+# -- plan_runs ----------------------------------------------------------------------------
+
+
+def test_one_chunk_of_consecutive_blocks_is_one_run():
+    bm = expand_chunks(np.arange(10, 18)[None, :], np.array([3]), blocks_per_chunk=8)
+    runs = plan_runs(bm, blocks_per_chunk=8, merge_across_slots=False)
+    assert runs.engine_start.tolist() == [10]
+    assert runs.host_slot.tolist() == [3]
+    assert runs.host_offset.tolist() == [0]
+    assert runs.num_blocks.tolist() == [8]
+
+
+def test_reversed_blocks_give_single_block_runs():
+    bm = expand_chunks(np.arange(17, 9, -1)[None, :], np.array([0]), blocks_per_chunk=8)
+    runs = plan_runs(bm, blocks_per_chunk=8, merge_across_slots=False)
+    assert runs.num_blocks.tolist() == [1] * 8
+    assert runs.engine_start.tolist() == list(range(17, 9, -1))
+    assert runs.host_offset.tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("slots", [[3, 4], [4, 3]])
+def test_adjacent_slots_merge_only_when_host_bytes_are_contiguous(slots):
+    # engine blocks 0..15 go to slots 3 and 4 (chunk order must not matter)
+    ids = np.arange(16).reshape(2, 8) if slots == [3, 4] else np.arange(16).reshape(2, 8)[::-1]
+    bm = expand_chunks(ids, np.array(slots), blocks_per_chunk=8)
+    apart = plan_runs(bm, blocks_per_chunk=8, merge_across_slots=False)
+    assert sorted(apart.num_blocks.tolist()) == [8, 8]
+    merged = plan_runs(bm, blocks_per_chunk=8, merge_across_slots=True)
+    assert merged.num_blocks.tolist() == [16]
+    assert (merged.engine_start[0], merged.host_slot[0], merged.host_offset[0]) == (0, 3, 0)
+
+
+def test_skipped_block_splits_a_run():
+    bm = expand_chunks(np.array([[4, 5, SKIP_BLOCK, 7]]), np.array([1]), blocks_per_chunk=4)
+    runs = plan_runs(bm, blocks_per_chunk=4, merge_across_slots=True)
+    assert list(zip(runs.engine_start.tolist(), runs.host_offset.tolist(),
+                    runs.num_blocks.tolist())) == [(4, 0, 2), (7, 3, 1)]
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "reversed", "shuffled"])
+@pytest.mark.parametrize("merge", [False, True])
+def test_runs_match_a_naive_greedy_reference(pattern, merge):
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        bpc = int(rng.integers(1, 6))
+        n = int(rng.integers(1, 6))
+        ids, slots = random_request(rng, num_blocks=64, num_slots=12, n_chunks=n, bpc=bpc,
+                                    pattern=pattern, skip_prob=0.15)
+        if pattern == "contiguous":
+            slots = np.sort(slots)  # make cross-slot merges possible
+        bm = expand_chunks(ids, slots, blocks_per_chunk=bpc)
+        runs = plan_runs(bm, blocks_per_chunk=bpc, merge_across_slots=merge)
+        got = list(zip(runs.engine_start.tolist(), runs.host_slot.tolist(),
+                       runs.host_offset.tolist(), runs.num_blocks.tolist()))
+        assert got == naive_runs(bm, bpc, merge)
+        assert int(runs.num_blocks.sum()) == bm.num_blocks
+
+
+# -- byte ranges --------------------------------------------------------------------------
+
+
+LAYOUT_CASES = [
+    # plane_bytes, row_strides, blocks_per_chunk, slot padding
+    ((64,), (64,), 4, 0),  # one packed plane: cross-slot merges
+    ((64,), (96,), 4, 0),  # one plane with padded rows: ranges per block
+    ((64,), (64,), 4, 32),  # padded slots
+    ((48, 48), (48, 48), 3, 0),  # K and V planes
+    ((32, 80, 16), (32, 96, 16), 2, 8),  # unequal planes, one strided, padded slots
+]
+
+
+@pytest.mark.parametrize(("plane_bytes", "row_strides", "bpc", "pad"), LAYOUT_CASES)
+@pytest.mark.parametrize("pattern", ["contiguous", "reversed", "shuffled"])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_byte_ranges_replay_equals_reference(plane_bytes, row_strides, bpc, pad, pattern,
+                                             direction):
+    rng = np.random.default_rng(hash((plane_bytes, pattern, direction.value)) % 2**32)
+    layout = SlotLayout(plane_bytes, bpc, bpc * sum(plane_bytes) + pad)
+    num_blocks, num_slots = 40, 9
+    for _ in range(10):
+        n = int(rng.integers(1, 5))
+        ids, slots = random_request(rng, num_blocks=num_blocks, num_slots=num_slots,
+                                    n_chunks=n, bpc=bpc, pattern=pattern, skip_prob=0.1)
+        if pattern == "contiguous":
+            slots = np.sort(slots)
+        engine = make_engine(rng, num_blocks=num_blocks, plane_bytes=plane_bytes,
+                             row_strides=row_strides)
+        host = rng.integers(0, 256, num_slots * layout.slot_bytes, dtype=np.uint8)
+        want_engine, want_host = [e.copy() for e in engine], host.copy()
+        reference_copy(direction, want_engine, want_host, layout, row_strides, ids, slots)
+
+        bm = expand_chunks(ids, slots, blocks_per_chunk=bpc)
+        runs = plan_runs(bm, blocks_per_chunk=bpc,
+                         merge_across_slots=layout.contiguous_across_slots)
+        ranges = runs_to_byte_ranges(runs, layout, row_strides)
+        assert ranges.total_bytes == sum(
+            int((ids != SKIP_BLOCK).sum()) * pb for pb in plane_bytes)
+        for got in (ranges, split_byte_ranges(ranges, 40)):
+            eng, hst = [e.copy() for e in engine], host.copy()
+            replay_ranges(direction, eng, hst, got)
+            assert np.array_equal(hst, want_host)
+            for a, b in zip(eng, want_engine):
+                assert np.array_equal(a, b)
+
+
+def test_cross_slot_run_is_one_range():
+    layout = SlotLayout.packed([64], 4)
+    bm = expand_chunks(np.arange(8).reshape(2, 4), np.array([5, 6]), blocks_per_chunk=4)
+    runs = plan_runs(bm, blocks_per_chunk=4, merge_across_slots=layout.contiguous_across_slots)
+    ranges = runs_to_byte_ranges(runs, layout, [64])
+    assert ranges.num_ranges == 1
+    assert (ranges.engine_offset[0], ranges.host_offset[0], ranges.nbytes[0]) == (0, 5 * 256, 512)
+
+
+def test_byte_ranges_reject_overlapping_rows_and_wrong_stride_count():
+    layout = SlotLayout.packed([64, 64], 2)
+    runs = plan_runs(expand_chunks([[0, 1]], [0], blocks_per_chunk=2), blocks_per_chunk=2,
+                     merge_across_slots=False)
+    with pytest.raises(ValueError):
+        runs_to_byte_ranges(runs, layout, [64])
+    with pytest.raises(ValueError):
+        runs_to_byte_ranges(runs, layout, [64, 32])
+
+
+def test_split_keeps_bytes_and_alignment():
+    ranges = ByteRanges(np.array([0, 1]), np.array([0, 4096]), np.array([1024, 0]),
+                        np.array([100, 33]))
+    pieces = split_byte_ranges(ranges, 16)
+    assert pieces.nbytes.max() <= 16
+    assert pieces.total_bytes == 133
+    assert pieces.num_ranges == 7 + 3
+    assert np.all(pieces.engine_offset[:7] % 16 == 0)
+    assert pieces.plane.tolist() == [0] * 7 + [1] * 3
+    with pytest.raises(ValueError):
+        split_byte_ranges(ranges, 0)
+
+
+# -- segments -----------------------------------------------------------------------------
+
+
+def test_segments_describe_runs_and_gathers():
+    bm = expand_chunks(np.array([[10, 11, 12, 13], [3, 2, SKIP_BLOCK, 7]]), np.array([3, 4]),
+                       blocks_per_chunk=4)
+    seg = plan_segments(bm)
+    assert seg.host_slot.tolist() == [3, 4, 4]
+    assert seg.first_position.tolist() == [0, 0, 3]
+    assert seg.length.tolist() == [4, 2, 1]
+    assert seg.is_run.tolist() == [True, False, True]
+    assert seg.engine_start.tolist() == [10, 3, 7]
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "reversed", "shuffled"])
+def test_segments_replay_equals_reference(pattern):
+    rng = np.random.default_rng(11)
+    bpc, num_blocks, num_slots = 5, 60, 7
+    layout = SlotLayout.packed([8], bpc)
+    for _ in range(20):
+        n = int(rng.integers(1, 5))
+        ids, slots = random_request(rng, num_blocks=num_blocks, num_slots=num_slots, n_chunks=n,
+                                    bpc=bpc, pattern=pattern, skip_prob=0.2)
+        bm = expand_chunks(ids, slots, blocks_per_chunk=bpc)
+        seg = plan_segments(bm)
+        assert int(seg.length.sum()) == bm.num_blocks
+        engine = rng.integers(0, 256, (num_blocks, 8), dtype=np.uint8)
+        host = np.zeros((num_slots, bpc, 8), np.uint8)
+        for g in range(seg.num_segments):
+            s, m = seg.start[g], seg.length[g]
+            blocks = bm.engine_blocks[s:s + m]
+            if seg.is_run[g]:
+                assert np.array_equal(blocks, seg.engine_start[g] + np.arange(m))
+            host[seg.host_slot[g], seg.first_position[g]:seg.first_position[g] + m] = engine[blocks]
+        want = np.zeros(num_slots * layout.slot_bytes, np.uint8)
+        reference_copy(Direction.STORE, [engine.reshape(-1)], want, layout, [8], ids, slots)
+        assert np.array_equal(host.reshape(-1), want)

@@ -1,0 +1,133 @@
+"""Host slot buffer: sizes, memory checks naming cpu_size, zero-copy slot views."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kv_offload.copy.base import CudaUnavailableError
+from kv_offload.copy.cupy_engine import cuda_available
+from kv_offload.host_buffer import (
+    HostSlots,
+    InsufficientHostMemoryError,
+    allocate_host_slots,
+    available_host_memory,
+)
+
+
+@pytest.fixture
+def meminfo(tmp_path):
+    def write(available_kb: int) -> str:
+        path = tmp_path / "meminfo"
+        path.write_text(f"MemTotal:       99999999 kB\nMemFree:  1 kB\n"
+                        f"MemAvailable:   {available_kb} kB\nBuffers: 0 kB\n")
+        return str(path)
+    return write
+
+
+def test_allocate_plain_slots():
+    host = allocate_host_slots(5, 4096, pinned=False)
+    assert host.tensor.shape == (5, 4096) and host.tensor.dtype == torch.uint8
+    assert (host.num_slots, host.slot_bytes, host.nbytes, host.pinned) == (5, 4096, 20480, False)
+    assert host.tensor.is_contiguous()
+
+
+def test_slot_view_is_writable_and_zero_copy():
+    host = allocate_host_slots(3, 64, pinned=False)
+    host.tensor.zero_()
+    view = host.slot_view(1)
+    assert isinstance(view, memoryview) and not view.readonly
+    assert (view.nbytes, view.format) == (64, "B")
+    view[:4] = b"\x01\x02\x03\x04"
+    assert host.tensor[1, :4].tolist() == [1, 2, 3, 4]
+    assert torch.count_nonzero(host.tensor[0]) == 0 and torch.count_nonzero(host.tensor[2]) == 0
+    host.tensor[1, 63] = 9
+    assert view[63] == 9
+
+
+def test_slot_view_checks_range_and_outlives_close():
+    host = allocate_host_slots(2, 32, pinned=False)
+    for bad in (-1, 2):
+        with pytest.raises(IndexError):
+            host.slot_view(bad)
+    view = host.slot_view(0)
+    host.close()
+    host.close()
+    assert host.tensor is None
+    view[0] = 7  # the view keeps the memory alive
+    assert view[0] == 7
+    with pytest.raises(ValueError, match="closed"):
+        host.slot_view(0)
+
+
+def test_slot_views_work_with_preadv_and_pwritev(tmp_path):
+    host = allocate_host_slots(2, 8192, pinned=False)
+    host.tensor[0] = torch.arange(8192) % 251
+    fd = os.open(tmp_path / "slab", os.O_RDWR | os.O_CREAT)
+    try:
+        assert os.pwritev(fd, [host.slot_view(0)], 4096) == 8192
+        assert os.preadv(fd, [host.slot_view(1)], 4096) == 8192
+    finally:
+        os.close(fd)
+    assert torch.equal(host.tensor[0], host.tensor[1])
+
+
+@pytest.mark.parametrize(("num_slots", "slot_bytes"), [
+    (0, 64), (-1, 64), (4, 0), (4, -8), (2.5, 64), (True, 64),
+])
+def test_bad_sizes_name_cpu_size(num_slots, slot_bytes):
+    with pytest.raises(ValueError, match="cpu_size"):
+        allocate_host_slots(num_slots, slot_bytes, pinned=False)
+
+
+def test_larger_than_mem_available_names_cpu_size(meminfo):
+    path = meminfo(1024)  # 1 MiB available
+    with pytest.raises(InsufficientHostMemoryError, match="cpu_size"):
+        allocate_host_slots(3, 512 << 10, pinned=False, meminfo_path=path)
+    assert allocate_host_slots(1, 512 << 10, pinned=False, meminfo_path=path).nbytes == 512 << 10
+
+
+def test_real_mem_available_is_checked():
+    with pytest.raises(InsufficientHostMemoryError, match="cpu_size"):
+        allocate_host_slots(1 << 20, 1 << 30, pinned=False)  # 1 PiB
+
+
+def test_available_host_memory_parsing(meminfo, tmp_path):
+    assert available_host_memory(meminfo(2048)) == 2048 * 1024
+    assert available_host_memory(str(tmp_path / "missing")) is None
+    (tmp_path / "odd").write_text("MemTotal: 1 kB\n")
+    assert available_host_memory(str(tmp_path / "odd")) is None
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.zeros((4, 8), dtype=torch.float32),
+    torch.zeros(32, dtype=torch.uint8),
+    torch.zeros((8, 4), dtype=torch.uint8).t(),
+    torch.zeros((0, 8), dtype=torch.uint8),
+])
+def test_host_slots_rejects_bad_tensors(tensor):
+    with pytest.raises(ValueError):
+        HostSlots(tensor, pinned=False)
+
+
+@pytest.mark.skipif(cuda_available(), reason="CuPy and a CUDA device are present")
+def test_pinned_without_cuda_is_a_clear_error():
+    with pytest.raises(CudaUnavailableError, match="CuPy|pinned"):
+        allocate_host_slots(2, 4096, pinned=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
+def test_pinned_slots_have_exactly_the_requested_size():
+    import cupy
+
+    num_slots, slot_bytes = 3, 1_000_003  # not a power of two, not page-aligned
+    host = allocate_host_slots(num_slots, slot_bytes, pinned=True)
+    assert host.pinned and host.tensor.shape == (num_slots, slot_bytes)
+    attrs = cupy.cuda.runtime.pointerGetAttributes(host.tensor.data_ptr())
+    assert attrs.type == 1  # cudaMemoryTypeHost: page-locked
+    assert attrs.devicePointer != 0  # mapped for kernels
+    host.slot_view(2)[-1] = 5
+    assert int(host.tensor[2, -1]) == 5

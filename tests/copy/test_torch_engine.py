@@ -1,0 +1,284 @@
+"""TorchCopyEngine: byte-exact round trips between CPU KV planes and host slots.
+
+Every test fills planes and host slots with random bytes and compares against the slot
+layout formula, so a wrong offset, a missed block or a stray write fails."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kv_offload.copy import (
+    SKIP_BLOCK,
+    CopyEngineClosedError,
+    TorchCopyEngine,
+    make_copy_engine,
+    planes_from_kv_tensor,
+)
+from kv_offload.copy.plan import SlotLayout
+from kv_offload.host_buffer import HostSlots, allocate_host_slots
+
+NUM_BLOCKS = 61
+
+
+def cpu_kv_planes(*, num_layers=3, num_blocks=NUM_BLOCKS, heads=2, block_size=4, head=8, seed=0):
+    """KV tensors in the vLLM CPU layout, random bytes, one plane per layer."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randint(0, 256, (num_blocks, heads, block_size, 2 * head * 2),
+                             dtype=torch.uint8, generator=g).view(torch.bfloat16)
+               for _ in range(num_layers)]
+    planes = [p for t in tensors for p in planes_from_kv_tensor(t, num_blocks)]
+    return tensors, planes
+
+
+def make_host(num_slots, slot_bytes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return HostSlots(torch.randint(0, 256, (num_slots, slot_bytes), dtype=torch.uint8,
+                                   generator=g), pinned=False)
+
+
+def expected_slot_rows(layout: SlotLayout, slot_row: torch.Tensor, plane: int, pos: int):
+    pb = layout.plane_bytes[plane]
+    off = layout.plane_offsets[plane] + pos * pb
+    return slot_row[off:off + pb]
+
+
+def request(rng, *, n_chunks, bpc, num_slots, pattern, num_blocks=NUM_BLOCKS):
+    slots = rng.choice(num_slots, n_chunks, replace=False)
+    if pattern == "contiguous":
+        start = int(rng.integers(0, num_blocks - n_chunks * bpc + 1))
+        ids = np.arange(start, start + n_chunks * bpc)
+    else:
+        ids = rng.choice(num_blocks, n_chunks * bpc, replace=False)
+    return ids.reshape(n_chunks, bpc).astype(np.int64), slots
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "shuffled"])
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_store_then_load_round_trip(pattern, bpc):
+    rng = np.random.default_rng(bpc)
+    _, planes = cpu_kv_planes()
+    layout = SlotLayout.packed([p.shape[1] for p in planes], bpc)
+    host = make_host(10, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, bpc)
+    original = [p.clone() for p in planes]
+    host_before = host.tensor.clone()
+
+    ids, slots = request(rng, n_chunks=3, bpc=bpc, num_slots=10, pattern=pattern)
+    handle = engine.store(ids, slots)
+    assert engine.is_done(handle)
+    engine.wait(handle)
+    for c, slot in enumerate(slots):
+        for p, plane in enumerate(planes):
+            for i in range(bpc):
+                assert torch.equal(expected_slot_rows(layout, host.tensor[slot], p, i),
+                                   plane[ids[c, i]])
+    untouched = [s for s in range(10) if s not in set(slots.tolist())]
+    assert torch.equal(host.tensor[untouched], host_before[untouched])
+    for p, o in zip(planes, original):
+        assert torch.equal(p, o)  # a store never writes the engine
+
+    # load the same slots into other blocks (a fresh, fragmented allocation)
+    for p in planes:
+        p.zero_()
+    new_ids = rng.choice(NUM_BLOCKS, ids.size, replace=False).reshape(ids.shape)
+    engine.load(slots, new_ids)
+    for c in range(len(slots)):
+        for i in range(bpc):
+            for p, o in zip(planes, original):
+                assert torch.equal(p[new_ids[c, i]], o[ids[c, i]])
+    mask = np.ones(NUM_BLOCKS, bool)
+    mask[new_ids.reshape(-1)] = False
+    for p in planes:
+        assert torch.count_nonzero(p[torch.from_numpy(mask)]) == 0
+
+
+def test_store_reaches_the_kv_tensor_bytes_and_slot_views():
+    tensors, planes = cpu_kv_planes(num_layers=2)
+    host = allocate_host_slots(4, SlotLayout.packed([p.shape[1] for p in planes], 2).slot_bytes,
+                               pinned=False)
+    engine = make_copy_engine(planes, host, 2)
+    assert isinstance(engine, TorchCopyEngine)
+    engine.store(np.array([[9, 40]]), np.array([2]))
+    want = b"".join(tensors[layer][b].contiguous().view(torch.uint8).numpy().tobytes()
+                    for layer in range(2) for b in (9, 40))
+    assert bytes(host.slot_view(2)) == want
+
+
+def test_skip_block_positions_stay_untouched_both_ways():
+    _, planes = cpu_kv_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 4)
+    host = make_host(3, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, 4)
+    before = host.tensor.clone()
+    engine.store(np.array([[SKIP_BLOCK, SKIP_BLOCK, 5, 6]]), np.array([1]))
+    for p in range(2):
+        for pos in (0, 1):
+            assert torch.equal(expected_slot_rows(layout, host.tensor[1], p, pos),
+                               expected_slot_rows(layout, before[1], p, pos))
+        assert torch.equal(expected_slot_rows(layout, host.tensor[1], p, 2), planes[p][5])
+
+    engine_before = [p.clone() for p in planes]
+    engine.load(np.array([0]), np.array([[SKIP_BLOCK, 30, SKIP_BLOCK, 31]]))
+    for p, plane in enumerate(planes):
+        assert torch.equal(plane[30], expected_slot_rows(layout, host.tensor[0], p, 1))
+        assert torch.equal(plane[31], expected_slot_rows(layout, host.tensor[0], p, 3))
+        others = [b for b in range(NUM_BLOCKS) if b not in (30, 31)]
+        assert torch.equal(plane[others], engine_before[p][others])
+
+
+def test_strided_planes_unequal_sizes_and_padded_slots():
+    """K/V planes that are views into one (nb, 2, X) tensor (row stride 2X) next to a
+    smaller packed plane, in slots with padding after the chunk."""
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randint(0, 256, (NUM_BLOCKS, 2, 96), dtype=torch.uint8, generator=g)
+    small = torch.randint(0, 256, (NUM_BLOCKS, 40), dtype=torch.uint8, generator=g)
+    planes = [kv[:, 0], kv[:, 1], small]
+    bpc = 3
+    layout = SlotLayout((96, 96, 40), bpc, bpc * 232 + 24)
+    host = make_host(6, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, bpc)
+    ids = np.array([[7, 8, 9], [50, 3, 22]])
+    engine.store(ids, np.array([4, 0]))
+    for c, slot in enumerate((4, 0)):
+        for p, plane in enumerate(planes):
+            for i in range(bpc):
+                assert torch.equal(expected_slot_rows(layout, host.tensor[slot], p, i),
+                                   plane[ids[c, i]])
+    kv_before = kv.clone()
+    engine.load(np.array([4]), np.array([[11, 12, 13]]))
+    assert torch.equal(kv[11:14], kv_before[7:10])
+    assert torch.equal(small[11:14], small[7:10])
+    assert torch.equal(kv[:11], kv_before[:11]) and torch.equal(kv[14:], kv_before[14:])
+
+
+def test_partial_batches_and_many_calls_accumulate():
+    rng = np.random.default_rng(3)
+    _, planes = cpu_kv_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
+    host = make_host(12, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, 2)
+    ids, slots = request(rng, n_chunks=12, bpc=2, num_slots=12, pattern="shuffled")
+    for lo, hi in ((0, 5), (5, 6), (6, 12)):
+        engine.store(ids[lo:hi], slots[lo:hi])
+    original = [p.clone() for p in planes]
+    for p in planes:
+        p.fill_(0)
+    engine.load(slots[::-1].copy(), ids[::-1].copy())
+    stored = torch.from_numpy(ids.reshape(-1))
+    for p, o in zip(planes, original):
+        assert torch.equal(p[stored], o[stored])
+    others = torch.ones(NUM_BLOCKS, dtype=torch.bool)
+    others[stored] = False
+    for p in planes:
+        assert torch.count_nonzero(p[others]) == 0
+
+
+def test_loading_one_slot_into_two_block_sets():
+    _, planes = cpu_kv_planes(num_layers=1)
+    layout = SlotLayout.packed([planes[0].shape[1]], 2)
+    host = make_host(2, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, 2)
+    engine.load(np.array([1, 1]), np.array([[3, 4], [20, 10]]))
+    assert torch.equal(planes[0][3], planes[0][20]) and torch.equal(planes[0][4], planes[0][10])
+
+
+@pytest.mark.parametrize(("ids", "slots"), [
+    (np.array([[0, 1], [2, NUM_BLOCKS]]), np.array([0, 1])),  # block out of range
+    (np.array([[0, 1], [2, 3]]), np.array([0, 9])),  # slot out of range
+    (np.array([[0, 1], [2, 3]]), np.array([1, 1])),  # same slot twice
+    (np.array([[0, 1, 2]]), np.array([0])),  # wrong chunk width
+])
+def test_invalid_requests_raise_before_copying(ids, slots):
+    _, planes = cpu_kv_planes(num_layers=1)
+    layout = SlotLayout.packed([planes[0].shape[1]], 2)
+    host = make_host(4, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, 2)
+    before = host.tensor.clone()
+    with pytest.raises(ValueError):
+        engine.store(ids, slots)
+    assert torch.equal(host.tensor, before)
+
+
+def test_load_rejects_duplicate_engine_blocks():
+    _, planes = cpu_kv_planes(num_layers=1)
+    host = make_host(4, 2 * planes[0].shape[1])
+    engine = TorchCopyEngine(planes, host, 2)
+    with pytest.raises(ValueError, match="twice"):
+        engine.load(np.array([0, 1]), np.array([[5, 6], [6, 7]]))
+
+
+def test_empty_batches_are_no_ops():
+    _, planes = cpu_kv_planes(num_layers=1)
+    host = make_host(2, 2 * planes[0].shape[1])
+    engine = TorchCopyEngine(planes, host, 2)
+    before = host.tensor.clone()
+    for ids, slots in (([], []), (np.empty((0, 2), np.int64), np.empty(0, np.int64))):
+        assert engine.is_done(engine.store(ids, slots))
+        assert engine.is_done(engine.load(slots, ids))
+    assert torch.equal(host.tensor, before)
+
+
+def test_close_refuses_new_copies():
+    _, planes = cpu_kv_planes(num_layers=1)
+    engine = TorchCopyEngine(planes, make_host(2, 2 * planes[0].shape[1]), 2)
+    engine.close()
+    engine.close()
+    with pytest.raises(CopyEngineClosedError):
+        engine.store(np.array([[0, 1]]), np.array([0]))
+
+
+def test_construction_errors():
+    _, planes = cpu_kv_planes(num_layers=2)
+    with pytest.raises(ValueError, match="cannot hold"):
+        TorchCopyEngine(planes, make_host(2, planes[0].shape[1]), 2)
+    with pytest.raises(ValueError):
+        TorchCopyEngine([], make_host(2, 64), 1)
+    with pytest.raises(ValueError):
+        make_copy_engine([], make_host(2, 64), 1)
+    meta = [torch.empty((4, 16), dtype=torch.uint8, device="meta")]
+    with pytest.raises(ValueError, match="no copy engine"):
+        make_copy_engine(meta, make_host(2, 64), 1)
+
+
+def test_concurrent_store_and_load_from_two_threads():
+    """The runner stores from vLLM's thread while its copy thread loads; disjoint slots
+    and blocks must not disturb each other."""
+    rng = np.random.default_rng(9)
+    _, planes = cpu_kv_planes(num_layers=4, num_blocks=400, block_size=16)
+    bpc = 4
+    layout = SlotLayout.packed([p.shape[1] for p in planes], bpc)
+    host = make_host(40, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, bpc)
+    blocks = rng.permutation(400)
+    store_ids = blocks[:80].reshape(20, bpc)
+    load_ids = blocks[80:160].reshape(20, bpc)
+    store_slots, load_slots = np.arange(20), np.arange(20, 40)
+    host_before = host.tensor.clone()
+    planes_before = [p.clone() for p in planes]
+    errors: list[BaseException] = []
+
+    def run(fn):
+        try:
+            for _ in range(20):
+                fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(lambda: engine.store(store_ids, store_slots),)),
+               threading.Thread(target=run, args=(lambda: engine.load(load_slots, load_ids),))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for c in range(20):
+        for p, plane in enumerate(planes):
+            for i in range(bpc):
+                assert torch.equal(expected_slot_rows(layout, host.tensor[store_slots[c]], p, i),
+                                   planes_before[p][store_ids[c, i]])
+                assert torch.equal(plane[load_ids[c, i]],
+                                   expected_slot_rows(layout, host_before[load_slots[c]], p, i))
