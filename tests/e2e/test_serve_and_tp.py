@@ -54,7 +54,8 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
-         "--max-model-len", "4096", "--enforce-eager", "--kv-transfer-config", cfg.to_json()],
+         "--max-model-len", "4096", "--enforce-eager", "--dtype", "float32",
+         "--kv-cache-memory-bytes", str(512 * 2**20), "--kv-transfer-config", cfg.to_json()],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
