@@ -64,6 +64,7 @@ class CopyEngine(abc.ABC):
         """Make later compute wait (device-side, no host sync) for the copies issued so
         far, so blocks being copied out are not overwritten (invariant 3). No-op for
         engines whose copies are complete when ``store``/``load`` return."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -35,10 +35,11 @@ def http(url: str, payload: dict | None = None, timeout: float = 120) -> str:
 
 
 def metric_sum(metrics_text: str, name: str, label: str = "") -> float:
-    """Sum of the samples of ``name`` whose labels contain ``label``."""
+    """Sum of the samples of counter ``name`` whose labels contain ``label``."""
     total = 0.0
+    base = name.removesuffix("_total")
     for line in metrics_text.splitlines():
-        if line.startswith(name + "{") and label in line:
+        if line.startswith((base + "{", base + "_total{")) and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 

@@ -1,0 +1,257 @@
+"""Worker side of the disk tier: one slab file per rank, fixed-size slots, pread/pwrite.
+
+Layout: ``<root>/slabs/<namespace_id>/rank<r>-of-<n>.slab``; slot ``s`` lives at byte
+offset ``s * slot_bytes``. Files are sparse and grow on write. Only the namespace id (hex,
+validated) and the rank go into paths, never a key. No lmdb, torch or vLLM in here; the
+path helpers are shared with the index.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+from kv_offload.checksum import new_hasher
+from kv_offload.disk.errors import StorePathError
+
+logger = logging.getLogger(__name__)
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_NAMESPACE_RE = re.compile(r"[0-9a-f]{1,128}")
+# I/O goes in pieces of this size, each hashed right before it is written or right after
+# it is read, while it is still in the CPU cache: a separate checksum pass over a
+# multi-MiB slot cost ~35% of page-cache read speed, pieces cost ~20% (docs/disk-tier.md).
+_PIECE = 1 << 20
+
+
+def validate_namespace_id(namespace_id: str) -> str:
+    """Return ``namespace_id`` if it is 1..128 lowercase hex characters, else ValueError."""
+    if not isinstance(namespace_id, str) or not _NAMESPACE_RE.fullmatch(namespace_id):
+        raise ValueError(
+            f"namespace_id must be 1-128 lowercase hex characters, got {namespace_id!r}"
+        )
+    return namespace_id
+
+
+def make_private_dirs(root: Path, *parts: str) -> Path:
+    """Create ``root`` and each of ``parts`` below it with mode 0700; return the leaf.
+
+    Existing directories keep their mode. Raises StorePathError when a component is a
+    file or cannot be created (read-only, permissions).
+    """
+    path = Path(root)
+    for part in ("", *parts):
+        path = path / part if part else path
+        try:
+            path.mkdir(mode=DIR_MODE, exist_ok=True)
+        except FileExistsError:
+            raise StorePathError(
+                f"disk store path {path} exists and is not a directory; "
+                "point the disk tier at a directory (or remove the file)"
+            ) from None
+        except OSError as exc:
+            raise StorePathError(
+                f"cannot create disk store directory {path}: {exc.strerror}; "
+                "choose a writable location or fix its permissions"
+            ) from exc
+    return path
+
+
+def slab_dir(root: str | os.PathLike, namespace_id: str) -> Path:
+    """Directory holding a namespace's slab files (not created)."""
+    return Path(root) / "slabs" / validate_namespace_id(namespace_id)
+
+
+def slab_path(root: str | os.PathLike, namespace_id: str, rank: int, num_ranks: int) -> Path:
+    """Path of rank ``rank``'s slab file in a namespace (not created)."""
+    return slab_dir(root, namespace_id) / f"rank{rank}-of-{num_ranks}.slab"
+
+
+class ReadResult(enum.Enum):
+    """Outcome of SlabFile.read; truthy only for OK. Every other value is a miss."""
+
+    OK = "ok"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    SHORT_READ = "short_read"  # slab truncated or slot never written
+    MISSING = "missing"  # slab file deleted
+    IO_ERROR = "io_error"
+
+    def __bool__(self) -> bool:
+        return self is ReadResult.OK
+
+
+def _as_bytes_view(buf, slot_bytes: int, *, writable: bool) -> memoryview:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError("slot buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError("read() needs a writable slot buffer")
+    view = view.cast("B")
+    if view.nbytes != slot_bytes:
+        raise ValueError(f"slot buffer has {view.nbytes} bytes, expected {slot_bytes}")
+    return view
+
+
+class SlabFile:
+    """One rank's slab of one namespace: write and read whole slots.
+
+    Thread-safe: any number of threads may read and write *different* slots at once
+    (positional I/O on one descriptor). Each call checks that the path still names the
+    open file; if the slab was deleted or replaced it reopens (write) or reports MISSING
+    (read), so it never serves bytes of a file the index no longer describes. Old
+    descriptors are retired, not closed, until close(), so a concurrent call never sees
+    a reused descriptor number. close() must not race with I/O (join the pool first).
+
+    The constructor creates the directories (0700) and the sparse file (0600); it raises
+    StorePathError if they cannot be created and ValueError for bad arguments.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        namespace_id: str,
+        rank: int,
+        num_ranks: int,
+        slot_bytes: int,
+        fsync: bool = False,
+    ) -> None:
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks!r}")
+        if not isinstance(rank, int) or not 0 <= rank < num_ranks:
+            raise ValueError(f"rank must be in [0, {num_ranks}), got {rank!r}")
+        if not isinstance(slot_bytes, int) or slot_bytes < 1:
+            raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes!r}")
+        self._root = Path(root)
+        self._namespace_id = validate_namespace_id(namespace_id)
+        self._slot_bytes = slot_bytes
+        self._fsync = fsync
+        self.path = slab_path(root, namespace_id, rank, num_ranks)
+        self._lock = threading.Lock()
+        self._retired: list[int] = []
+        self._fd = -1
+        self._ino: tuple[int, int] = (0, 0)
+        with self._lock:
+            self._reopen_locked(create=True)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    def write(self, slot: int, buf) -> int:
+        """Write the whole slot from ``buf`` and return the checksum of the bytes written.
+
+        ``buf`` is a C-contiguous buffer of exactly ``slot_bytes`` (a memoryview of a host
+        slot); it is written in place, without copies. Loops on short writes; with
+        ``fsync=True`` the data is fdatasync'ed before returning. Raises OSError (ENOSPC,
+        EIO...): the caller must then release the slot and not publish it.
+        """
+        view = _as_bytes_view(buf, self._slot_bytes, writable=False)
+        offset = self._offset(slot)
+        fd = self._current_fd(create=True)
+        hasher = new_hasher()
+        for start in range(0, view.nbytes, _PIECE):
+            piece = view[start : start + _PIECE]
+            hasher.update(piece)
+            done = 0
+            while done < piece.nbytes:
+                n = os.pwritev(fd, [piece[done:]], offset + start + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"pwritev wrote {n} bytes to {self.path}")
+                done += n
+        if self._fsync:
+            os.fdatasync(fd)
+        return hasher.intdigest()
+
+    def read(self, slot: int, buf, expected_checksum: int) -> ReadResult:
+        """Read the whole slot into ``buf`` and verify it against ``expected_checksum``.
+
+        Returns ReadResult.OK (truthy) only when every byte was read and the checksum
+        matches; any other result is a miss and the contents of ``buf`` are undefined.
+        I/O errors are reported as IO_ERROR, not raised. ``buf`` must be writable,
+        C-contiguous and exactly ``slot_bytes`` long.
+        """
+        view = _as_bytes_view(buf, self._slot_bytes, writable=True)
+        offset = self._offset(slot)
+        try:
+            fd = self._current_fd(create=False)
+            if fd < 0:
+                return ReadResult.MISSING
+            hasher = new_hasher()
+            for start in range(0, view.nbytes, _PIECE):
+                piece = view[start : start + _PIECE]
+                done = 0
+                while done < piece.nbytes:
+                    n = os.preadv(fd, [piece[done:]], offset + start + done)
+                    if n == 0:
+                        return ReadResult.SHORT_READ
+                    done += n
+                hasher.update(piece)
+        except OSError as exc:
+            logger.warning("disk tier: reading slot %d of %s failed: %s", slot, self.path, exc)
+            return ReadResult.IO_ERROR
+        if hasher.intdigest() != expected_checksum:
+            return ReadResult.CHECKSUM_MISMATCH
+        return ReadResult.OK
+
+    def close(self) -> None:
+        """Close every descriptor; later calls raise ValueError. Idempotent."""
+        with self._lock:
+            for fd in (*self._retired, self._fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._retired.clear()
+            self._fd = -2
+
+    def __enter__(self) -> SlabFile:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _offset(self, slot: int) -> int:
+        if not isinstance(slot, int) or slot < 0:
+            raise ValueError(f"slot must be a non-negative int, got {slot!r}")
+        return slot * self._slot_bytes
+
+    def _current_fd(self, *, create: bool) -> int:
+        """Descriptor of the file the path names now; -1 if it is gone and not created."""
+        if self._fd == -2:
+            raise ValueError(f"I/O on closed SlabFile {self.path}")
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._ino:
+                return self._fd
+        except FileNotFoundError:
+            if not create:
+                return -1
+        with self._lock:
+            if self._fd == -2:
+                raise ValueError(f"I/O on closed SlabFile {self.path}")
+            return self._reopen_locked(create=create)
+
+    def _reopen_locked(self, *, create: bool) -> int:
+        if create:
+            make_private_dirs(self._root, "slabs", self._namespace_id)
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(self.path, flags, FILE_MODE)
+        except FileNotFoundError:
+            if create:
+                raise
+            return -1
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == self._ino:  # another thread reopened already
+            os.close(fd)
+            return self._fd
+        if self._fd >= 0:
+            logger.warning("disk tier: slab %s was replaced or deleted; reopened", self.path)
+            self._retired.append(self._fd)
+        self._fd, self._ino = fd, (st.st_dev, st.st_ino)
+        return fd

@@ -1,0 +1,156 @@
+"""Contracts of SlabFile: whole-slot positional I/O, checksums, modes, threads."""
+
+from __future__ import annotations
+
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from kv_offload.checksum import checksum
+from kv_offload.disk import ReadResult, SlabFile
+
+SLOT = 16 * 1024
+
+
+def make_slab(root, *, rank=0, num_ranks=1, slot_bytes=SLOT, **kw) -> SlabFile:
+    return SlabFile(root, namespace_id="c0ffee", rank=rank, num_ranks=num_ranks,
+                    slot_bytes=slot_bytes, **kw)
+
+
+def pattern(seed: int, nbytes: int = SLOT) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def slab(tmp_path):
+    s = make_slab(tmp_path)
+    yield s
+    s.close()
+
+
+def test_write_then_read_round_trips_and_verifies(slab):
+    data = pattern(1)
+    digest = slab.write(3, memoryview(data))
+    assert digest == checksum(data)
+    out = np.zeros(SLOT, np.uint8)
+    result = slab.read(3, memoryview(out), digest)
+    assert result is ReadResult.OK and result
+    assert np.array_equal(out, data)
+    assert os.path.getsize(slab.path) == 4 * SLOT  # sparse up to the written slot
+
+
+def test_slots_larger_than_one_io_piece(tmp_path):
+    """Multi-MiB slots go in pieces, hashed piece by piece: same digest as one pass."""
+    size = (5 << 20) // 2 + 3
+    data = pattern(7, size)
+    with make_slab(tmp_path, slot_bytes=size) as s:
+        digest = s.write(1, data)
+        assert digest == checksum(data)
+        out = np.empty(size, np.uint8)
+        assert s.read(1, out, digest) and np.array_equal(out, data)
+        os.truncate(s.path, size + size // 2)  # the second half of slot 1 is gone
+        assert s.read(1, out, digest) is ReadResult.SHORT_READ
+
+
+def test_torch_host_slot_is_written_in_place(slab):
+    host = torch.arange(SLOT // 4, dtype=torch.float32)
+    digest = slab.write(0, host.numpy())
+    out = torch.empty_like(host)
+    assert slab.read(0, out.numpy(), digest)
+    assert torch.equal(out, host)
+
+
+def test_checksum_mismatch_is_a_failed_read_never_data(slab):
+    """Invariant 5: flipped bytes on disk are reported, not returned as a hit."""
+    data = pattern(2)
+    digest = slab.write(1, data)
+    with open(slab.path, "r+b") as f:
+        f.seek(SLOT + 100)
+        f.write(b"\xff\x00")
+    result = slab.read(1, np.empty(SLOT, np.uint8), digest)
+    assert result is ReadResult.CHECKSUM_MISMATCH and not result
+    assert slab.read(1, np.empty(SLOT, np.uint8), digest ^ 1) is ReadResult.CHECKSUM_MISMATCH
+
+
+def test_slot_beyond_end_of_file_is_a_short_read(slab):
+    slab.write(0, pattern(3))
+    assert slab.read(5, np.empty(SLOT, np.uint8), 0) is ReadResult.SHORT_READ
+
+
+def test_files_and_directories_are_private(tmp_path):
+    s = make_slab(tmp_path / "store", rank=1, num_ranks=2)
+    assert s.path == tmp_path / "store" / "slabs" / "c0ffee" / "rank1-of-2.slab"
+    assert stat.S_IMODE(os.stat(s.path).st_mode) == 0o600
+    for d in (tmp_path / "store", tmp_path / "store" / "slabs", s.path.parent):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    s.close()
+
+
+def test_rejects_bad_buffers_and_slots(slab):
+    with pytest.raises(ValueError, match="expected 16384"):
+        slab.write(0, b"short")
+    with pytest.raises(ValueError, match="writable"):
+        slab.read(0, bytes(SLOT), 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        slab.write(0, np.zeros((SLOT, 2), np.uint8)[:, 0])
+    with pytest.raises(ValueError, match="slot"):
+        slab.write(-1, bytes(SLOT))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"namespace_id": "../etc"}, {"namespace_id": "C0FFEE"}, {"rank": 2},
+    {"num_ranks": 0}, {"slot_bytes": 0},
+])
+def test_rejects_bad_construction(tmp_path, kwargs):
+    base = {"namespace_id": "c0ffee", "rank": 0, "num_ranks": 2, "slot_bytes": SLOT}
+    with pytest.raises(ValueError):
+        SlabFile(tmp_path, **{**base, **kwargs})
+
+
+def test_short_writes_are_continued(slab, monkeypatch):
+    real = os.pwritev
+
+    def dribble(fd, buffers, offset):
+        (view,) = buffers
+        return real(fd, [memoryview(view)[:1000]], offset)
+
+    monkeypatch.setattr(os, "pwritev", dribble)
+    data = pattern(4)
+    digest = slab.write(2, data)
+    monkeypatch.undo()
+    out = np.empty(SLOT, np.uint8)
+    assert slab.read(2, out, digest) and np.array_equal(out, data)
+
+
+def test_fsync_option_syncs_each_write(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(os, "fdatasync", synced.append)
+    with make_slab(tmp_path, fsync=True) as s:
+        s.write(0, pattern(5))
+        s.write(1, pattern(6))
+    assert len(synced) == 2
+
+
+def test_concurrent_io_on_different_slots(slab):
+    """Thread-safety: a pool writes and reads 64 slots at once; every slot verifies."""
+    datas = [pattern(100 + i) for i in range(64)]
+    with ThreadPoolExecutor(8) as pool:
+        digests = list(pool.map(lambda i: slab.write(i, datas[i]), range(64)))
+        outs = [np.empty(SLOT, np.uint8) for _ in range(64)]
+        results = list(pool.map(lambda i: slab.read(i, outs[i], digests[i]), range(64)))
+    assert all(r is ReadResult.OK for r in results)
+    assert all(np.array_equal(o, d) for o, d in zip(outs, datas))
+
+
+def test_closed_slab_refuses_io(tmp_path):
+    s = make_slab(tmp_path)
+    s.close()
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.write(0, bytes(SLOT))
+    with pytest.raises(ValueError, match="closed"):
+        s.read(0, bytearray(SLOT), 0)
