@@ -169,11 +169,12 @@ class SlabFile:
             os.fdatasync(fd)
         return hasher.intdigest()
 
-    def read(self, slot: int, buf, expected_checksum: int) -> ReadResult:
+    def read(self, slot: int, buf, expected_checksum: int | None) -> ReadResult:
         """Read the whole slot into ``buf`` and verify it against ``expected_checksum``.
 
         Returns ReadResult.OK (truthy) only when every byte was read and the checksum
-        matches; any other result is a miss and the contents of ``buf`` are undefined.
+        matches (``expected_checksum=None`` skips verification: the operator turned
+        ``verify_checksums`` off); any other result is a miss and the contents of ``buf`` are undefined.
         I/O errors are reported as IO_ERROR, not raised. ``buf`` must be writable,
         C-contiguous and exactly ``slot_bytes`` long.
         """
@@ -183,7 +184,7 @@ class SlabFile:
             fd = self._current_fd(create=False)
             if fd < 0:
                 return ReadResult.MISSING
-            hasher = new_hasher()
+            hasher = new_hasher() if expected_checksum is not None else None
             for start in range(0, view.nbytes, _PIECE):
                 piece = view[start : start + _PIECE]
                 done = 0
@@ -192,11 +193,12 @@ class SlabFile:
                     if n == 0:
                         return ReadResult.SHORT_READ
                     done += n
-                hasher.update(piece)
+                if hasher is not None:
+                    hasher.update(piece)
         except OSError as exc:
             logger.warning("disk tier: reading slot %d of %s failed: %s", slot, self.path, exc)
             return ReadResult.IO_ERROR
-        if hasher.intdigest() != expected_checksum:
+        if hasher is not None and hasher.intdigest() != expected_checksum:
             return ReadResult.CHECKSUM_MISMATCH
         return ReadResult.OK
 

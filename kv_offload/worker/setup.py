@@ -69,4 +69,5 @@ def build_worker(
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s",
                 rank, len(planes), host.num_slots, type(engine).__name__)
     return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab,
-                         io_threads=config.io_threads, load_timeout_s=config.load_timeout_s)
+                         io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
+                         verify_checksums=config.verify_checksums)

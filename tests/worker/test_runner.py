@@ -161,3 +161,18 @@ def test_repeated_io_errors_report_a_broken_disk_once(planes):
     assert all(s == (None,) for x in reports for per in x.disk_stored.values()
                for s in per.values())
     worker.close()
+
+
+def test_verification_off_trusts_the_slab(planes, tmp_path):
+    """verify_checksums=False: a damaged chunk is loaded as is (the operator's choice)."""
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    worker = make_worker(planes, slab, verify_checksums=False)
+    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, 0),))])
+    drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    with open(slab.path, "r+b") as f:
+        f.write(b"\x01\x02\x03")
+    worker.start_loads([LoadJob(2, "r", (ChunkMove((11, 12), 1, 0, (12345,)),))])
+    _, _, failed = drain(worker, until=lambda r, f, b: "r" in f)
+    assert not failed
+    assert bytes(planes[0][11][:3].tolist()) == b"\x01\x02\x03"
+    worker.close()
