@@ -96,6 +96,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def _check_hash_reproducible(self) -> bool:
         if self.layout.hashes_reproducible(os.environ.get("PYTHONHASHSEED")):
             return True
+        if self._role != KVConnectorRole.SCHEDULER:
+            return False  # the scheduler side says it, once
         logger.warning(
             "kv-offload: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block "
             "hashes that change on every restart, so the disk tier could never hit; it is "
