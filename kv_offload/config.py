@@ -89,6 +89,9 @@ class OffloadConfig:
         store_generated: also store chunks made of generated (decode) tokens.
         load_timeout_s: a load not finished within this many seconds is failed and
             its tokens are recomputed. Default 30.
+        disk_allow_unsafe_permissions: open a store directory that belongs to another
+            user or is writable by group or others. Default False: such a store is
+            refused, because whoever can write it can plant KV that would be served.
     """
 
     cpu_size: int | str = "4GiB"
@@ -102,6 +105,7 @@ class OffloadConfig:
     namespace_salt: str = ""
     store_generated: bool = False
     load_timeout_s: float = 30.0
+    disk_allow_unsafe_permissions: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -131,7 +135,8 @@ class OffloadConfig:
                 f"choose one of {', '.join(EVICTION_POLICIES)}"
             )
         _check_int(self.io_threads, "io_threads", minimum=1)
-        for name in ("verify_checksums", "disk_fsync", "store_generated"):
+        for name in ("verify_checksums", "disk_fsync", "store_generated",
+                     "disk_allow_unsafe_permissions"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         if not isinstance(self.namespace_salt, str):

@@ -54,6 +54,21 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
+def _adopt_vllm_logging() -> None:
+    """Send the "kv_offload" loggers through vLLM's handler (its format, level and stream).
+
+    vLLM configures only the "vllm" logger; without this, kv-offload's INFO lines (start-up,
+    summaries) are dropped and its warnings print bare, without level or time. A no-op if
+    the application configured "kv_offload" itself or vLLM's logging is off."""
+    ours, theirs = logging.getLogger("kv_offload"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def num_cpu_slots(config: OffloadConfig, layout: KVLayout) -> int:
     """CPU-tier slots per rank; ValueError naming ``cpu_size`` when not even one fits."""
     slots = config.cpu_size // layout.slot_bytes
@@ -72,6 +87,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        _adopt_vllm_logging()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = OffloadConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
@@ -124,7 +140,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
             disk_index = DiskIndex.open(
                 self.config.disk_path, namespace_id=self.namespace,
                 descriptor=self.layout.descriptor(), slot_bytes=self.layout.slot_bytes,
-                num_ranks=self.layout.tp_size, capacity_bytes=self.config.disk_size)
+                num_ranks=self.layout.tp_size, capacity_bytes=self.config.disk_size,
+                allow_unsafe_permissions=self.config.disk_allow_unsafe_permissions)
         planner_config = PlannerConfig(
             chunk_tokens=self.layout.chunk_tokens, block_size=self.layout.block_size,
             tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from kv_offload.config import OffloadConfig
@@ -45,8 +46,11 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any, config: OffloadConf
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
+    model = str(model_config.model)
+    if os.path.isdir(model):  # ./m, /abs/m and a symlink to it are one model
+        model = os.path.realpath(model)
     return KVLayout(
-        model=str(model_config.model),
+        model=model,
         model_fingerprint=_model_fingerprint(model_config),
         dtype=str(model_config.dtype).removeprefix("torch."),
         kv_cache_dtype=str(cache_config.cache_dtype),

@@ -93,6 +93,7 @@ class DiskIndex:
         map_size: int | None = None,
         sync: bool = False,
         clock: Callable[[], float] = time.time,
+        allow_unsafe_permissions: bool = False,
     ) -> DiskIndex:
         """Open the store at ``root`` and the namespace in it, creating both if needed.
 
@@ -102,7 +103,9 @@ class DiskIndex:
         a warning. Reclaims reservations of dead processes. ``sync=True`` fsyncs each write
         transaction (durable against power loss); the default survives process crashes.
         The first opener in a process decides ``sync``. ``clock`` returns seconds; access
-        ticks are its microseconds. StoreError subclasses for unusable stores.
+        ticks are its microseconds. StoreError subclasses for unusable stores, including
+        (StorePathError) a store owned by another user or writable by group or others
+        unless ``allow_unsafe_permissions``.
         """
         validate_namespace_id(namespace_id)
         for name, value in (("slot_bytes", slot_bytes), ("num_ranks", num_ranks)):
@@ -110,12 +113,14 @@ class DiskIndex:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         num_slots = capacity_bytes // (slot_bytes * num_ranks)
         if num_slots < 1:
-            raise ValueError(f"capacity_bytes={capacity_bytes} holds no slot of {slot_bytes} "
-                             f"bytes x {num_ranks} ranks; raise the disk capacity")
+            raise ValueError(f"disk_size: {capacity_bytes} bytes holds no slot of {slot_bytes} "
+                             f"bytes x {num_ranks} ranks (one chunk of this model); raise "
+                             "disk_size or lower chunk_tokens")
         record = {"namespace_id": namespace_id, "descriptor": json.loads(json.dumps(descriptor)),
                   "slot_bytes": slot_bytes, "num_ranks": num_ranks, "num_slots": num_slots,
                   "created": datetime.now(timezone.utc).isoformat()}
-        store = _acquire_store(Path(root), create=create, map_size=map_size, sync=sync)
+        store = _acquire_store(Path(root), create=create, map_size=map_size, sync=sync,
+                               allow_unsafe_permissions=allow_unsafe_permissions)
         try:
             store.grow_map(map_size or num_slots * _MAP_BYTES_PER_SLOT)
             record = store.write(lambda txn: _open_namespace(
@@ -348,7 +353,9 @@ def _existing_store(root: str | os.PathLike) -> Iterator[_Store | None]:
     if not (root / "index" / "data.mdb").exists():
         yield None
         return
-    store = _acquire_store(root, create=False, map_size=None, sync=False)
+    # Inspecting or clearing is what an operator does to an unsafe store: no check.
+    store = _acquire_store(root, create=False, map_size=None, sync=False,
+                           allow_unsafe_permissions=True)
     try:
         yield store
     finally:

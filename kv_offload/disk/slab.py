@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
@@ -39,17 +40,39 @@ def validate_namespace_id(namespace_id: str) -> str:
     return namespace_id
 
 
-def make_private_dirs(root: Path, *parts: str) -> Path:
+def check_private(path: Path, st: os.stat_result, *, allow_unsafe: bool) -> None:
+    """StorePathError unless ``path`` (with stat ``st``) belongs to this user and is not
+    writable by group or others: whoever can write the store can plant KV (with matching
+    checksums) that this process would serve. ``allow_unsafe`` skips the check."""
+    if allow_unsafe:
+        return
+    problems = []
+    if st.st_uid != os.geteuid():
+        problems.append(f"owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        problems.append(f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
+    if problems:
+        raise StorePathError(
+            f"disk store path {path} is {' and '.join(problems)}: another user could plant KV "
+            "that this server would serve. Make it yours with mode 0700 (files 0600), choose "
+            "another disk path, or, if the store is shared on purpose, set "
+            "disk_allow_unsafe_permissions (allow_unsafe_permissions=True)"
+        )
+
+
+def make_private_dirs(root: Path, *parts: str, allow_unsafe_permissions: bool = False) -> Path:
     """Create ``root`` and each of ``parts`` below it with mode 0700; return the leaf.
 
     Existing directories keep their mode. Raises StorePathError when a component is a
-    file or cannot be created (read-only, permissions).
+    file or cannot be created (read-only, permissions), or, unless
+    ``allow_unsafe_permissions``, is owned by another user or writable by group or others.
     """
     path = Path(root)
     for part in ("", *parts):
         path = path / part if part else path
         try:
             path.mkdir(mode=DIR_MODE, exist_ok=True)
+            check_private(path, os.stat(path), allow_unsafe=allow_unsafe_permissions)
         except FileExistsError:
             raise StorePathError(
                 f"disk store path {path} exists and is not a directory; "
@@ -109,7 +132,9 @@ class SlabFile:
     a reused descriptor number. close() must not race with I/O (join the pool first).
 
     The constructor creates the directories (0700) and the sparse file (0600); it raises
-    StorePathError if they cannot be created and ValueError for bad arguments.
+    StorePathError if they cannot be created or, unless ``allow_unsafe_permissions``,
+    belong to another user or are writable by group or others; ValueError for bad
+    arguments.
     """
 
     def __init__(
@@ -121,6 +146,7 @@ class SlabFile:
         num_ranks: int,
         slot_bytes: int,
         fsync: bool = False,
+        allow_unsafe_permissions: bool = False,
     ) -> None:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks!r}")
@@ -132,6 +158,7 @@ class SlabFile:
         self._namespace_id = validate_namespace_id(namespace_id)
         self._slot_bytes = slot_bytes
         self._fsync = fsync
+        self._allow_unsafe = allow_unsafe_permissions
         self.path = slab_path(root, namespace_id, rank, num_ranks)
         self._lock = threading.Lock()
         self._retired: list[int] = []
@@ -240,7 +267,8 @@ class SlabFile:
 
     def _reopen_locked(self, *, create: bool) -> int:
         if create:
-            make_private_dirs(self._root, "slabs", self._namespace_id)
+            make_private_dirs(self._root, "slabs", self._namespace_id,
+                              allow_unsafe_permissions=self._allow_unsafe)
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
         try:
             fd = os.open(self.path, flags, FILE_MODE)
@@ -249,6 +277,11 @@ class SlabFile:
                 raise
             return -1
         st = os.fstat(fd)
+        try:
+            check_private(self.path, st, allow_unsafe=self._allow_unsafe)
+        except StorePathError:
+            os.close(fd)
+            raise
         if (st.st_dev, st.st_ino) == self._ino:  # another thread reopened already
             os.close(fd)
             return self._fd

@@ -41,7 +41,7 @@ from kv_offload.disk.errors import (
     StorePathError,
     StoreVersionError,
 )
-from kv_offload.disk.slab import DIR_MODE, make_private_dirs
+from kv_offload.disk.slab import DIR_MODE, check_private, make_private_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,10 @@ _CORRUPT = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
             lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadChecksumError, lmdb.IncompatibleError)
 
 Owner = tuple[int, int, int]  # pid, process start time (0: unknown), instance token
+_LMDB_MAGIC = 0xBEEFC0DE
+# An LMDB meta page (64-bit): 16-byte page header, magic, version, address, map size,
+# two MDB_db records (the first's md_pad is the page size), last used page, txn id.
+_META_PAGE = struct.Struct("<16xII16xI92xQQ")  # magic, version, page size, last page, txnid
 
 
 @functools.cache
@@ -122,6 +126,34 @@ def _process_identity(pid: int) -> tuple[bool, int]:
     return True, 0
 
 
+def _check_data_file(root: Path) -> None:
+    """Raise StoreCorruptError when ``index/data.mdb`` is shorter than its newest meta page
+    says. LMDB maps the file, so reading past its end (a copy cut short, an OS crash with
+    ``sync=False``) would kill the process with SIGBUS instead of raising."""
+    path = root / "index" / "data.mdb"
+    try:
+        with open(path, "rb") as f:
+            first = f.read(_META_PAGE.size)
+            if len(first) < _META_PAGE.size:
+                return  # a new store, or too short to be LMDB (lmdb.open says so)
+            page_size = _META_PAGE.unpack(first)[2]
+            if _META_PAGE.unpack(first)[0] != _LMDB_MAGIC or not 512 <= page_size <= 1 << 16:
+                return  # not an LMDB file: lmdb.open says so
+            f.seek(page_size)
+            second = f.read(_META_PAGE.size)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return
+    metas = [_META_PAGE.unpack(first)]
+    if len(second) == _META_PAGE.size and _META_PAGE.unpack(second)[0] == _LMDB_MAGIC:
+        metas.append(_META_PAGE.unpack(second))
+    needed = (max(metas, key=lambda m: m[4])[3] + 1) * page_size
+    if size < needed:
+        raise StoreCorruptError(
+            f"the disk-tier index {path} is cut short ({size} of {needed} bytes); "
+            + _clear_hint(root))
+
+
 class _Store:
     """This process's LMDB environment of one store (LMDB forbids opening one twice).
 
@@ -132,6 +164,7 @@ class _Store:
     def __init__(self, root: Path, *, map_size: int, sync: bool) -> None:
         self.root, self.lock, self.refs = root, threading.RLock(), 0
         self.live_tokens: set[int] = set()  # instance tokens of open DiskIndex objects
+        _check_data_file(root)
         try:
             self.env = lmdb.open(
                 str(root / "index"), map_size=map_size, subdir=True, max_dbs=len(_DB_NAMES),
@@ -214,8 +247,11 @@ _STORES: dict[tuple[int, int, int], _Store] = {}  # (pid, st_dev, st_ino) of ind
 _STORES_LOCK = threading.Lock()
 
 
-def _acquire_store(root: Path, *, create: bool, map_size: int | None, sync: bool) -> _Store:
-    """Open, or share, this process's environment of the store at ``root``."""
+def _acquire_store(root: Path, *, create: bool, map_size: int | None, sync: bool,
+                   allow_unsafe_permissions: bool = False) -> _Store:
+    """Open, or share, this process's environment of the store at ``root``. Unless
+    ``allow_unsafe_permissions``, refuses (StorePathError) a store directory or index
+    file owned by another user or writable by group or others."""
     try:
         if root.exists() and not root.is_dir():
             raise StorePathError(
@@ -224,7 +260,11 @@ def _acquire_store(root: Path, *, create: bool, map_size: int | None, sync: bool
             )
         if not create and not (root / "index" / "data.mdb").exists():
             raise StorePathError(f"no disk store at {root} (missing index/data.mdb)")
-        make_private_dirs(root, "index")
+        make_private_dirs(root, "index", allow_unsafe_permissions=allow_unsafe_permissions)
+        for name in ("data.mdb", "lock.mdb"):
+            with contextlib.suppress(FileNotFoundError):
+                path = root / "index" / name
+                check_private(path, os.stat(path), allow_unsafe=allow_unsafe_permissions)
         st = os.stat(root / "index")
     except PermissionError as exc:
         raise StorePathError(
@@ -242,16 +282,19 @@ def _acquire_store(root: Path, *, create: bool, map_size: int | None, sync: bool
 
 
 def _release_store(store: _Store) -> None:
+    # The environment is closed while _STORES_LOCK is held: a concurrent
+    # _acquire_store of the same files must not open a second environment before
+    # this one is closed (LMDB forbids two in one process).
     with _STORES_LOCK:
         store.refs -= 1
         if store.refs > 0:
             return
         for ident in [i for i, s in _STORES.items() if s is store]:
             del _STORES[ident]
-    with store.lock:
-        with contextlib.suppress(lmdb.Error):
-            store.env.sync(True)
-        store.env.close()
+        with store.lock:
+            with contextlib.suppress(lmdb.Error):
+                store.env.sync(True)
+            store.env.close()
 
 
 class _NsTxn:

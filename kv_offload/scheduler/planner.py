@@ -3,10 +3,15 @@
 Pure logic: imports neither torch nor vLLM. It sees requests through a small protocol
 (``request_id``, ``block_hashes``, ``num_tokens``, ``num_prompt_tokens``) and engine
 block ids through an injected callable, so it is unit-tested with fakes.
+
+A disk index that fails (``StoreError``: a full or read-only file system under the
+index, a corrupted environment) turns the disk tier off for the rest of the run, with
+one error line; serving goes on from the CPU tier. It never escapes into vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -14,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kv_offload.disk.errors import StoreError
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StepPlan, StoreJob, WorkerReport
 from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.counters import SchedulerCounters
@@ -119,7 +125,10 @@ class OffloadScheduler:
     def _lookup(self, keys: Sequence[ChunkKey], first: int) -> tuple[list, list]:
         cpu_hits = self.cpu.lookup_prefix(keys[first:])
         rest = keys[first + len(cpu_hits):]
-        disk_hits = self.disk.lookup_prefix(rest) if (self.disk_enabled and rest) else []
+        disk_hits = []
+        if self.disk_enabled and rest:
+            with self._disk_guard("lookup"):
+                disk_hits = self.disk.lookup_prefix(rest)
         return cpu_hits, disk_hits
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -247,7 +256,8 @@ class OffloadScheduler:
         unique = [(k, b) for k, b in chunks if not (k in seen or seen.add(k))]
         disk_slots: list[int | None] = [None] * len(unique)
         if self.disk_enabled:
-            disk_slots = list(self.disk.allocate([k for k, _ in unique]))
+            with self._disk_guard("allocate"):
+                disk_slots = list(self.disk.allocate([k for k, _ in unique]))
         job_id = next(self._job_ids)
         keys, moves, unused_disk = [], [], []
         for (key, blocks), disk_slot in zip(unique, disk_slots):
@@ -262,7 +272,8 @@ class OffloadScheduler:
             keys.append(key)
             moves.append(ChunkMove(blocks, slot, disk_slot))
         if unused_disk:
-            self.disk.release(unused_disk)
+            with self._disk_guard("release"):
+                self.disk.release(unused_disk)
         if not moves:
             return None
         self._jobs[job_id] = _Job("store", tuple(keys), tuple(moves))
@@ -272,12 +283,8 @@ class OffloadScheduler:
 
     def on_report(self, report: WorkerReport) -> None:
         """Apply what workers finished: publish, commit, release pins (invariants 1-2)."""
-        if report.disk_broken and self.disk_enabled:
-            self.disk_enabled = False
-            logger.error(
-                "kv-offload: the disk tier keeps failing (%s); it is disabled for this run and "
-                "serving continues from the CPU tier. Fix the store directory (deleted, "
-                "read-only or failing disk) and restart to use it again.", report.disk_broken)
+        if report.disk_broken:
+            self._disable_disk(report.disk_broken)
         for job_id, count in report.host_stored.items():
             job = self._jobs.get(job_id)
             if job is None:
@@ -322,10 +329,11 @@ class OffloadScheduler:
             else:
                 releases.append(move.disk_slot)
         self.counters.chunks_stored_disk += len(commits)
-        if commits:
-            self.disk.commit(commits)
-        if releases:
-            self.disk.release(releases)
+        with self._disk_guard("commit"):
+            if commits:
+                self.disk.commit(commits)
+            if releases:
+                self.disk.release(releases)
 
     def _finish_load(self, job_id: int, job: _Job) -> None:
         del self._jobs[job_id]
@@ -338,7 +346,8 @@ class OffloadScheduler:
                 self.disk.unpin([move.disk_slot])
                 if i in failed:
                     self.cpu.discard(key)
-                    self.disk.drop(key, move.disk_slot)
+                    with self._disk_guard("drop"):
+                        self.disk.drop(key, move.disk_slot)
                     continue
                 if self.cpu.state(key) is SlotState.STAGING:
                     self.cpu.publish(key)
@@ -363,12 +372,35 @@ class OffloadScheduler:
 
     def _maybe_flush_access(self) -> None:
         now = self._clock()
-        if self.disk is not None and now - self._last_access_flush >= ACCESS_FLUSH_INTERVAL_S:
+        if self.disk_enabled and now - self._last_access_flush >= ACCESS_FLUSH_INTERVAL_S:
             self._last_access_flush = now
-            self.disk.flush_access()
+            with self._disk_guard("flush_access"):
+                self.disk.flush_access()
+
+    def _disable_disk(self, reason: str) -> None:
+        """Stop using the disk tier for the rest of the run; logs once. In-flight jobs
+        still unpin, commit and release what they hold."""
+        if not self.disk_enabled:
+            return
+        self.disk_enabled = False
+        logger.error(
+            "kv-offload: the disk tier keeps failing (%s); it is disabled for this run and "
+            "serving continues from the CPU tier. Fix the store directory (deleted, "
+            "read-only, full or failing disk) and restart to use it again.", reason)
+
+    @contextlib.contextmanager
+    def _disk_guard(self, what: str):
+        """Turn a StoreError of the disk index into _disable_disk (the caller's fallback
+        value stands)."""
+        try:
+            yield
+        except StoreError as exc:
+            self._disable_disk(f"disk index {what}: {exc}")
 
     def close(self) -> None:
         if self.disk is not None:
-            self.disk.flush_access()
-            self.disk.close()
+            with self._disk_guard("flush_access"):
+                self.disk.flush_access()
+            with self._disk_guard("close"):
+                self.disk.close()
 

@@ -93,6 +93,7 @@ class OffloadWorker:
         self._staged: dict[tuple[int, int], tuple[Future, float]] = {}
         self._report = WorkerReport()
         self._write_errors = 0
+        self._write_burst = False  # the last write failed (a failure burst is logged once)
         self._read_failures = 0
         self._io_errors_in_a_row = 0
         self._disk_broken_reported = False
@@ -102,19 +103,36 @@ class OffloadWorker:
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
         """Start ``jobs`` in the background: disk reads on the I/O pool, then one engine
-        copy per job on the copy thread. Returns at once."""
+        copy per job on the copy thread, queued only once the reads it needs (its own and
+        those of jobs it shares chunks with) are done, so a slow disk never holds up the
+        copies of other jobs. Returns at once."""
         now = self._clock()
         for job in jobs:
             load = _Load(job, now)
             reads: dict[int, Future] = {}
+            needed: list[Future] = []
             for i, move in enumerate(job.chunks):
                 if move.cpu_slot is not None and move.disk_slot is not None:
                     fut = self._io.submit(self._read_chunk, move)
                     reads[i] = fut
                     self._staged[(job.job_id, move.cpu_slot)] = (fut, now)
+                    needed.append(fut)
+                elif move.cpu_slot is not None and move.after_job is not None:
+                    staged = self._staged.get((move.after_job, move.cpu_slot))
+                    if staged is not None:
+                        needed.append(staged[0])
             with self._lock:
                 self._loads[job.job_id] = load
-            load.future = self._copier.submit(self._run_load, load, reads)
+            _when_all_done(needed, lambda load=load, reads=reads: self._queue_copy(load, reads))
+
+    def _queue_copy(self, load: _Load, reads: dict[int, Future]) -> None:
+        """Queue the engine copy of ``load`` (its reads are done); any thread."""
+        try:
+            future = self._copier.submit(self._run_load, load, reads)
+        except RuntimeError:  # shut down by close()
+            return
+        with self._lock:
+            load.future = future
 
     def _read_chunk(self, move: ChunkMove) -> bool:
         if self.slab is None or move.checksums is None:
@@ -212,6 +230,9 @@ class OffloadWorker:
             self.engine.order_before_compute()
 
     def _write_chunk(self, handle: Any, move: ChunkMove) -> int | None:
+        """Write one chunk to the slab (I/O thread); its checksum, or None if it failed.
+        Any exception is a failed store: a full disk (ENOSPC) only for this chunk, any
+        other error also counts towards DISK_BROKEN_AFTER."""
         try:
             self.engine.wait(handle)
             view = self.host.slot_view(move.cpu_slot)
@@ -219,15 +240,21 @@ class OffloadWorker:
             checksum = self.slab.write(move.disk_slot, view)
             self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
             self._note_io(ok=True, io_error=False, what="")
+            with self._lock:
+                self._write_burst = False
             return checksum
-        except OSError as exc:
-            self._write_errors += 1
+        except Exception as exc:  # OSError, StorePathError (directory re-creation)...
+            per_chunk = isinstance(exc, OSError) and exc.errno not in _BROKEN_ERRNOS
+            self._note_io(ok=False, io_error=not per_chunk, what=str(exc))
+            with self._lock:
+                self._write_errors += 1
+                first_of_burst, self._write_burst = not self._write_burst, True
             self._count(disk_write_errors=1)
-            self._note_io(ok=False, io_error=exc.errno in _BROKEN_ERRNOS, what=str(exc))
-            if self._write_errors == 1 or self._write_errors % 1000 == 0:
+            if first_of_burst:
                 logger.warning(
                     "kv-offload: disk write failed (%s); %d failures so far; the chunk "
-                    "stays in the CPU tier only", exc, self._write_errors)
+                    "stays in the CPU tier only (logged again after writes recover)",
+                    exc, self._write_errors)
             return None
 
     def wait_for_stores(self) -> None:
@@ -331,6 +358,26 @@ class OffloadWorker:
         if self.slab is not None:
             self.slab.close()
         self.engine.close()
+
+
+def _when_all_done(futures: Sequence[Future], fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once every future is done: at once if none is pending, else on the
+    thread that completes the last one."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        fn()
+        return
+    left, lock = [len(pending)], threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    for future in pending:
+        future.add_done_callback(one_done)
 
 
 def _blocks_of(moves: Any) -> set[int]:

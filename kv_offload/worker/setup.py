@@ -65,7 +65,8 @@ def build_worker(
 
         slab = SlabFile(config.disk_path, namespace_id=namespace, rank=rank,
                         num_ranks=layout.tp_size, slot_bytes=layout.slot_bytes,
-                        fsync=config.disk_fsync)
+                        fsync=config.disk_fsync,
+                        allow_unsafe_permissions=config.disk_allow_unsafe_permissions)
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s",
                 rank, len(planes), host.num_slots, type(engine).__name__)
     return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab,

@@ -1,0 +1,516 @@
+"""The `kv-offload` command: warm, inspect, verify and clear disk stores.
+
+Exit codes: 0 success; 1 the operation failed or found damage (engine failure, writes
+not durable, chunks not stored, bad chunks left, inconsistent or corrupt index); 2 a
+usage error (bad arguments, missing or invalid paths, not a store, unknown namespace);
+3 the store is in use by another process (clear without --force). Expected errors print
+one line naming the problem and the fix, never a traceback. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kv_offload.config import OffloadConfig, format_size, parse_size
+from kv_offload.disk import (
+    DiskIndex,
+    ReadResult,
+    SlabFile,
+    StoreError,
+    clear,
+    iter_entries,
+    list_namespaces,
+)
+from kv_offload.disk.slab import slab_dir, slab_path
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_BUSY = 0, 1, 2, 3
+
+
+class CliError(Exception):
+    """An expected failure: print ``message`` and exit with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _err(*parts: Any) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# -- store helpers -----------------------------------------------------------------------------
+
+
+def open_store(path: str, *, broken_ok: bool = False) -> tuple[Path, list[dict] | None]:
+    """(root, namespaces) of an existing store; CliError naming the problem if it is not
+    one. With ``broken_ok``, a store whose index cannot be read gives (root, None)."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise CliError(f"no disk store at {root}: the path does not exist")
+    if not root.is_dir():
+        raise CliError(f"{root} is a file, not a disk store directory")
+    if not (root / "index" / "data.mdb").is_file():
+        if broken_ok and ((root / "index").is_dir() or (root / "slabs").is_dir()):
+            return root, None
+        raise CliError(f"{root} is not a kv-offload disk store (no index/data.mdb); pass the "
+                       "directory given as disk_path")
+    crashed = _probe_index(root)
+    if crashed:
+        reason = (f"the disk-tier index {root / 'index'} cannot be read (a process reading it "
+                  f"was killed by {crashed}: is index/data.mdb cut short?)")
+        if broken_ok:
+            _err(f"warning: clearing a store whose index cannot be read: {reason}")
+            return root, None
+        raise CliError(f"{reason}; it is only a cache: run `kv-offload clear {root}` or delete "
+                       "that directory", EXIT_FAILURE)
+    try:
+        return root, list_namespaces(root)
+    except StoreError as exc:
+        if broken_ok:
+            _err(f"warning: clearing a store whose index cannot be read: {exc}")
+            return root, None
+        raise CliError(str(exc), EXIT_FAILURE) from None
+
+
+def _probe_index(root: Path) -> str | None:
+    """None if a child process can open the index (or fails with an ordinary error that
+    this process reports itself); else the signal that killed it. LMDB maps the index, so
+    reading a file that is cut short kills the reader with SIGBUS: look in a child first."""
+    probe = "import sys; from kv_offload.disk import list_namespaces; list_namespaces(sys.argv[1])"
+    proc = subprocess.run([sys.executable, "-c", probe, str(root)], capture_output=True,
+                          timeout=120)
+    if proc.returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-proc.returncode).name
+    except ValueError:
+        return f"signal {-proc.returncode}"
+
+
+def resolve_namespaces(namespaces: list[dict], wanted: str | None) -> list[dict]:
+    """All namespaces, or the one whose id is or starts with ``wanted`` (unique prefix)."""
+    if wanted is None:
+        return namespaces
+    hits = [n for n in namespaces if n["namespace_id"].startswith(wanted.lower())]
+    exact = [n for n in hits if n["namespace_id"] == wanted.lower()]
+    if len(exact) == 1 or len(hits) == 1:
+        return exact or hits
+    known = ", ".join(n["namespace_id"] for n in namespaces) or "none"
+    what = "matches several namespaces" if hits else "is not a namespace of this store"
+    raise CliError(f"--namespace {wanted} {what}; namespaces: {known} (see `kv-offload inspect`)")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _chunk_bytes(ns: dict) -> int:
+    return ns["slot_bytes"] * ns["num_ranks"]
+
+
+def _disk_bytes(root: Path, namespace_id: str) -> int:
+    """Bytes the namespace's (sparse) slab files occupy on disk."""
+    files = slab_dir(root, namespace_id).glob("*.slab")
+    return sum(f.stat().st_blocks * 512 for f in files if f.is_file())
+
+
+def _when(epoch: float | None) -> str | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch).isoformat(sep=" ",
+                                                                              timespec="seconds")
+
+
+def store_users(root: Path, namespace_id: str | None = None) -> dict[int, str]:
+    """pid -> command name of other processes using the store: holding its slab files open,
+    mapping its LMDB files (/proc, Linux) or listed in LMDB's reader table. With a
+    namespace, only holders of that namespace's slab files count."""
+    slabs = (slab_dir(root, namespace_id) if namespace_id else root / "slabs").resolve()
+    index = {str((root / "index" / n).resolve()) for n in ("data.mdb", "lock.mdb")}
+    users: dict[int, str] = {}
+    proc = Path("/proc")
+    for pid_dir in proc.glob("[0-9]*") if proc.is_dir() else ():
+        pid = int(pid_dir.name)
+        if pid == os.getpid():
+            continue
+        try:
+            maps = set() if namespace_id else {  # the last field of a line is the path
+                line.split(maxsplit=5)[-1] for line in (pid_dir / "maps").read_text().splitlines()}
+            fds = [os.readlink(fd) for fd in (pid_dir / "fd").iterdir()]
+        except OSError:  # gone, or another user's process
+            continue
+        if maps & index or any(f.startswith(f"{slabs}/") for f in fds):
+            users[pid] = _comm(pid)
+    if namespace_id is None:
+        users.update({pid: _comm(pid) for pid in _lmdb_readers(root / "index")})
+    return users
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _lmdb_readers(index: Path) -> set[int]:
+    """pids in the LMDB reader table (stale slots of dead processes cleared first)."""
+    import lmdb
+
+    try:
+        env = lmdb.open(str(index), readonly=True, lock=True, max_dbs=0)
+    except lmdb.Error:
+        return set()
+    try:
+        env.reader_check()
+        rows = env.readers().splitlines()[1:]
+    finally:
+        env.close()
+    pids = {int(r.split()[0]) for r in rows if r.split() and r.split()[0].isdigit()}
+    return pids - {os.getpid()}
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+def _namespace_report(root: Path, ns: dict) -> dict:
+    c, chunk = ns["counters"], _chunk_bytes(ns)
+    return {
+        "namespace_id": ns["namespace_id"], "descriptor": ns["descriptor"],
+        "created": ns.get("created"), "chunk_tokens": ns["descriptor"].get("chunk_tokens"),
+        "slot_bytes": ns["slot_bytes"], "num_ranks": ns["num_ranks"], "chunk_bytes": chunk,
+        "chunks": c["entries"], "reserved": c["reserved"], "num_slots": ns["num_slots"],
+        "used_bytes": c["entries"] * chunk, "capacity_bytes": ns["num_slots"] * chunk,
+        "disk_bytes": _disk_bytes(root, ns["namespace_id"]),
+        "oldest_access": _when(ns["oldest_access"]), "newest_access": _when(ns["newest_access"]),
+        "counters": {k: c[k] for k in ("hits", "misses", "checksum_failures", "commits",
+                                       "evictions", "reclaimed") if k in c},
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    root, namespaces = open_store(args.path)
+    reports = [_namespace_report(root, ns)
+               for ns in resolve_namespaces(namespaces, args.namespace)]
+    total = {k: sum(r[k] for r in reports) for k in ("chunks", "used_bytes", "capacity_bytes",
+                                                     "disk_bytes")}
+    if args.json:
+        print(json.dumps({"path": str(root), **total, "namespaces": reports}, indent=2))
+        return EXIT_OK
+    print(f"store {root}: {_plural(len(reports), 'namespace')}, {total['chunks']} chunks, "
+          f"{format_size(total['used_bytes'])} used of {format_size(total['capacity_bytes'])}, "
+          f"{format_size(total['disk_bytes'])} on disk")
+    for r in reports:
+        d, c = r["descriptor"], r["counters"]
+        pct = 100 * r["used_bytes"] / max(r["capacity_bytes"], 1)
+        print(f"\nnamespace {r['namespace_id']}")
+        print(f"  model      {d.get('model', '?')}")
+        print(f"  layout     {d.get('dtype')} (KV {d.get('kv_cache_dtype')}), "
+              f"{d.get('num_layers')} layers, {d.get('attention')}, block {d.get('block_size')}"
+              f", TP {d.get('tp_size')}, hash {d.get('hash_algo')}"
+              + (f", salt {d['salt']!r}" if d.get("salt") else ""))
+        print(f"  chunk      {r['chunk_tokens']} tokens = {format_size(r['slot_bytes'])} x "
+              f"{r['num_ranks']} rank(s) = {format_size(r['chunk_bytes'])}")
+        print(f"  chunks     {r['chunks']} of {r['num_slots']} slots"
+              + (f" ({r['reserved']} being written)" if r["reserved"] else ""))
+        print(f"  bytes      {format_size(r['used_bytes'])} used of "
+              f"{format_size(r['capacity_bytes'])} ({pct:.0f}%), "
+              f"{format_size(r['disk_bytes'])} on disk")
+        print(f"  access     oldest {r['oldest_access'] or '-'}, "
+              f"newest {r['newest_access'] or '-'}")
+        print("  counters   " + ", ".join(f"{k} {v}" for k, v in c.items()))
+        print(f"  created    {r['created'] or '?'}")
+    return EXIT_OK
+
+
+# -- verify ------------------------------------------------------------------------------------
+
+
+def _scan_namespace(root: Path, ns: dict) -> tuple[int, list[tuple]]:
+    """Read and check every chunk of every rank; return (chunks checked, bad entries as
+    (entry, rank, reason)). Read-only: a missing slab file is not created."""
+    nid, ranks, slot_bytes = ns["namespace_id"], ns["num_ranks"], ns["slot_bytes"]
+    slabs: list[SlabFile | None] = []
+    for rank in range(ranks):
+        exists = slab_path(root, nid, rank, ranks).is_file()
+        slabs.append(SlabFile(root, namespace_id=nid, rank=rank, num_ranks=ranks,
+                              slot_bytes=slot_bytes) if exists else None)
+    buf, bad, done = bytearray(slot_bytes), [], 0
+    total, start, last, tty = ns["counters"]["entries"], time.monotonic(), 0.0, sys.stderr.isatty()
+
+    def status(n: int) -> str:
+        rate = n * _chunk_bytes(ns) / max(time.monotonic() - start, 1e-9)
+        return f"verify {nid[:12]}: {n}/{total} chunks, {format_size(int(rate))}/s, {len(bad)} bad"
+
+    try:
+        for entry, _ in iter_entries(root, nid):
+            for rank, slab in enumerate(slabs):
+                result = ReadResult.MISSING if slab is None else slab.read(
+                    entry.slot, buf, entry.checksums[rank])
+                if not result:
+                    bad.append((entry, rank, result.value))
+            done += 1
+            if tty and time.monotonic() - last >= 0.5:
+                last = time.monotonic()
+                sys.stderr.write("\r\033[K" + status(done))
+    finally:
+        for slab in slabs:
+            if slab is not None:
+                slab.close()
+    _err(("\r\033[K" if tty else "") + status(done))
+    return done, bad
+
+
+def _check_index(root: Path, ns: dict, drop: list) -> list[str]:
+    """Drop ``drop`` (DiskEntry list) from the namespace, then return DiskIndex.check()'s
+    problems. Opening the index reclaims reservations of dead processes."""
+    with DiskIndex.open(root, namespace_id=ns["namespace_id"], descriptor=ns["descriptor"],
+                        slot_bytes=ns["slot_bytes"], num_ranks=ns["num_ranks"], create=False,
+                        capacity_bytes=ns["num_slots"] * _chunk_bytes(ns)) as index:
+        for entry in drop:
+            index.drop(entry.key, entry.slot)
+        return index.check()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root, namespaces = open_store(args.path)
+    chosen = resolve_namespaces(namespaces, args.namespace)
+    num_bad, num_problems = 0, 0
+    for ns in chosen:
+        nid = ns["namespace_id"]
+        try:
+            done, bad = _scan_namespace(root, ns)
+            entries = list({entry.key: entry for entry, _, _ in bad}.values())
+            problems = _check_index(root, ns, entries if args.repair else [])
+        except StoreError as exc:
+            raise CliError(str(exc), EXIT_FAILURE) from None
+        for entry, rank, reason in bad:
+            print(f"bad chunk: namespace {nid[:12]} key {entry.key.hex()[:16]} "
+                  f"slot {entry.slot} rank {rank}: {reason}")
+        for problem in problems:
+            print(f"index problem: namespace {nid[:12]}: {problem}")
+        num_bad, num_problems = num_bad + len(entries), num_problems + len(problems)
+        action = f", dropped {len(entries)}" if args.repair and entries else ""
+        print(f"namespace {nid}: {done} chunks checked, {len(entries)} bad{action}, "
+              f"index {'consistent' if not problems else 'INCONSISTENT'}")
+    if num_problems:
+        print(f"FAILED: {num_problems} index problems; the store is only a cache: run "
+              f"`kv-offload clear {args.path} --namespace ID` for the namespaces above")
+        return EXIT_FAILURE
+    if not num_bad:
+        print(f"OK: {_plural(len(chosen), 'namespace')}, no bad chunks")
+        return EXIT_OK
+    if args.repair:
+        print(f"repaired: dropped {num_bad} bad chunks; they are recomputed when next needed")
+        return EXIT_OK
+    print(f"FAILED: {num_bad} bad chunks; run `kv-offload verify {args.path} --repair` to "
+          "drop them (they are only misses until then: loads check checksums)")
+    return EXIT_FAILURE
+
+
+# -- clear -------------------------------------------------------------------------------------
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    # A store with an unreadable index can still be cleared as a whole (its errors say so).
+    root, namespaces = open_store(args.path, broken_ok=args.namespace is None)
+    chosen = resolve_namespaces(namespaces or [], args.namespace)
+    nid = chosen[0]["namespace_id"] if args.namespace else None
+    users = store_users(root, nid)
+    if users:
+        who = ", ".join(f"pid {pid} ({name})" for pid, name in sorted(users.items()))
+        if not args.force:
+            raise CliError(f"{'namespace ' + nid if nid else 'the store'} in {root} is in use by "
+                           f"{who}; stop those processes first, or pass --force (they then see "
+                           "misses, never wrong data)", EXIT_BUSY)
+        _err(f"warning: clearing while in use by {who} (--force)")
+    chunks = sum(n["counters"]["entries"] for n in chosen)
+    size = sum(n["counters"]["entries"] * _chunk_bytes(n) for n in chosen)
+    try:
+        clear(root, nid)
+    except StoreError as exc:
+        raise CliError(str(exc), EXIT_FAILURE) from None
+    what = f"namespace {nid}" if nid else f"store {root} ({_plural(len(chosen), 'namespace')})"
+    print(f"cleared store {root} (its index was unreadable)" if namespaces is None
+          else f"cleared {what}: {chunks} chunks, {format_size(size)}")
+    return EXIT_OK
+
+
+# -- warm --------------------------------------------------------------------------------------
+
+
+def _offload_config(args: argparse.Namespace) -> OffloadConfig:
+    extra: dict[str, Any] = {}
+    if args.config:
+        try:
+            text = Path(args.config).expanduser().read_text()
+        except OSError as exc:
+            raise CliError(f"cannot read --config {args.config}: {exc.strerror}") from None
+        try:
+            extra = OffloadConfig.from_json(text).to_extra_config()
+        except ValueError as exc:
+            raise CliError(f"--config {args.config}: {exc}") from None
+    for name in ("disk_path", "disk_size", "cpu_size", "chunk_tokens", "namespace_salt",
+                 "io_threads"):
+        if getattr(args, name) is not None:
+            extra[name] = getattr(args, name)
+    return OffloadConfig.from_extra_config(extra)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    engine = {name: getattr(args, name) for name in (
+        "block_size", "max_model_len", "dtype", "tensor_parallel_size", "gpu_memory_utilization",
+        "prefix_caching_hash_algo") if getattr(args, name) is not None}
+    if args.kv_cache_memory is not None:
+        engine["kv_cache_memory_bytes"] = parse_size(args.kv_cache_memory, name="--kv-cache-memory")
+    if args.enforce_eager:
+        engine["enforce_eager"] = True
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--engine-arg {item!r}: write KEY=VALUE, e.g. max_num_seqs=64")
+        try:
+            engine[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            engine[key.replace("-", "_")] = value
+    return engine
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    from kv_offload.warm import WarmError, WarmOptions, run_warm
+
+    options = WarmOptions(
+        model=args.model, prompts=Path(args.prompts), offload=_offload_config(args),
+        engine=_engine_kwargs(args), batch_size=args.batch_size, timeout_s=args.timeout,
+        show_progress=not args.no_progress, quiet_engine=not args.verbose)
+    try:
+        summary = run_warm(options)
+    except WarmError as exc:
+        raise CliError(str(exc), EXIT_FAILURE) from None
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else "\n".join(summary.lines()))
+    return EXIT_OK if summary.complete else EXIT_FAILURE
+
+
+# -- argument parsing --------------------------------------------------------------------------
+
+
+def _add_warm(sub: Any) -> None:
+    p = sub.add_parser(
+        "warm", help="fill a disk store ahead of serving",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prefill prompts in an offline vLLM engine with kv-offload on, so that\n"
+        "their KV is in the disk store before serving starts. Incremental: chunks already\n"
+        "stored are not written again. Use the server's model string and engine settings\n"
+        "(dtype, block size, chunk tokens, TP size, salt): they name the namespace, and\n"
+        "another namespace never hits.",
+        epilog="prompt files: .jsonl ({\"prompt\": ...} or {\"messages\": [...]}, optional "
+        "\"cache_salt\"), .txt (one prompt per line) or a directory of .txt files (one prompt "
+        "per file)\n\nexample:\n  kv-offload warm --model meta-llama/Llama-3.1-8B-Instruct "
+        "--prompts docs.jsonl \\\n      --disk-path /var/cache/kv-offload --disk-size 500GiB")
+    p.add_argument("--model", required=True, help="model directory or hub name, exactly as "
+                   "the server gets it")
+    p.add_argument("--prompts", required=True, metavar="FILE", help=".jsonl, .txt or a directory")
+    g = p.add_argument_group("kv-offload options (flags override --config)")
+    g.add_argument("--config", metavar="JSON_FILE", help="file with a --kv-transfer-config "
+                   "JSON or its kv_connector_extra_config object")
+    g.add_argument("--disk-path", metavar="PATH",
+                   help="store directory (required here or in --config)")
+    g.add_argument("--disk-size", metavar="SIZE", help="disk budget of the namespace, e.g. 100GiB")
+    g.add_argument("--cpu-size", metavar="SIZE",
+                   help="CPU tier per worker; it stages every store (4GiB)")
+    g.add_argument("--chunk-tokens", metavar="N", type=int,
+                   help="tokens per chunk (multiple of the block size)")
+    g.add_argument("--namespace-salt", metavar="SALT",
+                   help="the server's namespace_salt, if it sets one")
+    g.add_argument("--io-threads", metavar="N", type=int, help="disk I/O threads per worker")
+    e = p.add_argument_group("engine options (vLLM defaults unless given)")
+    e.add_argument("--block-size", metavar="N", type=int)
+    e.add_argument("--max-model-len", metavar="N", type=int, help="longer prompts are skipped")
+    e.add_argument("--dtype", metavar="DTYPE", help="e.g. auto, bfloat16, float32")
+    e.add_argument("--tensor-parallel-size", "-tp", metavar="N", type=int)
+    e.add_argument("--kv-cache-memory", metavar="SIZE", help="KV cache size; on CPU the "
+                   "default is 1GiB (vLLM's own default fails on small hosts)")
+    e.add_argument("--gpu-memory-utilization", metavar="FRACTION", type=float)
+    e.add_argument("--prefix-caching-hash-algo", metavar="NAME",
+                   help="must match the server (default sha256)")
+    e.add_argument("--enforce-eager", action="store_true", help="skip graph compilation "
+                   "(faster start-up)")
+    e.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other vllm.LLM argument (value parsed as JSON), repeatable")
+    p.add_argument("--batch-size", metavar="N", type=int, default=32,
+                   help="prompts per generate call (32)")
+    p.add_argument("--timeout", metavar="SECONDS", type=float, default=120.0,
+                   help="seconds to wait for the "
+                   "last disk writes to be committed (120)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    p.set_defaults(func=cmd_warm)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kv-offload", description="Manage kv-offload disk stores: warm them ahead of "
+        "serving, inspect, verify checksums, clear.",
+        epilog="exit codes: 0 ok, 1 failed or damage found, 2 usage error, 3 store in use. "
+        "Run `kv-offload COMMAND --help` for each command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_warm(sub)
+    p = sub.add_parser("inspect", help="show namespaces, chunks, sizes and counters",
+                       description="Show each namespace of a store: model and KV layout, "
+                       "chunk size, chunks, bytes used and capacity, oldest and newest "
+                       "access, persistent counters. Read-only; safe while engines run.")
+    p.add_argument("path", help="store directory (the disk_path)")
+    p.add_argument("--namespace", metavar="ID", help="only this namespace (id or unique prefix)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="read every chunk and check its checksums",
+                       description="Read every chunk of every rank's slab and check its "
+                       "checksum, and check the index's cross-references; list bad chunks. "
+                       "With --repair, drop bad chunks from the index (they are recomputed "
+                       "when next needed). Exit 1 if bad chunks or index problems remain.")
+    p.add_argument("path", help="store directory (the disk_path)")
+    p.add_argument("--namespace", metavar="ID", help="only this namespace (id or unique prefix)")
+    p.add_argument("--repair", action="store_true", help="drop bad chunks from the index")
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("clear", help="delete a store or one namespace",
+                       description="Delete the whole store (index and slab files) or one "
+                       "namespace. Refuses (exit 3) while another process has the store "
+                       "(or that namespace's slab files) open, unless --force.")
+    p.add_argument("path", help="store directory (the disk_path)")
+    p.add_argument("--namespace", metavar="ID", help="only this namespace (id or unique prefix)")
+    p.add_argument("--force", action="store_true", help="clear even while in use; running "
+                   "engines then see misses, never wrong data")
+    p.set_defaults(func=cmd_clear)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kv-offload` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except CliError as exc:
+        _err(f"kv-offload {args.command}: error: {exc}")
+        return exc.code
+    except ValueError as exc:  # bad input: config values, prompt files, model paths
+        _err(f"kv-offload {args.command}: error: {exc}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _err(f"kv-offload {args.command}: interrupted (whatever was committed is kept)")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

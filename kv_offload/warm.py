@@ -1,0 +1,480 @@
+"""`kv-offload warm`: fill a disk store ahead of serving by prefilling prompts in vLLM.
+
+Runs an offline vLLM engine with the connector on (``SamplingParams(max_tokens=1)``), so
+every full chunk of every prompt is stored; waits until the stores are committed in the
+LMDB index (durable); reports new, already present and missing chunks. Chunks already in
+the store are not written again: the connector skips them.
+
+To know which chunks a prompt has, the chunk keys are recomputed here with vLLM's own
+block-hash functions (the same tokens, hash algorithm and ``cache_salt`` as the engine)
+and looked up in the store before and after the run. If they cannot be recomputed, the
+counts fall back to the namespace's commit counter. vLLM is imported only inside
+``run_warm`` and ``chunk_keys_of``: validating the input needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from kv_offload.config import OffloadConfig, format_size
+from kv_offload.disk import iter_entries, list_namespaces
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (92% of RAM) fails on small hosts
+POLL_S = 0.5
+SETTLE_S = 1.0  # commits unchanged and no reservation for this long: the stores are durable
+# The index helpers open and close this process's LMDB environment per call; one reader at
+# a time (progress thread, main thread) so that two never overlap in this process.
+_STORE_READ_LOCK = threading.Lock()
+
+
+class WarmError(Exception):
+    """Warming could not finish: the engine failed, or stores did not become durable."""
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPrompt:
+    """One prompt of a warm workload: plain text, or chat messages to render."""
+
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None
+    cache_salt: str | None = None
+    origin: str = ""  # "file:line" or a file name, for messages
+
+
+@dataclass(frozen=True)
+class WarmOptions:
+    """What `kv-offload warm` does. ``engine`` holds extra ``vllm.LLM`` keyword arguments."""
+
+    model: str
+    prompts: Path
+    offload: OffloadConfig
+    engine: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    timeout_s: float = 120.0  # wait at most this long for the stores to be durable
+    show_progress: bool = True
+    quiet_engine: bool = True  # vLLM logs only warnings (see run_warm)
+
+
+@dataclass
+class WarmSummary:
+    """What a warm run did. Chunk counts are unique chunks of the workload; ``chunks``,
+    ``already_present`` and ``not_stored`` are None when the keys could not be computed
+    or matched (``new_chunks`` then counts the namespace's commits)."""
+
+    store: str
+    namespace: str
+    model: str
+    chunk_tokens: int
+    chunk_bytes: int
+    prompts: int
+    skipped_prompts: int
+    chunks: int | None
+    new_chunks: int
+    already_present: int | None
+    not_stored: int | None
+    bytes_written: int
+    pending_writes: int
+    evictions: int
+    startup_s: float
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every chunk of the workload is in the store and durable."""
+        return self.pending_writes == 0 and not self.not_stored
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "complete": self.complete}
+
+    def lines(self) -> list[str]:
+        rate = self.bytes_written / max(self.seconds - self.startup_s, 1e-9)
+        chunks, present, missing = ("?" if n is None else n for n in (
+            self.chunks, self.already_present, self.not_stored))
+        durable = "yes" if not self.pending_writes else f"no, {self.pending_writes} pending"
+        out = [
+            f"warm: {'done' if self.complete else 'INCOMPLETE'} in {self.seconds:.1f} s "
+            f"(engine start {self.startup_s:.1f} s)",
+            f"  store      {self.store}",
+            f"  namespace  {self.namespace} (chunk {self.chunk_tokens} tokens = "
+            f"{format_size(self.chunk_bytes)})",
+            f"  prompts    {self.prompts} warmed, {self.skipped_prompts} skipped",
+            f"  chunks     {chunks} in the workload: {self.new_chunks} new, "
+            f"{present} already present, {missing} not stored",
+            f"  written    {format_size(self.bytes_written)} ({format_size(int(rate))}/s)",
+            f"  durable    {durable}",
+        ]
+        return out + [f"  note: {n}" for n in self.notes]
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+
+def check_model(model: str) -> str:
+    """Return ``model`` unchanged if it can be a model; ValueError naming the fix if not.
+
+    A path that exists must be a directory with a config.json; a string that looks like a
+    path (starts with /, ., ~) must exist; anything else is taken as a hub name.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"--model {model} is a file; pass a model directory (with "
+                             "config.json) or a Hugging Face model name")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {model} has no config.json; it is not a Hugging Face "
+                             "model directory")
+    elif model.startswith(("/", ".", "~")):
+        raise ValueError(f"model directory {model} does not exist; check --model")
+    return model
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"prompt file {path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read prompt file {path}: {exc.strerror}") from None
+
+
+def _jsonl_prompt(line: str, origin: str) -> WarmPrompt:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{origin}: not valid JSON ({exc.msg}); write one JSON object "
+                         'per line, e.g. {"prompt": "..."}') from None
+    salt = obj.get("cache_salt") if isinstance(obj, dict) else None
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"{origin}: cache_salt must be a string")
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        return WarmPrompt(text=obj["prompt"], cache_salt=salt, origin=origin)
+    messages = obj.get("messages") if isinstance(obj, dict) else None
+    if (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+            for m in messages)):
+        return WarmPrompt(messages=tuple(messages), cache_salt=salt, origin=origin)
+    raise ValueError(f"{origin}: expected an object with a string field \"prompt\" or a "
+                     "non-empty list \"messages\" of {\"role\": ..., \"content\": ...}")
+
+
+def load_prompts(path: str | os.PathLike) -> list[WarmPrompt]:
+    """Read a workload: .jsonl (``prompt`` or chat ``messages``, optional ``cache_salt``),
+    .txt (one prompt per non-blank line) or a directory of .txt files (one prompt per
+    file, its exact contents). ValueError naming the file and line for every problem."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ValueError(f"prompt file {path} does not exist; check --prompts")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix == ".txt" and p.is_file())
+        if not files:
+            raise ValueError(f"prompt directory {path} has no .txt files; put one document "
+                             "per .txt file in it")
+        prompts = [WarmPrompt(text=_read_text(f), origin=f.name) for f in files]
+        prompts = [p for p in prompts if p.text.strip()]
+    elif path.suffix == ".jsonl":
+        lines = _read_text(path).splitlines()
+        prompts = [_jsonl_prompt(line, f"{path}:{i}") for i, line in enumerate(lines, 1)
+                   if line.strip()]
+    elif path.suffix == ".txt":
+        prompts = [WarmPrompt(text=line, origin=f"{path}:{i}")
+                   for i, line in enumerate(_read_text(path).splitlines(), 1) if line.strip()]
+    else:
+        raise ValueError(f"prompt file {path}: unsupported type {path.suffix or '(none)'!r}; "
+                         "use .jsonl, .txt or a directory of .txt files")
+    if not prompts:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+# -- chunk keys and the store ----------------------------------------------------------------
+
+
+def chunk_keys_of(token_ids: Sequence[Sequence[int]], salts: Sequence[str | None],
+                  descriptor: dict) -> list[list[bytes]] | None:
+    """The chunk keys vLLM + kv-offload give each prompt, or None if vLLM's hashing
+    functions are unavailable. Mirrors vLLM's request block hasher for text prompts."""
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:
+        return None
+    hash_fn = get_hash_fn_by_name(descriptor["hash_algo"])
+    kv_cache_utils.init_none_hash(hash_fn)
+    per_hash = int(descriptor["tokens_per_hash"])
+    per_chunk = int(descriptor["chunk_tokens"]) // per_hash
+    out = []
+    for ids, salt in zip(token_ids, salts):
+        parent, keys = None, []
+        for b in range(len(ids) // per_hash):
+            extra = (("cache_salt", salt),) if b == 0 and salt else None
+            parent = kv_cache_utils.hash_block_tokens(
+                hash_fn, parent, ids[b * per_hash:(b + 1) * per_hash], extra)
+            if (b + 1) % per_chunk == 0:
+                keys.append(bytes(parent))
+        out.append(keys)
+    return out
+
+
+def namespace_state(root: str, namespace_id: str) -> dict:
+    """The namespace's record with counters (list_namespaces); {} if it is gone."""
+    with _STORE_READ_LOCK:
+        namespaces = list_namespaces(root)
+    return next((n for n in namespaces if n["namespace_id"] == namespace_id), {})
+
+
+def _find_namespace(root: str, vllm_config: Any, offload: OffloadConfig, since: float) -> dict:
+    """The namespace the engine opened: its descriptor matches the engine's config;
+    among several, the newest (one created by this engine start wins)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    want = {"model": str(model.model), "dtype": str(model.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(cache.cache_dtype), "salt": offload.namespace_salt,
+            "tp_size": int(vllm_config.parallel_config.tensor_parallel_size),
+            "hash_algo": str(cache.prefix_caching_hash_algo)}
+    with _STORE_READ_LOCK:
+        namespaces = list_namespaces(root)
+    found = [n for n in namespaces
+             if all(n["descriptor"].get(k) == v for k, v in want.items())
+             and n["descriptor"].get("chunk_tokens")
+             == offload.resolve_chunk_tokens(int(n["descriptor"]["block_size"]))]
+    if not found:
+        raise WarmError(
+            f"the engine did not open a disk-tier namespace for {want['model']} in {root}; "
+            "look for a kv-offload warning above (e.g. the disk tier is off when block hashes "
+            "are not reproducible: set PYTHONHASHSEED or use --prefix-caching-hash-algo sha256)")
+    return max(found, key=lambda n: (n.get("created", "") >= _iso(since), n.get("created", "")))
+
+
+def _iso(epoch: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat()
+
+
+def _present(root: str, namespace_id: str, wanted: set[bytes]) -> set[bytes]:
+    with _STORE_READ_LOCK:
+        return {e.key for e, _ in iter_entries(root, namespace_id) if e.key in wanted}
+
+
+# -- progress --------------------------------------------------------------------------------
+
+
+class Progress:
+    """One status line on ``stream``: redrawn in place on a terminal, else printed at most
+    every 10 s and on every prompt-count change. Thread-safe."""
+
+    def __init__(self, stream: TextIO, total: int, *, enabled: bool = True) -> None:
+        self.stream, self.total, self.enabled = stream, total, enabled
+        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+        self.start, self.fields = time.monotonic(), {"done": 0, "chunks": 0, "bytes": 0}
+        self.status, self._lock, self._last = "", threading.Lock(), (0.0, -1)
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self.status = fields.pop("status", self.status)
+            self.fields.update(fields)
+            self._render()
+
+    def _render(self) -> None:
+        if not self.enabled:
+            return
+        f, elapsed = self.fields, time.monotonic() - self.start
+        line = (f"warm {f['done']}/{self.total} prompts | {f['chunks']} chunks stored | "
+                f"{format_size(f['bytes'])} | {format_size(int(f['bytes'] / max(elapsed, 1e-9)))}"
+                f"/s | {elapsed:.0f} s{' | ' + self.status if self.status else ''}")
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        elif elapsed - self._last[0] >= 10 or f["done"] != self._last[1]:
+            self.stream.write(line + "\n")
+        else:
+            return
+        self._last = (elapsed, f["done"])
+        self.stream.flush()
+
+    def close(self, **fields: Any) -> None:
+        """Draw the final state (always, also off a terminal) and end the line."""
+        with self._lock:
+            self.fields.update(fields)
+            self.status, self._last = "done", (-1e9, -1)
+            self._render()
+            if self.tty:
+                self.stream.write("\n")
+                self.stream.flush()
+
+
+def _poll_commits(root: str, ns: dict, progress: Progress, stop: threading.Event) -> None:
+    base, chunk_bytes = ns["counters"]["commits"], ns["slot_bytes"] * ns["num_ranks"]
+    while not stop.wait(POLL_S):
+        counters = namespace_state(root, ns["namespace_id"]).get("counters")
+        if counters:
+            chunks = max(counters["commits"] - base, 0)
+            progress.update(chunks=chunks, bytes=chunks * chunk_bytes)
+
+
+def wait_durable(root: str, namespace_id: str, timeout_s: float, progress: Progress) -> int:
+    """Poll until the namespace has no reservation and its commits stayed unchanged for
+    SETTLE_S; return the reservations still held at ``timeout_s`` (0: durable)."""
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while True:
+        counters = namespace_state(root, namespace_id).get("counters", {})
+        now, seen = time.monotonic(), (counters.get("commits"), counters.get("reserved", 0))
+        if seen != last:
+            last, since = seen, now
+        if not seen[1] and now - since >= SETTLE_S:
+            return 0
+        if now >= deadline:
+            return seen[1]
+        progress.update(status=f"waiting for {seen[1]} disk writes" if seen[1] else "settling")
+        time.sleep(POLL_S / 2)
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def _tokenize(tokenizer: Any, prompt: WarmPrompt) -> list[int]:
+    if prompt.messages is None:
+        return list(tokenizer.encode(prompt.text))
+    try:
+        text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as exc:  # no template, bad roles: the tokenizer's own message
+        raise ValueError(f"{prompt.origin}: cannot render chat messages with the model's "
+                         f"chat template ({exc}); use a \"prompt\" line instead") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def validate(options: WarmOptions) -> list[WarmPrompt]:
+    """Every check that needs no engine; returns the prompts. ValueError names the fix."""
+    if not options.offload.disk_enabled:
+        raise ValueError("warm needs a disk path (--disk-path or disk_path in --config): the "
+                         "CPU tier lives in this process and is gone when warm exits")
+    check_model(options.model)
+    if options.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {options.batch_size}")
+    if options.engine.get("block_size") is not None:
+        options.offload.resolve_chunk_tokens(int(options.engine["block_size"]))
+    return load_prompts(options.prompts)
+
+
+def run_warm(options: WarmOptions, *, stream: TextIO = sys.stderr) -> WarmSummary:
+    """Warm ``options.offload.disk_path`` with the prompts; progress goes to ``stream``.
+
+    Raises ValueError for bad input (before any engine starts) and WarmError when the
+    engine fails. Starts one vLLM engine (needs the ``__main__`` guard in scripts). Sets
+    VLLM_LOGGING_STREAM to stderr and, with ``quiet_engine``, VLLM_LOGGING_LEVEL to
+    WARNING in os.environ unless they are set: the engine processes inherit them.
+    """
+    prompts = validate(options)
+    # The engine processes inherit these; stdout is kept for the caller's summary.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if options.quiet_engine:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    engine = {k: v for k, v in options.engine.items() if v is not None}
+    if current_platform.is_cpu() and not {"kv_cache_memory_bytes", "gpu_memory_utilization"} \
+            & engine.keys() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        engine["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+    root, t0 = str(options.offload.disk_path), time.time()
+    try:
+        llm = LLM(model=options.model, kv_transfer_config=options.offload.to_kv_transfer_config(),
+                  **engine)
+    except Exception as exc:
+        raise WarmError(f"the vLLM engine failed to start: {exc}") from exc
+    try:
+        return _warm(llm, SamplingParams(max_tokens=1, temperature=0.0), prompts, options,
+                     (root, t0, stream))
+    finally:
+        del llm
+
+
+def _warm(llm: Any, params: Any, prompts: list[WarmPrompt], options: WarmOptions,
+          where: tuple[str, float, TextIO]) -> WarmSummary:
+    root, t0, stream = where
+    startup = time.time() - t0
+    vllm_config = llm.llm_engine.vllm_config
+    ns = _find_namespace(root, vllm_config, options.offload, t0)
+    desc, chunk_bytes = ns["descriptor"], ns["slot_bytes"] * ns["num_ranks"]
+    tokenizer, max_len = llm.get_tokenizer(), vllm_config.model_config.max_model_len
+    work, notes = [], []
+    for prompt in prompts:
+        ids = _tokenize(tokenizer, prompt)
+        if 0 < len(ids) < max_len:
+            work.append((prompt, ids))
+    if len(work) < len(prompts):
+        notes.append(f"{len(prompts) - len(work)} prompts skipped: empty, or not shorter "
+                     f"than max_model_len {max_len} (raise --max-model-len)")
+    keys = chunk_keys_of([ids for _, ids in work], [p.cache_salt for p, _ in work], desc)
+    wanted = {k for ks in keys for k in ks} if keys is not None else set()
+    before = _present(root, ns["namespace_id"], wanted) if wanted else set()
+    if keys is not None and not wanted:
+        notes.append(f"no prompt has a full chunk ({desc['chunk_tokens']} tokens): nothing "
+                     "to store")
+    if len(wanted) > ns["num_slots"]:
+        notes.append(f"the workload has {len(wanted)} chunks but the namespace holds "
+                     f"{ns['num_slots']}: raise --disk-size")
+    progress, stop = Progress(stream, len(work), enabled=options.show_progress), threading.Event()
+    poller = threading.Thread(target=_poll_commits, args=(root, ns, progress, stop), daemon=True)
+    poller.start()
+    try:
+        for start in range(0, len(work), options.batch_size):
+            batch = [{"prompt_token_ids": ids, **({"cache_salt": p.cache_salt}
+                                                 if p.cache_salt else {})}
+                     for p, ids in work[start:start + options.batch_size]]
+            try:
+                llm.generate(batch, params, use_tqdm=False)
+            except Exception as exc:
+                raise WarmError(f"the engine failed on prompts {start + 1}-{start + len(batch)}"
+                                f": {exc}; chunks committed so far are kept, re-run to "
+                                "continue") from exc
+            progress.update(done=start + len(batch))
+        pending = wait_durable(root, ns["namespace_id"], options.timeout_s, progress)
+    finally:
+        stop.set()
+        poller.join()
+    after = namespace_state(root, ns["namespace_id"])
+    commits = after["counters"]["commits"] - ns["counters"]["commits"]
+    progress.close(chunks=commits, bytes=commits * chunk_bytes)
+    evictions = after["counters"]["evictions"] - ns["counters"]["evictions"]
+    summary = WarmSummary(
+        store=root, namespace=ns["namespace_id"], model=desc["model"],
+        chunk_tokens=desc["chunk_tokens"], chunk_bytes=chunk_bytes, prompts=len(work),
+        skipped_prompts=len(prompts) - len(work), chunks=None, new_chunks=commits,
+        already_present=None, not_stored=None, bytes_written=commits * chunk_bytes,
+        pending_writes=pending, evictions=evictions, startup_s=startup,
+        seconds=time.time() - t0, notes=notes)
+    if keys is not None:
+        _count_by_keys(summary, root, wanted, before, commits)
+    if pending:
+        notes.append(f"{pending} disk writes were still pending after {options.timeout_s:.0f} "
+                     "s (--timeout); those chunks are not durable")
+    if evictions:
+        notes.append(f"{evictions} chunks were evicted to make room: the namespace is full, "
+                     "raise --disk-size")
+    if summary.not_stored and not evictions:
+        notes.append("some chunks found no free CPU slot while being stored: lower "
+                     "--batch-size or raise --cpu-size, then run warm again")
+    return summary
+
+
+def _count_by_keys(summary: WarmSummary, root: str, wanted: set[bytes], before: set[bytes],
+                   commits: int) -> None:
+    """Fill the per-chunk counts from the keys present before and after the run."""
+    after = _present(root, summary.namespace, wanted)
+    new = len(after - before)
+    if commits and not new and not before:
+        summary.notes.append("could not match the workload's chunk keys with the store (a "
+                             "different vLLM hashing?); counts come from the commit counter")
+        return
+    summary.chunks, summary.new_chunks, summary.already_present = len(wanted), new, len(before)
+    summary.not_stored = len(wanted - after)
+    summary.bytes_written = new * summary.chunk_bytes

@@ -1,0 +1,125 @@
+"""Bad inputs not covered elsewhere (the full table, with the tests that cover each row,
+is docs/bad-input.md): each gives an error that names the option or file and the fix,
+and never a crash without a message."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+from reliability_support import REPO
+
+from kv_offload import OffloadConfig
+from kv_offload.disk import DiskIndex, StoreCorruptError
+from kv_offload.layout import KVLayout
+
+LAYOUT = KVLayout(model="m", model_fingerprint="f", dtype="float32", kv_cache_dtype="auto",
+                  attention="full_attention", num_layers=4, page_bytes=128 << 10,
+                  block_size=32, tokens_per_hash=32, chunk_tokens=64, tp_size=1, pp_size=1,
+                  hash_algo="sha256")  # 1 MiB per chunk
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"cpu_size": True}, "cpu_size: expected a size like '8GiB' or an integer, got True"),
+    ({"cpu_size": 1.5}, "cpu_size: expected a size like '8GiB' or an integer, got float"),
+    ({"disk_path": "/tmp/kvo-unused", "disk_size": 0}, "disk_size: must be > 0 when disk_path"),
+    ({"disk_path": ""}, "disk_path: expected a directory path or None, got ''"),
+    ({"disk_path": 123}, "disk_path: expected a directory path or None, got 123"),
+    ({"chunk_tokens": True}, "chunk_tokens: expected an integer, got True"),
+    ({"io_threads": "4"}, "io_threads: expected an integer, got '4'"),
+    ({"disk_fsync": 1}, "disk_fsync: expected true or false, got 1"),
+    ({"store_generated": "false"}, "store_generated: expected true or false, got 'false'"),
+    ({"load_timeout_s": "30"}, "load_timeout_s: expected a positive number, got '30'"),
+    ({"load_timeout_s": True}, "load_timeout_s: expected a positive number, got True"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_more_bad_values_name_the_field(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        OffloadConfig(**kwargs)
+    assert str(info.value).startswith(message)
+
+
+def test_json_that_is_not_an_object_or_holds_a_bad_value():
+    with pytest.raises(ValueError, match="kv-offload config JSON must be an object"):
+        OffloadConfig.from_json("[1, 2]")
+    nested = '{"kv_connector_extra_config": {"cpu_size": "1XB"}}'
+    with pytest.raises(ValueError, match="cpu_size: cannot parse '1XB' as a size"):
+        OffloadConfig.from_json(nested)
+
+
+def test_cpu_tier_too_small_for_one_chunk_names_cpu_size():
+    from kv_offload.connector import num_cpu_slots  # imports vLLM: only here
+
+    with pytest.raises(ValueError, match=r"cpu_size: 100.0 KiB holds no chunk of this model "
+                                         r"\(1.0 MiB per chunk of 64 tokens\); raise cpu_size"):
+        num_cpu_slots(OffloadConfig(cpu_size="100KiB"), LAYOUT)
+
+
+def test_disk_tier_too_small_for_one_chunk_names_disk_size(tmp_path):
+    with pytest.raises(ValueError, match="disk_size"):
+        DiskIndex.open(tmp_path, namespace_id="ab", descriptor={}, slot_bytes=LAYOUT.slot_bytes,
+                       num_ranks=1, capacity_bytes=OffloadConfig(disk_size="100KiB").disk_size)
+
+
+def open_index(root: Path) -> DiskIndex:
+    return DiskIndex.open(root, namespace_id="ab", descriptor={}, slot_bytes=4096, num_ranks=1,
+                          capacity_bytes=4096 * 2000)
+
+
+def test_unreadable_format_version_tells_the_user_to_clear(tmp_path):
+    open_index(tmp_path).close()
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"v1", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(StoreCorruptError, match=f"no readable format version.*clear {tmp_path}"):
+        open_index(tmp_path)
+
+
+@pytest.mark.parametrize("keep_pages", [2, 3, "half"])
+def test_truncated_index_file_is_a_clear_error_not_a_crash(tmp_path, keep_pages):
+    index = open_index(tmp_path)
+    keys = [i.to_bytes(8, "little") * 4 for i in range(1500)]
+    index.commit([(k, s, (1,)) for k, s in zip(keys, index.allocate(keys))])
+    index.close()
+    data = tmp_path / "index" / "data.mdb"
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:size // 2 if keep_pages == "half" else keep_pages * 4096])
+    code = ("from kv_offload.disk import DiskIndex, StoreCorruptError\n"
+            "try:\n"
+            f"    DiskIndex.open({str(tmp_path)!r}, namespace_id='ab', descriptor={{}}, "
+            "slot_bytes=4096, num_ranks=1, capacity_bytes=4096 * 2000)\n"
+            "except StoreCorruptError as exc:\n"
+            "    print('StoreCorruptError:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, f"the process died (exit {out.returncode}): {out.stderr[-500:]}"
+    assert "StoreCorruptError:" in out.stdout and "kv-offload clear" in out.stdout
+
+
+def fake_engine(spec_kind: str, *, groups: int = 1, pp: int = 1):
+    """(vllm_config, kv_cache_config) stand-ins with what layout_from_vllm reads first."""
+    from types import SimpleNamespace
+
+    spec = type(spec_kind, (), {})()
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn"])] * groups)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+    return vllm_config, kv_cache_config
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"spec_kind": "FullAttentionSpec", "groups": 2},
+     "one KV cache group (one attention type); this model has 2 groups"),
+    ({"spec_kind": "SlidingWindowSpec"}, "this model uses SlidingWindowSpec"),
+    ({"spec_kind": "MambaSpec"}, "this model uses MambaSpec"),
+    ({"spec_kind": "FullAttentionSpec", "pp": 2}, "does not support pipeline parallelism"),
+], ids=["two-groups", "sliding-window", "mamba", "pipeline-parallel"])
+def test_unsupported_models_are_refused_at_start_up_with_the_reason(engine, message):
+    from kv_offload.engine_info import UnsupportedEngineError, layout_from_vllm
+
+    with pytest.raises(UnsupportedEngineError, match=re.escape(message)):
+        layout_from_vllm(*fake_engine(**engine), OffloadConfig())
