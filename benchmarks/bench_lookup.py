@@ -1,0 +1,330 @@
+"""Scheduler-side cost of lookups and planning as the store grows (10k, 100k, 1M chunks).
+
+Builds, for each size N, an ``OffloadScheduler`` whose CPU index holds N chunks (N slots,
+full) and whose ``DiskIndex`` holds N other chunks (capacity N slots, full), then drives
+it with fake 4k-token requests (16 chunks of 256 tokens, block hashes as vLLM chains
+them) and times, per call, with the median over many requests:
+
+- ``num_matched_tokens`` for a request whose chunks are all in the CPU tier, all only
+  on disk, or missing (us per chunk; per request for the miss);
+- ``plan_load`` + ``plan_step`` that turn a hit into a LoadJob (disk hits stage into the
+  full CPU tier, so each evicts an LRU entry), and the ``on_report`` that completes it;
+- ``plan_step`` that plans the store of 16 new chunks into full tiers (a CPU and a disk
+  eviction per chunk), and the ``on_report`` that publishes and commits them;
+- ``plan_step`` of a decode step of 16 running requests with nothing new to store
+  (us per request: the cost every engine step pays).
+
+Target (docs/benchmarks.md): lookup <= 5 us per chunk at 1M chunks; lookup and planning
+cost flat as N grows (the 1M figure within 2x of the 10k one), checked for every cost the
+scheduler thread pays: lookups, load and store planning, store commits and the batched
+LRU access flush that plan_step runs every 2 s.
+
+    python benchmarks/bench_lookup.py --quick --json /tmp/lookup.json   # 10k only, seconds
+    python benchmarks/bench_lookup.py --json lookup.json                # 10k, 100k, 1M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kv_offload.disk import DiskIndex
+from kv_offload.jobs import WorkerReport
+from kv_offload.scheduler import OffloadScheduler, PlannerConfig, SlotState
+
+BLOCK_SIZE = 32
+CHUNK_TOKENS = 256
+HASHES_PER_CHUNK = CHUNK_TOKENS // BLOCK_SIZE
+CHUNKS_PER_REQUEST = 16  # 4k-token requests
+SLOT_BYTES = 4096  # the index never touches bytes; only the slot count matters
+TARGET_US_PER_CHUNK = 5.0
+FLAT_FACTOR = 2.0  # "flat": the largest size costs at most this times the smallest
+DECODE_BATCH = 16  # running requests in a decode step
+FILLER = bytes(32)  # block hashes that are not chunk keys are never looked up
+
+
+@dataclass
+class FakeRequest:
+    """What the scheduler reads of a vLLM request."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    num_tokens: int
+    num_prompt_tokens: int
+
+
+def make_request(req_id: str, chunk_keys: list[bytes]) -> FakeRequest:
+    """A request whose i-th chunk is named ``chunk_keys[i]``, plus one token to compute."""
+    hashes: list[bytes] = []
+    for key in chunk_keys:
+        hashes += [FILLER] * (HASHES_PER_CHUNK - 1) + [key]
+    num_tokens = len(chunk_keys) * CHUNK_TOKENS + 1
+    return FakeRequest(req_id, hashes, num_tokens, num_tokens)
+
+
+class Bench:
+    """One scheduler over a full CPU index and a full DiskIndex of ``n`` chunks each."""
+
+    def __init__(self, n: int, root: Path, rng: random.Random) -> None:
+        self.n, self.rng = n, rng
+        self.block_ids = list(range(CHUNKS_PER_REQUEST * HASHES_PER_CHUNK + 1))
+        self.disk = DiskIndex.open(root, namespace_id="b1" * 16, descriptor={"bench": "lookup"},
+                                   slot_bytes=SLOT_BYTES, num_ranks=1,
+                                   capacity_bytes=n * SLOT_BYTES)
+        config = PlannerConfig(chunk_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
+                               tokens_per_hash=BLOCK_SIZE, num_ranks=1, num_cpu_slots=n)
+        self.sched = OffloadScheduler(config, disk_index=self.disk,
+                                      block_ids_of=lambda _rid: self.block_ids)
+        self.cpu_groups, self.fill_cpu_s = self._fill(self._fill_cpu)
+        self.disk_groups, self.fill_disk_s = self._fill(self._fill_disk)
+        self._ids = 0
+
+    def _fill(self, put: Callable[[list[bytes]], None]) -> tuple[list[list[bytes]], float]:
+        """Insert n fresh keys in groups of one request's chunks; (groups, seconds)."""
+        groups, start = [], time.perf_counter()
+        for _ in range(self.n // CHUNKS_PER_REQUEST):
+            group = [self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)]
+            put(group)
+            groups.append(group)
+        return groups, time.perf_counter() - start
+
+    def _fill_cpu(self, keys: list[bytes]) -> None:
+        cpu = self.sched.cpu
+        for key in keys:
+            cpu.reserve(key, SlotState.STORING)
+            cpu.publish(key)
+            cpu.unpin([key])
+
+    def _fill_disk(self, keys: list[bytes]) -> None:
+        slots = self.disk.allocate(keys)
+        self.disk.commit([(k, s, (0,)) for k, s in zip(keys, slots) if s is not None])
+
+    def request(self, keys: list[bytes]) -> FakeRequest:
+        self._ids += 1
+        return make_request(f"r{self._ids}", keys)
+
+    def take_group(self, groups: list[list[bytes]]) -> list[bytes]:
+        """A random stored group, removed from ``groups`` (its chunks change tier)."""
+        return groups.pop(self.rng.randrange(len(groups)))
+
+    # -- measurements: each returns seconds per call -------------------------------------
+
+    def lookup(self, groups: list[list[bytes]], expected: int) -> float:
+        req = self.request(self.rng.choice(groups))
+        start = time.perf_counter()
+        hit = self.sched.num_matched_tokens(req, 0)
+        elapsed = time.perf_counter() - start
+        self.sched.request_finished(req.request_id)
+        if hit != expected:
+            raise RuntimeError(f"lookup bench: expected {expected} hit tokens, got {hit}")
+        return elapsed
+
+    def miss(self) -> float:
+        req = self.request([self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)])
+        start = time.perf_counter()
+        hit = self.sched.num_matched_tokens(req, 0)
+        elapsed = time.perf_counter() - start
+        self.sched.request_finished(req.request_id)
+        if hit:
+            raise RuntimeError("lookup bench: a random request hit")
+        return elapsed
+
+    def load(self, groups: list[list[bytes]]) -> tuple[float, float]:
+        """(plan_load + plan_step, on_report) seconds for one request's 16-chunk hit."""
+        req = self.request(self.take_group(groups))
+        hit = self.sched.num_matched_tokens(req, 0)
+        start = time.perf_counter()
+        self.sched.plan_load(req, self.block_ids, hit)
+        (job,) = self.sched.plan_step([]).loads
+        planned = time.perf_counter()
+        self.sched.on_report(WorkerReport(loaded={job.job_id: {0: frozenset()}}))
+        done = time.perf_counter()
+        self.sched.request_finished(req.request_id)
+        if any(m.cpu_slot is None for m in job.chunks):
+            raise RuntimeError("lookup bench: a planned load lost its chunks")
+        return planned - start, done - planned
+
+    def store(self) -> tuple[float, float]:
+        """(plan_step, on_report) seconds to store a request's 16 new chunks."""
+        req = self.request([self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)])
+        self.sched.num_matched_tokens(req, 0)
+        start = time.perf_counter()
+        (job,) = self.sched.plan_step([(req.request_id, req.num_tokens)]).stores
+        planned = time.perf_counter()
+        sums = tuple(0 for _ in job.chunks)
+        self.sched.on_report(WorkerReport(host_stored={job.job_id: 1},
+                                          disk_stored={job.job_id: {0: sums}}))
+        done = time.perf_counter()
+        self.sched.request_finished(req.request_id)
+        return planned - start, done - planned
+
+    def decode_steps(self, num_requests: int, num_steps: int) -> list[float]:
+        """Seconds per plan_step over ``num_requests`` running requests whose chunks are
+        all stored already (decode steps: nothing new to plan)."""
+        reqs = [self.request([self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)])
+                for _ in range(num_requests)]
+        for req in reqs:
+            self.sched.num_matched_tokens(req, 0)
+        plan = self.sched.plan_step([(r.request_id, r.num_tokens) for r in reqs])
+        for job in plan.stores:
+            self.sched.on_report(WorkerReport(host_stored={job.job_id: 1}, disk_stored={
+                job.job_id: {0: tuple(0 for _ in job.chunks)}}))
+        times = []
+        for step in range(1, num_steps + 1):
+            scheduled = [(r.request_id, r.num_tokens + step) for r in reqs]
+            start = time.perf_counter()
+            plan = self.sched.plan_step(scheduled)
+            times.append(time.perf_counter() - start)
+            if plan:
+                raise RuntimeError("lookup bench: a decode step planned work")
+        for req in reqs:
+            self.sched.request_finished(req.request_id)
+        return times
+
+    def close(self) -> None:
+        self.sched.close()
+
+
+def median_us(samples: list[float], per: int = 1) -> float:
+    return round(statistics.median(samples) / per * 1e6, 3)
+
+
+def measure(n: int, calls: int, base: Path, seed: int) -> dict:
+    """All figures for one store size ``n``."""
+    root = Path(tempfile.mkdtemp(prefix=f"lookup-{n}-", dir=base))
+    bench = Bench(n, root, random.Random(seed))
+    try:
+        per = CHUNKS_PER_REQUEST
+        full = per * CHUNK_TOKENS
+        row = {"num_chunks": n, "fill_cpu_s": round(bench.fill_cpu_s, 2),
+               "fill_disk_s": round(bench.fill_disk_s, 2)}
+        row["lookup_cpu_us_per_chunk"] = median_us(
+            [bench.lookup(bench.cpu_groups, full) for _ in range(calls)], per)
+        row["lookup_disk_us_per_chunk"] = median_us(
+            [bench.lookup(bench.disk_groups, full) for _ in range(calls)], per)
+        row["lookup_miss_us_per_request"] = median_us([bench.miss() for _ in range(calls)])
+        flush = time.perf_counter()
+        bench.disk.flush_access()  # the accesses of the lookups above, batched
+        row["access_flush_us_per_chunk"] = round(
+            (time.perf_counter() - flush) / (calls * per) * 1e6, 3)
+        num_loads = min(calls, len(bench.disk_groups) // 2, len(bench.cpu_groups) // 2)
+        for tier, groups in (("cpu", bench.cpu_groups), ("disk", bench.disk_groups)):
+            plan, done = zip(*(bench.load(groups) for _ in range(num_loads)))
+            row[f"plan_load_{tier}_us_per_chunk"] = median_us(list(plan), per)
+            row[f"complete_load_{tier}_us_per_chunk"] = median_us(list(done), per)
+        plan, done = zip(*(bench.store() for _ in range(calls)))
+        row["plan_store_us_per_chunk"] = median_us(list(plan), per)
+        row["complete_store_us_per_chunk"] = median_us(list(done), per)
+        row["plan_step_decode_us_per_request"] = median_us(
+            bench.decode_steps(DECODE_BATCH, max(20, calls // 10)), DECODE_BATCH)
+        row["counters"] = bench.sched.counters.snapshot()
+        return row
+    finally:
+        bench.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+LOOKUP_KEYS = ("lookup_cpu_us_per_chunk", "lookup_disk_us_per_chunk")
+PLAN_KEYS = ("plan_load_cpu_us_per_chunk", "plan_load_disk_us_per_chunk",
+             "plan_store_us_per_chunk", "complete_store_us_per_chunk",
+             "access_flush_us_per_chunk", "plan_step_decode_us_per_request")
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    """PASS/MISS per target: <= 5 us/chunk at the largest size; flat across sizes."""
+    largest, smallest = rows[-1], rows[0]
+    out = []
+    for key in LOOKUP_KEYS:
+        out.append({"target": f"{key} <= {TARGET_US_PER_CHUNK} at {largest['num_chunks']}",
+                    "value": largest[key], "limit": TARGET_US_PER_CHUNK,
+                    "pass": largest[key] <= TARGET_US_PER_CHUNK})
+    if len(rows) > 1:
+        for key in LOOKUP_KEYS + PLAN_KEYS:
+            growth = largest[key] / max(smallest[key], 1e-9)
+            out.append({"target": f"{key} flat: {largest['num_chunks']} vs "
+                                  f"{smallest['num_chunks']} <= {FLAT_FACTOR}x",
+                        "value": round(growth, 2), "limit": FLAT_FACTOR,
+                        "pass": growth <= FLAT_FACTOR})
+    return out
+
+
+def print_table(result: dict) -> None:
+    cols = [("lookup cpu", "lookup_cpu_us_per_chunk"), ("lookup disk", "lookup_disk_us_per_chunk"),
+            ("miss/req", "lookup_miss_us_per_request"),
+            ("load cpu", "plan_load_cpu_us_per_chunk"), ("load disk", "plan_load_disk_us_per_chunk"),
+            ("done load", "complete_load_disk_us_per_chunk"),
+            ("store", "plan_store_us_per_chunk"), ("done store", "complete_store_us_per_chunk"),
+            ("decode/req", "plan_step_decode_us_per_request")]
+    print(f"\nScheduler cost, us per chunk (median; requests of {CHUNKS_PER_REQUEST} chunks; "
+          f"miss and decode step: us per request)")
+    print(f"{'chunks':>9} " + " ".join(f"{name:>11}" for name, _ in cols))
+    for row in result["results"]:
+        print(f"{row['num_chunks']:>9} " + " ".join(f"{row[key]:>11.2f}" for _, key in cols))
+    for v in result["verdicts"]:
+        print(f"  {'PASS' if v['pass'] else 'MISS'}  {v['target']}: {v['value']}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="10k chunks only, fewer calls")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--sizes", type=str, default=None,
+                        help="comma-separated store sizes in chunks (default 10000,100000,1000000)")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="timed calls per figure (default 2000, --quick 200)")
+    parser.add_argument("--dir", type=Path, default=None, help="where the LMDB index goes")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    sizes = args.sizes or ("10000" if args.quick else "10000,100000,1000000")
+    args.sizes = sorted(int(s) for s in sizes.split(","))
+    if min(args.sizes) < 4 * CHUNKS_PER_REQUEST:
+        parser.error(f"--sizes: each size must be >= {4 * CHUNKS_PER_REQUEST} chunks")
+    args.calls = args.calls or (200 if args.quick else 2000)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    base = Path(tempfile.mkdtemp(prefix="kv-offload-lookup-", dir=args.dir))
+    started = time.perf_counter()
+    try:
+        result = {
+            "bench": "lookup",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "quick": args.quick,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "loadavg_start": os.getloadavg()},
+            "chunk_tokens": CHUNK_TOKENS, "block_size": BLOCK_SIZE,
+            "chunks_per_request": CHUNKS_PER_REQUEST, "calls": args.calls,
+            "target_us_per_chunk": TARGET_US_PER_CHUNK, "flat_factor": FLAT_FACTOR,
+            "results": [],
+        }
+        for i, n in enumerate(args.sizes):
+            result["results"].append(measure(n, args.calls, base, args.seed + i))
+            print(f"  {n} chunks done ({time.perf_counter() - started:.0f} s)", flush=True)
+        result["verdicts"] = verdicts(result["results"])
+        result["machine"]["loadavg_end"] = os.getloadavg()
+        result["seconds"] = round(time.perf_counter() - started, 1)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print_table(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

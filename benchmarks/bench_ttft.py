@@ -1,0 +1,394 @@
+"""Time to first token on vLLM's CPU backend: cold, vLLM's prefix cache, our tiers, the peer.
+
+Prompts: for each length L a shared prefix of L tokens plus a distinct 16-token suffix,
+``--reps`` different prefixes per length; every request runs alone with max_tokens=1, so
+its latency is its TTFT. Engines run side by side, each in its own process, in short
+alternating blocks of requests (the order rotates) so that machine noise hits all of
+them alike; before an engine's block the previous engine is given SETTLE_S to stop
+spinning (see _engine.Turns):
+
+  wave 1 (three engines): plain vLLM (no connector), ours (CPU + disk tier), the peer
+      (vLLM's ExampleConnector, safetensors files per prompt and layer)
+      cold          plain: first sight of the prompt (also cold_ours, cold_peer; with
+                    --no-plain, cold and vllm_hit are measured on ours)
+      vllm_hit      plain: the same prompt again; vLLM's own prefix cache, the upper bound
+      cpu           ours, after reset_prefix_cache(): loaded from our CPU tier
+      cpu_new_suffix ours: same prefix, a suffix never seen (the peer cannot hit that)
+      peer_same_process  the peer, after reset_prefix_cache()
+  wave 2 (two fresh engines, the stores of wave 1 on disk, i.e. a restart; with
+      --early-start they start during wave 1 and never saw its prompts):
+      disk          ours: loaded from the disk tier (then it is in the CPU tier)
+      peer_warm     the peer: the peer's warm TTFT (first pass, then after resets)
+      cpu_after_restart  ours, later passes: staged chunks served from the CPU tier
+
+Figures are medians. Ratios: ours / cold and ours / peer_warm, against the targets at
+4k tokens (CPU tier <= 0.15x cold, disk tier <= 0.25x cold, ours <= 0.5x the peer).
+
+    python benchmarks/bench_ttft.py --quick --json /tmp/ttft.json   # tiny, 2 short lengths
+    python benchmarks/bench_ttft.py --json ttft.json                  # 1k-8k, ~6 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _engine import (
+    EngineError,
+    EngineProcess,
+    Turns,
+    benchmark_env,
+    engine_kwargs,
+    example_transfer_config,
+    ours_transfer_config,
+    start_engines,
+)
+
+from kv_offload.testing.tiny_model import BENCH_MODEL_KWARGS, make_prompt, make_tiny_model
+
+# The bench model (BENCH_MODEL_KWARGS) needs minutes per 8k-token cold prefill on two
+# cores, and every cold prompt runs in three engines: `make bench` would take an hour.
+# The default is the test model's geometry with room for 8k positions.
+MODELS = {
+    "tiny": dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                 max_position=16384),
+    "small": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64,
+                  intermediate_size=1408, max_position=16384),
+    "bench": dict(BENCH_MODEL_KWARGS),
+}
+SUFFIX_TOKENS = 16
+TARGET_LENGTH = 4096
+TARGETS = (  # (ratio key, limit, what)
+    ("cpu_vs_cold", 0.15, "CPU-tier hit <= 0.15x cold prefill"),
+    ("disk_vs_cold", 0.25, "disk-tier hit after restart <= 0.25x cold prefill"),
+    ("cpu_vs_peer", 0.5, "ours (CPU tier) <= 0.5x ExampleConnector warm"),
+    ("disk_vs_peer", 0.5, "ours (disk tier, restarted) <= 0.5x ExampleConnector warm"),
+)
+
+
+def prompt(length: int, rep: int, *, suffix: int = 0) -> str:
+    """Prefix ``length`` tokens (one per (length, rep)) + a 16-token suffix ``suffix``."""
+    seed = 10_000 + length * 10 + rep  # distinct seeds: same-seed prompts share a prefix
+    return (make_prompt(length, seed=seed)
+            + make_prompt(SUFFIX_TOKENS, seed=900_000 + seed * 10 + suffix))
+
+
+class Recorder:
+    """TTFT samples per (mode, length), with the hit metrics of each request.
+
+    An engine that fails is recorded (``errors``) and skipped from then on, so one
+    broken contender costs its own figures, not the whole run.
+    """
+
+    def __init__(self, turns: Turns) -> None:
+        self.samples: dict[str, dict[int, list[dict]]] = {}
+        self.errors: dict[str, str] = {}
+        self.turns = turns
+        self._dead: set[int] = set()
+
+    def warm_up(self, engines: list[EngineProcess]) -> None:
+        """One short request per engine: first-request costs stay out of the figures."""
+        for i, engine in enumerate(engines):
+            self.turns.take(engine)
+            engine.generate([make_prompt(64, seed=7 + i)])
+
+    def block(self, engine: EngineProcess, mode: str, prompts: list[tuple[int, str]]) -> None:
+        """Run (length, text) requests one by one on ``engine``, recorded as ``mode``."""
+        for length, text in prompts:
+            self.run(engine, mode, length, text)
+
+    def run(self, engine: EngineProcess, mode: str, length: int, text: str) -> None:
+        if id(engine) in self._dead:
+            return
+        self.turns.take(engine)
+        try:
+            out = engine.generate([text], max_tokens=1)
+        except EngineError as exc:
+            self._dead.add(id(engine))
+            first = str(exc).splitlines()[0]
+            self.errors[mode] = f"L={length}: {first} (engine log: {engine.log_path.name})"
+            print(f"  {mode} at L={length} failed: {first}", file=sys.stderr, flush=True)
+            return
+        m = out["metrics"]
+        self.samples.setdefault(mode, {}).setdefault(length, []).append({
+            "ttft_s": out["latency_s"][0],
+            "vllm_hit": int(m["prefix_cache_hits"]), "external_hit": int(m["external_hits"]),
+            "host_hit": int(m["hits_host"]), "disk_hit": int(m["hits_disk"]),
+        })
+
+    def reset(self, *engines: EngineProcess) -> None:
+        """reset_prefix_cache() on the engines still alive."""
+        for engine in engines:
+            if id(engine) not in self._dead:
+                self.turns.take(engine)
+                try:
+                    engine.reset_prefix_cache()
+                except EngineError as exc:
+                    self._dead.add(id(engine))
+                    self.errors[f"reset {engine.log_path.stem}"] = str(exc).splitlines()[0]
+
+    def summary(self) -> dict[str, dict[str, dict]]:
+        out: dict[str, dict[str, dict]] = {}
+        for mode, per_length in self.samples.items():
+            for length, rows in sorted(per_length.items()):
+                times = [r["ttft_s"] for r in rows]
+                out.setdefault(mode, {})[str(length)] = {
+                    "median_s": statistics.median(times), "samples_s": times,
+                    "hits": {k: statistics.median(r[k] for r in rows)
+                             for k in ("vllm_hit", "external_hit", "host_hit", "disk_hit")},
+                }
+        return out
+
+
+def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
+             model: Path) -> dict[str, float]:
+    """Plain, ours and the peer side by side: cold, vLLM hit, CPU tier, peer in-process."""
+    engine = engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
+    engines = [
+        EngineProcess(model=model, engine=engine, transfer=ours_transfer_config(**args.ours),
+                      log_path=dirs["logs"] / "ours-1.log", env=args.env),
+        EngineProcess(model=model, engine=engine, log_path=dirs["logs"] / "peer-1.log",
+                      transfer=example_transfer_config(dirs["peer"]), env=args.env),
+    ]
+    if not args.no_plain:
+        engines.append(EngineProcess(model=model, engine=engine, transfer=None,
+                                     log_path=dirs["logs"] / "plain.log", env=args.env))
+    start_engines(engines)
+    ours, peer = engines[:2]
+    plain = engines[2] if len(engines) > 2 else None
+    try:
+        rec.warm_up(engines)
+        cold = [(plain, "cold"), (ours, "cold_ours"), (peer, "cold_peer")]
+        if plain is None:  # cold and vllm_hit on ours
+            cold = [(ours, "cold"), (peer, "cold_peer")]
+        for rep in range(args.reps):
+            turn = cold[rep % len(cold):] + cold[:rep % len(cold)]  # rotate who goes first
+            for engine, mode in turn:
+                rec.block(engine, mode, [(n, prompt(n, rep)) for n in args.lengths])
+        exact = [(n, prompt(n, rep)) for rep in range(args.reps) for n in args.lengths]
+        for _ in range(args.passes):  # the prompts are all still in vLLM's cache
+            rec.block(plain or ours, "vllm_hit", exact)
+        for k in range(args.passes):
+            rec.reset(ours, peer)
+            turn = [(ours, "cpu"), (peer, "peer_same_process")]
+            for engine, mode in (turn if k % 2 == 0 else turn[::-1]):
+                rec.block(engine, mode, exact)
+        rec.reset(ours)
+        rec.block(ours, "cpu_new_suffix",
+                  [(n, prompt(n, rep, suffix=1)) for rep in range(args.reps) for n in args.lengths])
+        startup = {"ours": ours.startup_s, "peer": peer.startup_s}
+        if plain is not None:
+            startup["plain"] = plain.startup_s
+        return startup
+    finally:
+        for e in engines:
+            e.close()
+
+
+def spawn_wave_two(args: argparse.Namespace, dirs: dict[str, Path],
+                   model: Path) -> list[EngineProcess]:
+    """Spawn (without waiting) the fresh engines of wave two: ours and the peer."""
+    engine = engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
+    return [
+        EngineProcess(model=model, engine=engine, transfer=ours_transfer_config(**args.ours),
+                      log_path=dirs["logs"] / "ours-2.log", env=args.env),
+        EngineProcess(model=model, engine=engine, log_path=dirs["logs"] / "peer-2.log",
+                      transfer=example_transfer_config(dirs["peer"]), env=args.env),
+    ]
+
+
+def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProcess]
+             ) -> dict[str, float]:
+    """Fresh processes on the same stores: our disk tier against the peer's warm TTFT."""
+    ours, peer = start_engines(engines)
+    try:
+        rec.warm_up([ours, peer])
+        exact = [(n, prompt(n, rep)) for rep in range(args.reps) for n in args.lengths]
+        for k in range(args.passes):
+            if k:
+                rec.reset(ours, peer)
+            turn = [(ours, "disk" if k == 0 else "cpu_after_restart"), (peer, "peer_warm")]
+            for engine, mode in (turn if k % 2 == 0 else turn[::-1]):
+                rec.block(engine, mode, exact)
+        return {"ours_restarted": ours.startup_s, "peer_restarted": peer.startup_s}
+    finally:
+        ours.close()
+        peer.close()
+
+
+def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
+    """Per length: each warm mode over cold, and ours over the peer's warm TTFT."""
+    def med(mode: str, length: str) -> float | None:
+        return modes.get(mode, {}).get(length, {}).get("median_s")
+
+    out: dict[str, dict[str, float]] = {}
+    for length in modes.get("cold", {}):
+        row = {}
+        for name, num, den in (("cpu_vs_cold", "cpu", "cold"), ("disk_vs_cold", "disk", "cold"),
+                               ("vllm_hit_vs_cold", "vllm_hit", "cold"),
+                               ("cpu_new_suffix_vs_cold", "cpu_new_suffix", "cold"),
+                               ("peer_vs_cold", "peer_warm", "cold"),
+                               ("cpu_vs_peer", "cpu", "peer_warm"),
+                               ("disk_vs_peer", "disk", "peer_warm"),
+                               ("cold_ours_vs_cold", "cold_ours", "cold")):
+            a, b = med(num, length), med(den, length)
+            if a is not None and b:
+                row[name] = round(a / b, 4)
+        out[length] = row
+    return out
+
+
+def verdicts(result: dict) -> list[dict]:
+    """PASS/MISS per target at 4k tokens (or the longest length measured below it)."""
+    lengths = [int(k) for k in result["ratios"]]
+    at = max((n for n in lengths if n <= TARGET_LENGTH), default=max(lengths))
+    out = []
+    for key, limit, what in TARGETS:
+        value = result["ratios"][str(at)].get(key)
+        out.append({"target": what, "length": at, "key": key, "value": value, "limit": limit,
+                    "pass": value is not None and value <= limit})
+    return out
+
+
+def print_table(result: dict) -> None:
+    modes = result["modes"]
+    order = ["cold", "cold_ours", "cold_peer", "vllm_hit", "cpu", "cpu_new_suffix", "disk",
+             "cpu_after_restart", "peer_same_process", "peer_warm"]
+    lengths = [str(n) for n in result["lengths"]]
+    print(f"\nTTFT, median ms (prefix L tokens + {SUFFIX_TOKENS}-token suffix; model "
+          f"{result['model']['name']})")
+    print(f"{'mode':<19}" + "".join(f"{'L=' + n:>10}" for n in lengths))
+    for mode in order:
+        if mode in modes:
+            cells = [modes[mode].get(n, {}).get("median_s") for n in lengths]
+            print(f"{mode:<19}" + "".join(
+                f"{c * 1e3:>10.1f}" if c is not None else f"{'-':>10}" for c in cells))
+    print("ratios")
+    keys = ["cpu_vs_cold", "disk_vs_cold", "vllm_hit_vs_cold", "peer_vs_cold", "cpu_vs_peer",
+            "disk_vs_peer", "cold_ours_vs_cold"]
+    for key in keys:
+        cells = [result["ratios"].get(n, {}).get(key) for n in lengths]
+        print(f"{key:<19}" + "".join(
+            f"{c:>10.3f}" if c is not None else f"{'-':>10}" for c in cells))
+    for mode, error in result.get("errors", {}).items():
+        print(f"  ERROR {mode}: {error}")
+    for v in result["verdicts"]:
+        value = "n/a" if v["value"] is None else f"{v['value']:.3f}"
+        print(f"  {'PASS' if v['pass'] else 'MISS'}  {v['target']} at {v['length']} tokens: "
+              f"{value} (limit {v['limit']})")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: the tiny test model, 256 and 512 tokens, 1 rep")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="random-weight model geometry (default tiny; see MODELS)")
+    parser.add_argument("--lengths", type=str, default=None,
+                        help="comma-separated prefix lengths (default 1024,2048,4096,8192)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="different prefixes per length (default 2, --quick 1)")
+    parser.add_argument("--passes", type=int, default=None,
+                        help="repeats of each cheap warm measurement (default 3, --quick 1)")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="our chunk size (default: kv-offload's default)")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="no connector-free engine: cold and vllm_hit measured on ours "
+                             "(one engine less to start; implied by --quick)")
+    parser.add_argument("--early-start", action="store_true",
+                        help="start wave two's engines while wave one runs: one start-up "
+                             "less, but not a restart (implied by --quick)")
+    parser.add_argument("--vllm-default-binding", action="store_true",
+                        help="leave vLLM's CPU thread binding alone: on 2 cores an engine "
+                             "with any connector then gets 2 unbound OpenMP threads, one "
+                             "without gets 1 bound thread (default: same binding for all)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="one process per engine (vLLM's uni executor, no engine-core "
+                             "process): fast start-up, not the default topology (implied by "
+                             "--quick)")
+    parser.add_argument("--dir", type=Path, default=None, help="where stores and logs go")
+    parser.add_argument("--keep", action="store_true", help="keep stores and engine logs")
+    args = parser.parse_args(argv)
+    lengths = args.lengths or ("256,512" if args.quick else "1024,2048,4096,8192")
+    args.lengths = sorted(int(n) for n in lengths.split(","))
+    args.reps = args.reps or (1 if args.quick else 2)
+    args.passes = args.passes or (1 if args.quick else 3)
+    args.no_plain = args.no_plain or args.quick
+    args.early_start = args.early_start or args.quick
+    args.in_process = args.in_process or args.quick
+    args.env = benchmark_env(in_process=args.in_process,
+                             vllm_default_binding=args.vllm_default_binding)
+    args.max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
+    # Whole prompts in one step: vLLM's ExampleConnector stores only the first scheduled
+    # part of a chunked prefill and then crashes its engine loading it (shape mismatch).
+    args.max_num_batched_tokens = args.max_model_len
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    base = Path(tempfile.mkdtemp(prefix="kv-offload-ttft-", dir=args.dir))
+    dirs = {"logs": base / "logs", "peer": base / "peer", "store": base / "store"}
+    dirs["peer"].mkdir(parents=True)
+    args.ours = {"cpu_size": "1GiB", "disk_path": str(dirs["store"]), "disk_size": "4GiB"}
+    if args.chunk_tokens:
+        args.ours["chunk_tokens"] = args.chunk_tokens
+    model_kwargs = {} if args.quick else MODELS[args.model]
+    model = make_tiny_model(**model_kwargs)
+    started = time.perf_counter()
+    rec = Recorder(Turns(0.0) if args.quick else Turns())  # --quick: no figures to protect
+    early = spawn_wave_two(args, dirs, model) if args.early_start else None
+    try:
+        startup = wave_one(args, rec, dirs, model)
+        startup.update(wave_two(args, rec, early or spawn_wave_two(args, dirs, model)))
+    except BaseException:
+        for e in early or ():
+            e.close()
+        print(f"bench_ttft failed; engine logs kept in {dirs['logs']}", file=sys.stderr)
+        args.keep = True
+        raise
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    modes = rec.summary()
+    result: dict[str, Any] = {
+        "bench": "ttft",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "quick": args.quick,
+        "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "model": {"name": "test default" if args.quick else args.model,
+                  "path": str(model), **model_kwargs},
+        "engine": engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
+                                max_num_batched_tokens=args.max_num_batched_tokens),
+        "env": args.env,
+        "ours_config": {k: v for k, v in args.ours.items() if k != "disk_path"},
+        "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "reps": args.reps,
+        "passes": args.passes, "plain_engine": not args.no_plain,
+        "early_start": args.early_start, "in_process": args.in_process,
+        "startup_s": startup, "modes": modes, "errors": rec.errors,
+        "settle_s": rec.turns.settle_s, "engine_switches": rec.turns.num_switches,
+    }
+    result["ratios"] = ratios(modes)
+    result["verdicts"] = verdicts(result)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print_table(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

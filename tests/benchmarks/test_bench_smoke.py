@@ -1,0 +1,95 @@
+"""Smoke tests of the benchmark scripts: they run in --quick mode and write the JSON
+that benchmarks/run_all.py renders. No timing is asserted: these machines are noisy.
+
+The engine benchmarks start real vLLM engines (the tiny test model, prompts of a few
+hundred tokens): together they take a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+def run_script(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(BENCH / name), *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"{name} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return proc
+
+
+def run_json(name: str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    run_script(name, "--quick", "--json", str(out), *args)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", ["bench_ttft.py", "bench_overhead.py", "bench_lookup.py",
+                                  "run_all.py"])
+def test_help(name):
+    assert "--quick" in run_script(name, "--help").stdout
+
+
+def test_lookup_quick(tmp_path):
+    data = run_json("bench_lookup.py", tmp_path, "--sizes", "1000,2000", "--calls", "20")
+    assert [r["num_chunks"] for r in data["results"]] == [1000, 2000]
+    for row in data["results"]:
+        for key in ("lookup_cpu_us_per_chunk", "lookup_disk_us_per_chunk",
+                    "lookup_miss_us_per_request", "plan_load_cpu_us_per_chunk",
+                    "plan_load_disk_us_per_chunk", "plan_store_us_per_chunk",
+                    "complete_store_us_per_chunk"):
+            assert row[key] > 0, key
+    assert {v["pass"] for v in data["verdicts"]} <= {True, False}
+    assert any("flat" in v["target"] for v in data["verdicts"])
+
+
+def test_report_renders_partial_results(tmp_path):
+    """run_all --report-only renders what is there and says what is missing."""
+    data = tmp_path / "bench-data"
+    data.mkdir()
+    run_script("bench_lookup.py", "--quick", "--sizes", "1000", "--calls", "10",
+               "--json", str(data / "lookup.json"))
+    (data / "copy.json").write_text(json.dumps({"results": [
+        {"engine": "torch", "chunk_kib": 256, "ids": "contiguous", "direction": "load",
+         "engine_gbps": 3.0, "memcpy_gbps": 4.0, "ratio": 0.75, "target": 0.6}]}))
+    (data / "tiers.json").write_text(json.dumps({"io": [{"chunk": 262144}]}))  # odd format
+    run_script("run_all.py", "--report-only", "--out", str(tmp_path))
+    report = (tmp_path / "benchmarks.md").read_text()
+    assert "## Machine" in report and "## Targets" in report
+    assert "Scheduler lookup" in report and "Copy engine" in report
+    assert "No results: not run." in report  # ttft, overhead
+    assert (tmp_path / "img" / "copy_gbps.png").stat().st_size > 0
+
+
+@pytest.mark.engine
+def test_ttft_quick(tmp_path):
+    data = run_json("bench_ttft.py", tmp_path, "--lengths", "256")
+    for mode in ("cold", "cold_peer", "vllm_hit", "cpu", "cpu_new_suffix", "disk",
+                 "peer_same_process", "peer_warm"):
+        assert data["modes"][mode]["256"]["median_s"] > 0, mode
+    hits = data["modes"]
+    assert hits["cpu"]["256"]["hits"]["host_hit"] == 256
+    assert hits["disk"]["256"]["hits"]["disk_hit"] == 256
+    assert hits["peer_warm"]["256"]["hits"]["external_hit"] > 0
+    assert {"cpu_vs_cold", "disk_vs_cold", "cpu_vs_peer", "disk_vs_peer"} <= set(
+        data["ratios"]["256"])
+    assert len(data["verdicts"]) == 4
+
+
+@pytest.mark.engine
+def test_overhead_quick(tmp_path):
+    data = run_json("bench_overhead.py", tmp_path, "--num-prompts", "2")
+    for workload in ("no_reuse", "reuse_50"):
+        summary = data["summary"][workload]
+        assert summary["throughput_ratio"] > 0
+        for name in ("plain", "ours"):
+            assert summary[name]["throughput_tok_s"] > 0
+    assert data["summary"]["reuse_50"]["ours"]["external_hit_tokens"] > 0
+    assert isinstance(data["verdict"]["pass"], bool)
