@@ -233,10 +233,12 @@ class OffloadScheduler:
             request = state.request
             limit = computed if self.config.store_generated else min(
                 computed, request.num_prompt_tokens)
-            keys = self._keys(request, for_load=False)
-            num_done = min(len(keys), limit // self.config.chunk_tokens)
+            # Decide from counts first: building keys every decode step costs O(prompt).
+            hashed = len(request.block_hashes) * self.config.tokens_per_hash
+            num_done = min(hashed, limit) // self.config.chunk_tokens
             if num_done <= state.next_store_chunk:
                 continue
+            keys = self._keys(request, for_load=False)
             block_ids = self._block_ids_of(req_id)
             for c in range(state.next_store_chunk, num_done):
                 key = keys[c]
