@@ -29,14 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kv_offload.config import OffloadConfig
-
-METRICS = {
-    "prefix_cache_hits": "vllm:prefix_cache_hits",
-    "external_hits": "vllm:external_prefix_cache_hits",
-    "external_queries": "vllm:external_prefix_cache_queries",
-}
-SOURCE_METRIC = "vllm:prompt_tokens_cached_by_source"
-
+from kv_offload.testing.workload import generate_timed, metric_totals
 
 # After each message, the readers of vLLM's shared-memory queues (the engine core and its
 # worker) busy-spin for 1 s before they sleep (SpinCondition.busy_loop_s). An engine used
@@ -216,41 +209,18 @@ def start_engines(engines: list[EngineProcess]) -> list[EngineProcess]:
 # -- child side -------------------------------------------------------------------------
 
 
-def _metric_totals(llm: Any) -> dict[str, float]:
-    out = dict.fromkeys(METRICS, 0.0)
-    out.update({"hits_host": 0.0, "hits_disk": 0.0, "hits_device": 0.0})
-    for metric in llm.get_metrics():
-        if not hasattr(metric, "value"):
-            continue
-        for short, name in METRICS.items():
-            if metric.name == name:
-                out[short] += float(metric.value)
-        if metric.name == SOURCE_METRIC:
-            key = f"hits_{metric.labels.get('source', '')}"
-            if key in out:
-                out[key] += float(metric.value)
-    return out
-
-
 def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=command.get("max_tokens", 1),
                             ignore_eos=True)
     prompts = command["prompts"]
-    before = _metric_totals(llm)
-    latencies: list[float] = []
+    before = metric_totals(llm)
     start = time.perf_counter()
-    if command.get("one_by_one", True):
-        outputs = []
-        for prompt in prompts:
-            t0 = time.perf_counter()
-            outputs.extend(llm.generate([prompt], params, use_tqdm=False))
-            latencies.append(time.perf_counter() - t0)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs, latencies = generate_timed(llm, prompts, params,
+                                        one_by_one=command.get("one_by_one", True))
     seconds = time.perf_counter() - start
-    after = _metric_totals(llm)
+    after = metric_totals(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     ttft = [o.metrics.first_token_latency for o in outputs
             if getattr(o, "metrics", None) is not None]

@@ -46,7 +46,8 @@ def default_engine_kwargs() -> dict[str, Any]:
     }
 
 
-def _metric_totals(llm: Any) -> dict[str, float]:
+def metric_totals(llm: Any) -> dict[str, float]:
+    """vLLM's prefix-cache counters (totals since start, summed over engines)."""
     out = {k: 0.0 for k in METRICS}
     out.update({"hits_host": 0.0, "hits_disk": 0.0, "hits_device": 0.0})
     for metric in llm.get_metrics():
@@ -58,6 +59,20 @@ def _metric_totals(llm: Any) -> dict[str, float]:
             if f"hits_{source}" in out:
                 out[f"hits_{source}"] += float(metric.value)
     return out
+
+
+def generate_timed(llm: Any, prompts: list, params: Any, *, one_by_one: bool
+                   ) -> tuple[list, list[float]]:
+    """Generate ``prompts``; one at a time gives per-request latency (TTFT when
+    ``max_tokens`` is 1), else one batch and no latencies."""
+    if not one_by_one:
+        return llm.generate(prompts, params, use_tqdm=False), []
+    outputs, latencies = [], []
+    for prompt in prompts:
+        start = time.perf_counter()
+        outputs.extend(llm.generate([prompt], params, use_tqdm=False))
+        latencies.append(time.perf_counter() - start)
+    return outputs, latencies
 
 
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -78,20 +93,13 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 16),
                                 ignore_eos=True)
-        before = _metric_totals(llm)
+        before = metric_totals(llm)
         prompts = phase["prompts"]
         start = time.perf_counter()
-        latencies: list[float] = []
-        if phase.get("one_by_one"):  # per-request latency; with max_tokens=1 it is TTFT
-            outputs = []
-            for prompt in prompts:
-                s = time.perf_counter()
-                outputs.extend(llm.generate([prompt], params, use_tqdm=False))
-                latencies.append(time.perf_counter() - s)
-        else:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs, latencies = generate_timed(llm, prompts, params,
+                                            one_by_one=bool(phase.get("one_by_one")))
         seconds = time.perf_counter() - start
-        after = _metric_totals(llm)
+        after = metric_totals(llm)
         result["phases"].append({
             "name": phase.get("name", ""),
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
