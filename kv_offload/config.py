@@ -27,6 +27,8 @@ _SIZE_UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 EVICTION_POLICIES = ("lru", "fifo")
+_REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
+_NODE_RE = re.compile(r"^((redis|rediss|valkey|valkeys)://([^@/]*@)?)?[A-Za-z0-9_.\[\]:-]+:\d+/?$")
 
 
 def parse_size(value: Any, *, name: str) -> int:
@@ -92,6 +94,19 @@ class OffloadConfig:
         disk_allow_unsafe_permissions: open a store directory that belongs to another
             user or is writable by group or others. Default False: such a store is
             refused, because whoever can write it can plant KV that would be served.
+        remote_url: a Redis/Valkey server shared by several hosts, below the disk tier
+            ("redis://host:6379/0", "rediss://...", "unix:///path.sock", "valkey://...").
+            None (default) turns the remote tier off.
+        remote_cluster_nodes: seed nodes of a Redis Cluster ("host:port" or URLs), instead
+            of ``remote_url``.
+        remote_timeout_s: limit of one remote read or write. Default 2.
+        remote_lookup_budget_ms: limit of the scheduler's existence check per request;
+            past it the answer is a miss. Default 20.
+        remote_max_value_size: the largest value kv-offload may write (a chunk of one rank
+            plus a 40-byte header); must cover a chunk. Default 256MiB (Redis allows 512MB).
+        remote_key_prefix: prefix of every key kv-offload writes. Default "kv-offload".
+        remote_ttl_s: expire remote values after this many seconds; None (default)
+            leaves eviction to the server (``maxmemory-policy allkeys-lru``).
     """
 
     cpu_size: int | str = "4GiB"
@@ -106,6 +121,13 @@ class OffloadConfig:
     store_generated: bool = False
     load_timeout_s: float = 30.0
     disk_allow_unsafe_permissions: bool = False
+    remote_url: str | None = None
+    remote_cluster_nodes: list[str] | None = None
+    remote_timeout_s: float = 2.0
+    remote_lookup_budget_ms: float = 20.0
+    remote_max_value_size: int | str = "256MiB"
+    remote_key_prefix: str = "kv-offload"
+    remote_ttl_s: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -144,12 +166,52 @@ class OffloadConfig:
         timeout = self.load_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"load_timeout_s: expected a positive number, got {timeout!r}")
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "remote_max_value_size",
+             parse_size(self.remote_max_value_size, name="remote_max_value_size"))
+        url, nodes = self.remote_url, self.remote_cluster_nodes
+        if url is not None:
+            if not isinstance(url, str) or not url.startswith(_REMOTE_SCHEMES):
+                raise ValueError(
+                    f"remote_url: expected a URL starting with one of "
+                    f"{', '.join(_REMOTE_SCHEMES)} (e.g. 'redis://10.0.0.5:6379/0'), got {url!r}")
+            if nodes:
+                raise ValueError("remote_url and remote_cluster_nodes are both set; use "
+                                 "remote_url for one server, remote_cluster_nodes for a cluster")
+        if nodes is not None:
+            if isinstance(nodes, str):
+                nodes = [n for n in nodes.split(",") if n.strip()]
+            if not isinstance(nodes, (list, tuple)) or not nodes or not all(
+                    isinstance(n, str) and _NODE_RE.match(n.strip()) for n in nodes):
+                raise ValueError(
+                    f"remote_cluster_nodes: expected a list of seed nodes like "
+                    f"['10.0.0.5:7000', '10.0.0.6:7000'], got {self.remote_cluster_nodes!r}")
+            set_(self, "remote_cluster_nodes", [n.strip() for n in nodes])
+        for name in ("remote_timeout_s", "remote_lookup_budget_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        if self.remote_max_value_size <= 0:
+            raise ValueError("remote_max_value_size: must be > 0")
+        prefix = self.remote_key_prefix
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", prefix):
+            raise ValueError(
+                f"remote_key_prefix: use 1-64 letters, digits or '_.:-', got {prefix!r}")
+        if self.remote_ttl_s is not None:
+            _check_int(self.remote_ttl_s, "remote_ttl_s", minimum=1)
 
     # -- derived values -------------------------------------------------------------------
 
     @property
     def disk_enabled(self) -> bool:
         return self.disk_path is not None
+
+    @property
+    def remote_enabled(self) -> bool:
+        return self.remote_url is not None or bool(self.remote_cluster_nodes)
 
     def resolve_chunk_tokens(self, block_size: int) -> int:
         """Tokens per chunk for an engine with ``block_size``; ValueError if incompatible."""

@@ -22,8 +22,12 @@ class ChunkMove:
     chunk vanished after lookup and must be reported as failed. ``disk_slot``: the slab slot
     to read (loads) or write (stores), None when the disk is not involved.
     ``checksums``: per rank, the expected checksum of a disk read.
-    ``after_job``: for loads, a job that is still filling ``cpu_slot`` from disk;
-    this chunk is copied once that read is done (a shared load).
+    ``after_job``: for loads, a job that is still filling ``cpu_slot`` from disk or the
+    remote tier; this chunk is copied once that read is done (a shared load).
+    ``remote_key``: the chunk key in the remote tier: loads read the chunk from there
+    into ``cpu_slot``; stores also write it there, after the local tiers.
+    ``fill_disk_slot``: for loads from the remote tier, a disk slot to write the fetched
+    chunk to, so the next restart finds it locally.
     """
 
     block_ids: tuple[int, ...]
@@ -31,11 +35,14 @@ class ChunkMove:
     disk_slot: int | None = None
     checksums: tuple[int, ...] | None = None
     after_job: int | None = None
+    remote_key: bytes | None = None
+    fill_disk_slot: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
-    """Disk -> host (when ``disk_slot`` is set) -> engine blocks, for one request."""
+    """Disk or remote -> host (when ``disk_slot`` or ``remote_key`` is set) -> engine
+    blocks, for one request."""
 
     job_id: int
     req_id: str
@@ -44,7 +51,7 @@ class LoadJob:
 
 @dataclass(frozen=True, slots=True)
 class StoreJob:
-    """Engine blocks -> host slot -> disk slot (when ``disk_slot`` is set)."""
+    """Engine blocks -> host slot -> disk slot and remote tier (when set)."""
 
     job_id: int
     chunks: tuple[ChunkMove, ...]
@@ -66,7 +73,9 @@ class WorkerReport:
     """What workers finished since their last report (merged over ranks by the connector).
 
     ``host_stored``: store job -> number of ranks whose engine -> host copy finished.
-    ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed).
+    ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed);
+    for a load job, the checksums of its ``fill_disk_slot`` writes.
+    ``remote_stored``: store job -> rank -> per chunk, whether its remote write succeeded.
     ``loaded``: load job -> rank -> indexes of chunks that failed on that rank.
     ``disk_broken``: a rank's store directory keeps failing (deleted, read-only, I/O
     errors); the scheduler then stops using the disk tier.
@@ -75,10 +84,12 @@ class WorkerReport:
     host_stored: dict[int, int] = field(default_factory=dict)
     disk_stored: dict[int, dict[int, tuple[int | None, ...]]] = field(default_factory=dict)
     loaded: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
+    remote_stored: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
     disk_broken: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.host_stored or self.disk_stored or self.loaded or self.disk_broken)
+        return bool(self.host_stored or self.disk_stored or self.loaded or self.remote_stored
+                    or self.disk_broken)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Fold ``other`` (another rank's report) into this one; returns self."""
@@ -88,5 +99,7 @@ class WorkerReport:
             self.disk_stored.setdefault(job, {}).update(per_rank)
         for job, per_rank in other.loaded.items():
             self.loaded.setdefault(job, {}).update(per_rank)
+        for job, per_rank in other.remote_stored.items():
+            self.remote_stored.setdefault(job, {}).update(per_rank)
         self.disk_broken = self.disk_broken or other.disk_broken
         return self

@@ -15,14 +15,20 @@ class SchedulerCounters:
 
     hit_tokens_cpu: int = 0  # prompt tokens loaded from the CPU tier
     hit_tokens_disk: int = 0  # prompt tokens loaded from the disk tier
+    hit_tokens_remote: int = 0  # prompt tokens loaded from the remote tier
     miss_tokens: int = 0  # prompt tokens past vLLM's own hit that no tier held
     chunks_loaded_cpu: int = 0
     chunks_loaded_disk: int = 0
+    chunks_loaded_remote: int = 0
     chunks_stored_cpu: int = 0  # chunks published in the CPU tier
     chunks_stored_disk: int = 0  # chunks committed to the disk tier
+    chunks_stored_remote: int = 0  # chunks written to the remote tier by every rank
     skipped_stores: int = 0  # chunks not stored: no CPU slot could be had
     evictions_cpu: int = 0
     load_errors: int = 0  # chunks whose load failed or vanished (recomputed)
+    remote_lookups: int = 0  # existence checks sent to the remote tier (one per request)
+    remote_lookup_errors: int = 0  # ... that failed or ran past the budget (answered miss)
+    seconds_remote_lookup: float = 0.0
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -1,6 +1,7 @@
 """OffloadScheduler: the scheduler-side brain (lookups, load and store planning, pins).
 
-Pure logic: imports neither torch nor vLLM. It sees requests through a small protocol
+Pure logic: imports neither torch nor vLLM (the remote tier is injected). It sees
+requests through a small protocol
 (``request_id``, ``block_hashes``, ``num_tokens``, ``num_prompt_tokens``) and engine
 block ids through an injected callable, so it is unit-tested with fakes.
 
@@ -46,6 +47,7 @@ class _Request:
     request: Any
     next_store_chunk: int = 0
     lookup: tuple[int, int] | None = None  # (num_computed_tokens, hit tokens) memo
+    remote: tuple[int, int, frozenset] | None = None  # (first chunk, num keys, hit keys) memo
     tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -56,10 +58,13 @@ class _Job:
     kind: str  # "load" or "store"
     keys: tuple[ChunkKey, ...]
     moves: tuple[ChunkMove, ...]
-    staged: frozenset[int] = frozenset()  # load: chunk indexes read from disk by this job
+    staged: frozenset[int] = frozenset()  # load: chunk indexes read from disk or remote
     ranks_host: int = 0
     disk_reports: dict[int, Any] = field(default_factory=dict)
-    host_done: bool = False
+    remote_reports: dict[int, Any] = field(default_factory=dict)  # store: remote writes
+    fill_reports: dict[int, Any] = field(default_factory=dict)  # load: fill_disk_slot writes
+    fill_pinned: set[int] = field(default_factory=set)  # load: CPU pins held for fills
+    host_done: bool = False  # store: published in the CPU tier; load: loaded on all ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +81,11 @@ class PlannerConfig:
 
 
 class OffloadScheduler:
-    """Plans loads and stores from the CPU and disk indexes; owns every pin.
+    """Plans loads and stores from the CPU, disk and remote tiers; owns every pin.
 
     Scheduler thread only. ``disk_index`` is a ``kv_offload.disk.DiskIndex`` or None
-    (disk tier off). ``block_ids_of(req_id)`` returns the request's engine block ids.
+    (disk tier off); ``remote`` a ``kv_offload.remote.RemoteTier`` or None.
+    ``block_ids_of(req_id)`` returns the request's engine block ids.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class OffloadScheduler:
         *,
         disk_index: Any | None,
         block_ids_of: Callable[[str], Sequence[int]],
+        remote: Any | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if config.chunk_tokens % config.block_size or config.block_size % config.tokens_per_hash:
@@ -101,6 +108,7 @@ class OffloadScheduler:
         self.cpu = CpuIndex(config.num_cpu_slots, policy=config.eviction_policy)
         self.disk = disk_index
         self.disk_enabled = disk_index is not None
+        self.remote = remote
         self.counters = SchedulerCounters()
         self._block_ids_of = block_ids_of
         self._clock = clock
@@ -136,16 +144,34 @@ class OffloadScheduler:
         beyond a per-request memo of the answer."""
         keys = self._keys(request, for_load=True)
         first = num_computed_tokens // self.config.chunk_tokens
+        state = self._requests.setdefault(request.request_id, _Request(request))
+        state.request = request
         if first >= len(keys):
             hit_tokens = 0
         else:
             cpu_hits, disk_hits = self._lookup(keys, first)
-            end = (first + len(cpu_hits) + len(disk_hits)) * self.config.chunk_tokens
+            local_end = first + len(cpu_hits) + len(disk_hits)
+            end = (local_end + self._remote_lookup(state, keys, local_end)
+                   ) * self.config.chunk_tokens
             hit_tokens = max(0, end - num_computed_tokens)
-        state = self._requests.setdefault(request.request_id, _Request(request))
-        state.request = request
         state.lookup = (num_computed_tokens, hit_tokens)
         return hit_tokens
+
+    def _remote_lookup(self, state: _Request, keys: Sequence[ChunkKey], start: int) -> int:
+        """Leading chunks of ``keys[start:]`` held by the remote tier: one pipelined check
+        per request (memoised: vLLM asks again while a request waits for blocks)."""
+        if self.remote is None or start >= len(keys):
+            return 0
+        memo = state.remote
+        if memo is not None and memo[:2] == (start, len(keys)):
+            return len(memo[2])
+        began, failures = self._clock(), self.remote.health.num_failures
+        hits = self.remote.lookup(keys[start:])
+        self.counters.remote_lookups += 1
+        self.counters.remote_lookup_errors += self.remote.health.num_failures - failures
+        self.counters.seconds_remote_lookup += self._clock() - began
+        state.remote = (start, len(keys), frozenset(keys[start:start + hits]))
+        return hits
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -171,6 +197,8 @@ class OffloadScheduler:
         last = (num_local + num_external_tokens) // chunk
         keys = self._keys(request, for_load=True)[first:last]
         cpu_hits, disk_hits = self._lookup(keys, 0) if keys else ([], [])
+        remote_keys = state.remote[2] if state.remote else frozenset()
+        fills = self._fill_slots(keys[len(cpu_hits) + len(disk_hits):], remote_keys)
         job_id = next(self._job_ids)
         moves: list[ChunkMove] = []
         staged: set[int] = set()
@@ -187,27 +215,53 @@ class OffloadScheduler:
             d = i - len(cpu_hits)
             entry = disk_hits[d] if d < len(disk_hits) else None
             slot = None
-            if entry is not None:
+            if entry is not None or key in remote_keys:
                 slot = self.cpu.reserve(key, SlotState.STAGING, staging_job=job_id)
             if slot is None:  # vanished since the lookup, or no CPU slot to stage into
                 moves.append(ChunkMove(blocks, None))
                 self.counters.load_errors += 1
                 continue
-            self.disk.pin([entry.slot])
             staged.add(i)
-            moves.append(ChunkMove(blocks, slot, entry.slot, tuple(entry.checksums)))
-            tiers["disk"] = tiers.get("disk", 0) + tokens
+            if entry is not None:
+                self.disk.pin([entry.slot])
+                moves.append(ChunkMove(blocks, slot, entry.slot, tuple(entry.checksums)))
+                tiers["disk"] = tiers.get("disk", 0) + tokens
+            else:
+                moves.append(ChunkMove(blocks, slot, remote_key=key,
+                                       fill_disk_slot=fills.pop(key, None)))
+                tiers["remote"] = tiers.get("remote", 0) + tokens
+        self._release_disk(list(fills.values()))  # fills of chunks that found no CPU slot
         self.cpu.touch(k for k, m in zip(keys, moves) if m.cpu_slot is not None)
         state.tier_tokens = tiers
+        num_remote = sum(m.remote_key is not None for m in moves)
         self.counters.hit_tokens_cpu += tiers.get("cpu", 0)
         self.counters.hit_tokens_disk += tiers.get("disk", 0)
+        self.counters.hit_tokens_remote += tiers.get("remote", 0)
         self.counters.chunks_loaded_cpu += len(cpu_hits)
-        self.counters.chunks_loaded_disk += len(staged)
+        self.counters.chunks_loaded_disk += len(staged) - num_remote
+        self.counters.chunks_loaded_remote += num_remote
         self._jobs[job_id] = _Job("load", tuple(keys), tuple(moves), frozenset(staged))
         self._pending_loads.append(LoadJob(job_id, request.request_id, tuple(moves)))
 
+    def _fill_slots(self, keys: Sequence[ChunkKey], remote_keys: frozenset) -> dict:
+        """Disk slots reserved for remote chunks among ``keys`` (key -> slot), so that
+        what is fetched from the remote tier also lands on the local disk."""
+        wanted = [k for k in keys if k in remote_keys]
+        if not (wanted and self.disk_enabled):
+            return {}
+        slots: list[int | None] = []
+        with self._disk_guard("allocate"):
+            slots = self.disk.allocate(wanted)
+        return {k: s for k, s in zip(wanted, slots) if s is not None}
+
+    def _release_disk(self, slots: list[int]) -> None:
+        if slots and self.disk is not None:
+            with self._disk_guard("release"):
+                self.disk.release(slots)
+
     def hit_tokens_by_tier(self, req_id: str) -> dict[str, int]:
-        """Tokens of the last planned load of ``req_id`` per tier ("cpu", "disk")."""
+        """Tokens of the last planned load of ``req_id`` per tier ("cpu", "disk",
+        "remote")."""
         state = self._requests.get(req_id)
         return dict(state.tier_tokens) if state else {}
 
@@ -272,10 +326,9 @@ class OffloadScheduler:
                     unused_disk.append(disk_slot)
                 continue
             keys.append(key)
-            moves.append(ChunkMove(blocks, slot, disk_slot))
-        if unused_disk:
-            with self._disk_guard("release"):
-                self.disk.release(unused_disk)
+            moves.append(ChunkMove(blocks, slot, disk_slot,
+                                   remote_key=key if self.remote is not None else None))
+        self._release_disk(unused_disk)
         if not moves:
             return None
         self._jobs[job_id] = _Job("store", tuple(keys), tuple(moves))
@@ -297,62 +350,109 @@ class OffloadScheduler:
                 self.counters.chunks_stored_cpu += len(job.keys)
                 for key, move in zip(job.keys, job.moves):
                     self.cpu.publish(key)
-                    if move.disk_slot is None:
+                    if move.disk_slot is None and move.remote_key is None:
                         self.cpu.unpin([key])
                 self._maybe_finish_store(job_id, job)
         for job_id, per_rank in report.disk_stored.items():
             job = self._jobs.get(job_id)
-            if job is not None:
+            if job is None:
+                continue
+            if job.kind == "load":
+                job.fill_reports.update(per_rank)
+                self._maybe_finish_load(job_id, job)
+            else:
                 job.disk_reports.update(per_rank)
+                self._maybe_finish_store(job_id, job)
+        for job_id, per_rank in report.remote_stored.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.remote_reports.update(per_rank)
                 self._maybe_finish_store(job_id, job)
         for job_id, per_rank in report.loaded.items():
             job = self._jobs.get(job_id)
             if job is not None:
                 job.disk_reports.update(per_rank)
-                if len(job.disk_reports) >= self.config.num_ranks:
-                    self._finish_load(job_id, job)
+                self._maybe_finish_load(job_id, job)
 
     def _maybe_finish_store(self, job_id: int, job: _Job) -> None:
+        """Once every rank copied, wrote the disk and wrote the remote tier: release the
+        CPU pins held for those writes, commit the disk slots that all ranks wrote."""
+        ranks = self.config.num_ranks
         has_disk = any(m.disk_slot is not None for m in job.moves)
-        if not job.host_done or (has_disk and len(job.disk_reports) < self.config.num_ranks):
+        has_remote = any(m.remote_key is not None for m in job.moves)
+        if (not job.host_done or (has_disk and len(job.disk_reports) < ranks)
+                or (has_remote and len(job.remote_reports) < ranks)):
             return
         del self._jobs[job_id]
-        if not has_disk:
-            return
-        ranks = sorted(job.disk_reports)
-        commits, releases = [], []
-        for i, (key, move) in enumerate(zip(job.keys, job.moves)):
-            if move.disk_slot is None:
-                continue
-            self.cpu.unpin([key])
-            sums = tuple(job.disk_reports[r][i] for r in ranks)
-            if all(s is not None for s in sums):
-                commits.append((key, move.disk_slot, sums))
-            else:
-                releases.append(move.disk_slot)
-        self.counters.chunks_stored_disk += len(commits)
-        with self._disk_guard("commit"):
-            if commits:
-                self.disk.commit(commits)
-            if releases:
-                self.disk.release(releases)
+        self.cpu.unpin(k for k, m in zip(job.keys, job.moves)
+                       if m.disk_slot is not None or m.remote_key is not None)
+        if has_remote:
+            per_rank = list(job.remote_reports.values())
+            self.counters.chunks_stored_remote += sum(
+                all(r[i] for r in per_rank) for i, m in enumerate(job.moves)
+                if m.remote_key is not None)
+        if has_disk:
+            self._commit_disk(job.keys, [m.disk_slot for m in job.moves], job.disk_reports)
 
-    def _finish_load(self, job_id: int, job: _Job) -> None:
+    def _commit_disk(self, keys: Sequence[ChunkKey], slots: Sequence[int | None],
+                     reports: dict[int, Any], failed: frozenset[int] = frozenset()) -> None:
+        """Commit the disk slots whose chunk every rank wrote (a checksum from each rank
+        in ``reports``), release the others and those in ``failed``."""
+        ranks = sorted(reports)
+        commits, releases = [], []
+        for i, (key, slot) in enumerate(zip(keys, slots)):
+            if slot is None:
+                continue
+            sums = tuple(reports[r][i] for r in ranks)
+            if i not in failed and all(s is not None for s in sums):
+                commits.append((key, slot, sums))
+            else:
+                releases.append(slot)
+        self.counters.chunks_stored_disk += len(commits)
+        if commits and self.disk is not None:  # also after _disable_disk: in-flight jobs
+            with self._disk_guard("commit"):
+                self.disk.commit(commits)
+        self._release_disk(releases)
+
+    def _maybe_finish_load(self, job_id: int, job: _Job) -> None:
+        """Apply a load once every rank reported it; drop the job once its disk fills
+        (remote chunks also written to the local disk) are reported too."""
+        ranks = self.config.num_ranks
+        if len(job.disk_reports) < ranks:
+            return
+        failed = frozenset(set().union(*job.disk_reports.values()))
+        if not job.host_done:
+            job.host_done = True
+            self._apply_load(job, failed)
+        fills = [m.fill_disk_slot for m in job.moves]
+        if any(s is not None for s in fills) and len(job.fill_reports) < ranks:
+            return
         del self._jobs[job_id]
-        failed = set().union(*job.disk_reports.values())
+        if any(s is not None for s in fills):
+            self.cpu.unpin(job.keys[i] for i in job.fill_pinned)
+            self._commit_disk(job.keys, fills, job.fill_reports, failed)
+
+    def _apply_load(self, job: _Job, failed: frozenset[int]) -> None:
+        """Publish staged chunks that every rank loaded, drop the failed ones, release
+        pins (a chunk still being written to the disk keeps its pin until then)."""
         self.counters.load_errors += len(failed)
         for i, (key, move) in enumerate(zip(job.keys, job.moves)):
             if move.cpu_slot is None:
                 continue
             if i in job.staged:
-                self.disk.unpin([move.disk_slot])
+                if move.disk_slot is not None:
+                    self.disk.unpin([move.disk_slot])
                 if i in failed:
                     self.cpu.discard(key)
-                    with self._disk_guard("drop"):
-                        self.disk.drop(key, move.disk_slot)
+                    if move.disk_slot is not None:
+                        with self._disk_guard("drop"):
+                            self.disk.drop(key, move.disk_slot)
                     continue
                 if self.cpu.state(key) is SlotState.STAGING:
                     self.cpu.publish(key)
+                if move.fill_disk_slot is not None:
+                    job.fill_pinned.add(i)
+                    continue
             self.cpu.unpin([key])
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -400,6 +500,8 @@ class OffloadScheduler:
             self._disable_disk(f"disk index {what}: {exc}")
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
         if self.disk is not None:
             with self._disk_guard("flush_access"):
                 self.disk.flush_access()

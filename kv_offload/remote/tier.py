@@ -1,0 +1,195 @@
+"""RemoteTier: one process's redis-py access to a Redis/Valkey server or cluster.
+
+Used by the scheduler side (``lookup``: one pipelined existence check per request,
+bounded by the lookup budget) and by workers (``read_into`` / ``write`` of one rank's
+chunk, on the worker's I/O threads). Every failure is an expected outcome: lookups
+answer 0, reads answer a ``ValueCheck`` or the error, writes answer False; the
+``RemoteHealth`` backoff keeps a dead server from costing more than one timeout per
+backoff period. The client is created lazily, so an engine starts while the server is
+down and picks it up when it comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kv_offload.remote.health import RemoteHealth
+from kv_offload.remote.values import HEADER_BYTES, ValueCheck, check_value, encode_header, key_name
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTarget:
+    """Where the remote tier lives: one server URL, or the seed nodes of a cluster."""
+
+    url: str | None = None
+    cluster_nodes: tuple[str, ...] = ()
+
+    @property
+    def is_cluster(self) -> bool:
+        return bool(self.cluster_nodes)
+
+    def describe(self) -> str:
+        """For logs: the address without credentials."""
+        if self.is_cluster:
+            return "cluster " + ",".join(_without_password(n) for n in self.cluster_nodes)
+        return _without_password(self.url or "")
+
+
+class RemoteTier:
+    """Reads, writes and looks up chunks of one namespace. Thread-safe (redis-py pools).
+
+    ``payload_bytes``: bytes of one chunk on one rank (a host slot). ``timeout_s``
+    bounds every network call of this instance (connect, send, receive).
+    """
+
+    def __init__(self, target: RemoteTarget, *, namespace: str, num_ranks: int,
+                 payload_bytes: int, timeout_s: float, key_prefix: str = "kv-offload",
+                 ttl_s: int | None = None, who: str = "",
+                 connect: Callable[[RemoteTarget, float], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.target = target
+        self.namespace = namespace
+        self.num_ranks = num_ranks
+        self.payload_bytes = payload_bytes
+        self.timeout_s = timeout_s
+        self.key_prefix = key_prefix
+        self.ttl_s = ttl_s
+        self.health = RemoteHealth(f"{target.describe()}{' (' + who + ')' if who else ''}",
+                                   clock=clock)
+        self._connect = connect or connect_redis
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+
+    def name(self, chunk_key: bytes, rank: int) -> bytes:
+        return key_name(self.key_prefix, self.namespace, chunk_key, rank, self.num_ranks)
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def lookup(self, chunk_keys: Sequence[bytes]) -> int:
+        """How many of ``chunk_keys``, from the first, are present for every rank.
+
+        One pipeline (one round trip per cluster node); 0 on any failure or while the
+        server is backing off. Has no side effects on the server.
+        """
+        if not chunk_keys or not self.health.should_try():
+            return 0
+        try:
+            pipe = self._get_client().pipeline(transaction=False)
+            for key in chunk_keys:
+                pipe.exists(*(self.name(key, r) for r in range(self.num_ranks)))
+            counts = pipe.execute()
+        except Exception as exc:  # redis errors, timeouts, refused connections
+            self._failed(exc)
+            return 0
+        self.health.record_success()
+        hits = 0
+        for count in counts:
+            if count != self.num_ranks:
+                break
+            hits += 1
+        return hits
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def read_into(self, chunk_key: bytes, rank: int, out: memoryview,
+                  *, verify_checksum: bool = True) -> ValueCheck | Exception:
+        """Fetch this rank's part of ``chunk_key`` into ``out`` (a host slot).
+
+        ``out`` is written only when the value verified (ValueCheck.OK). Returns the
+        error itself when the call failed (server down, timeout)."""
+        if not self.health.should_try():
+            return ConnectionError("remote tier is backing off")
+        name = self.name(chunk_key, rank)
+        try:
+            value = self._get_client().get(name)
+        except Exception as exc:
+            self._failed(exc)
+            return exc
+        self.health.record_success()
+        result = check_value(name, value, self.payload_bytes, verify_checksum=verify_checksum)
+        if result:
+            out[:] = memoryview(value)[HEADER_BYTES:]
+        return result
+
+    def write(self, chunk_key: bytes, rank: int, payload: memoryview) -> bool:
+        """Store this rank's part of ``chunk_key``; False when skipped or failed."""
+        if not self.health.should_try():
+            return False
+        name = self.name(chunk_key, rank)
+        value = bytearray(HEADER_BYTES + len(payload))
+        value[:HEADER_BYTES] = encode_header(name, payload)
+        value[HEADER_BYTES:] = payload
+        try:
+            self._get_client().set(name, value, ex=self.ttl_s)
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        self.health.record_success()
+        return True
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _get_client(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._connect(self.target, self.timeout_s)
+            return self._client
+
+    def _failed(self, exc: Exception) -> None:
+        self.health.record_failure(f"{type(exc).__name__}: {exc}")
+        if self.target.is_cluster:  # a cluster client caches topology: rebuild it
+            self.close()
+
+    def close(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+
+def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
+    """A redis-py client for ``target`` that never retries (our backoff decides) and
+    gives up after ``timeout_s`` per call."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+              "retry": Retry(NoBackoff(), 0)}
+    if not target.is_cluster:
+        return redis.Redis.from_url(_redis_scheme(target.url or ""), **common)
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes, password, username = [], None, None
+    for seed in target.cluster_nodes:
+        parts = urlsplit(_redis_scheme(seed if "://" in seed else f"redis://{seed}"))
+        nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
+        password = password or parts.password
+        username = username or parts.username
+    return RedisCluster(startup_nodes=nodes, password=password, username=username,
+                        require_full_coverage=False, **common)
+
+
+def _redis_scheme(url: str) -> str:
+    """Valkey URLs use redis-py's schemes (valkey:// -> redis://, valkeys:// -> rediss://)."""
+    for ours, theirs in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
+        if url.startswith(ours):
+            return theirs + url[len(ours):]
+    return url
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url if "://" in url else f"redis://{url}")
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username + ':' if parts.username else ':'}***@{host}"
+    netloc += f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=netloc))

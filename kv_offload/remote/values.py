@@ -1,0 +1,85 @@
+"""What the remote tier stores: key names and self-describing values.
+
+Pure: no I/O. A value is a 40-byte header followed by one chunk of one rank::
+
+    magic "KVOR" | format u16 | header bytes u16 | payload bytes u64
+    | xxh3_64(payload) u64 | xxh3_128(key name)[:16]
+
+Reading verifies every field, so a value written by another format version, truncated
+by the server, or stored under the wrong key is a miss (never loaded).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import xxhash
+
+from kv_offload.checksum import checksum
+
+MAGIC = b"KVOR"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQQ16s")
+HEADER_BYTES = _HEADER.size
+
+
+class ValueCheck(enum.Enum):
+    """Outcome of verifying a fetched value; only OK is loadable."""
+
+    OK = "ok"
+    MISSING = "missing"  # no such key (evicted, expired, server restarted)
+    BAD_FORMAT = "bad_format"  # not a kv-offload value, or another format version
+    WRONG_KEY = "wrong_key"  # a value stored under a different key name
+    BAD_LENGTH = "bad_length"
+    BAD_CHECKSUM = "bad_checksum"
+
+    def __bool__(self) -> bool:
+        return self is ValueCheck.OK
+
+
+def key_name(prefix: str, namespace: str, chunk_key: bytes, rank: int, num_ranks: int) -> bytes:
+    """The Redis key of one chunk on one rank.
+
+    The braces are a Redis Cluster hash tag over namespace and chunk: every rank's part
+    of a chunk lands on the same node (one multi-key EXISTS checks them all) while
+    different chunks spread over the nodes.
+    """
+    return f"{prefix}:{{{namespace}:{chunk_key.hex()}}}:r{rank}of{num_ranks}".encode()
+
+
+def namespace_pattern(prefix: str, namespace: str | None = None) -> bytes:
+    """A SCAN MATCH pattern for every key of ``namespace`` (all namespaces when None)."""
+    inner = f"{namespace}:" if namespace else ""
+    return f"{prefix}:{{{inner}*".encode()
+
+
+def encode_header(name: bytes, payload) -> bytes:
+    """The header for ``payload`` (any contiguous buffer) stored under key ``name``."""
+    view = memoryview(payload).cast("B")
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, len(view), checksum(view),
+                        _key_digest(name))
+
+
+def check_value(name: bytes, value: bytes | memoryview | None, payload_bytes: int,
+                *, verify_checksum: bool = True) -> ValueCheck:
+    """Verify ``value`` fetched under ``name`` for a payload of ``payload_bytes``."""
+    if value is None:
+        return ValueCheck.MISSING
+    view = memoryview(value)
+    if len(view) < HEADER_BYTES:
+        return ValueCheck.BAD_FORMAT
+    magic, version, header_bytes, length, expected, digest = _HEADER.unpack_from(view)
+    if magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
+        return ValueCheck.BAD_FORMAT
+    if digest != _key_digest(name):
+        return ValueCheck.WRONG_KEY
+    if length != payload_bytes or len(view) != HEADER_BYTES + payload_bytes:
+        return ValueCheck.BAD_LENGTH
+    if verify_checksum and checksum(view[HEADER_BYTES:]) != expected:
+        return ValueCheck.BAD_CHECKSUM
+    return ValueCheck.OK
+
+
+def _key_digest(name: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(name)
