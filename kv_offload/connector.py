@@ -82,7 +82,7 @@ def num_cpu_slots(config: OffloadConfig, layout: KVLayout) -> int:
 
 
 class KVOffloadConnector(KVConnectorBase_V1):
-    """Offloads prefix KV to host RAM and local disk; loads it back asynchronously."""
+    """Offloads prefix KV to host RAM, local disk and a shared Redis; loads it back asynchronously."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -93,17 +93,26 @@ class KVOffloadConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.config)
         self.namespace = self.layout.fingerprint()
-        self.persistent = self.config.disk_enabled and self._check_hash_reproducible()
+        reproducible = ((self.config.disk_enabled or self.config.remote_enabled)
+                        and self._check_hash_reproducible())
+        self.persistent = self.config.disk_enabled and reproducible
+        self.remote_enabled = self.config.remote_enabled and reproducible
         self._scheduler = None
         self._worker = None
         self._pending_failed_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
+        remote = "off"
+        if self.remote_enabled:
+            from kv_offload.remote import RemoteTarget
+
+            remote = RemoteTarget(self.config.remote_url,
+                                  tuple(self.config.remote_cluster_nodes or ())).describe()
         logger.info(
             "kv-offload %s: chunk %d tokens (%s per rank), CPU tier %s, disk tier %s, "
-            "namespace %s", role.name.lower(), self.layout.chunk_tokens,
+            "remote tier %s, namespace %s", role.name.lower(), self.layout.chunk_tokens,
             format_size(self.layout.slot_bytes), format_size(self.config.cpu_size),
-            self.config.disk_path if self.persistent else "off", self.namespace)
+            self.config.disk_path if self.persistent else "off", remote, self.namespace)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -116,8 +125,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
             return False  # the scheduler side says it, once
         logger.warning(
             "kv-offload: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block "
-            "hashes that change on every restart, so the disk tier could never hit; it is "
-            "OFF for this run. Fix: set PYTHONHASHSEED to the same value for every "
+            "hashes that change on every restart and between hosts, so the disk and remote "
+            "tiers could never hit; they are OFF for this run. Fix: set PYTHONHASHSEED to the same value for every "
             "instance, or use --prefix-caching-hash-algo sha256.", self.layout.hash_algo)
         return False
 
@@ -142,6 +151,13 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 descriptor=self.layout.descriptor(), slot_bytes=self.layout.slot_bytes,
                 num_ranks=self.layout.tp_size, capacity_bytes=self.config.disk_size,
                 allow_unsafe_permissions=self.config.disk_allow_unsafe_permissions)
+        remote = None
+        if self.remote_enabled:
+            from kv_offload.remote import remote_tier_for
+
+            remote = remote_tier_for(
+                self.config, self.layout, namespace=self.namespace,
+                timeout_s=self.config.remote_lookup_budget_ms / 1000, who="scheduler")
         planner_config = PlannerConfig(
             chunk_tokens=self.layout.chunk_tokens, block_size=self.layout.block_size,
             tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,
@@ -149,7 +165,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
             store_generated=self.config.store_generated,
             eviction_policy=self.config.eviction_policy)
         self._scheduler = OffloadScheduler(
-            planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of)
+            planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
+            remote=remote)
         self._last_summary = time.monotonic()
         self._last_counters = self._scheduler.counters.snapshot()
         self._summary_totals: dict[str, float] = {}
@@ -173,7 +190,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             return {}
         tiers = self._scheduler.hit_tokens_by_tier(request.request_id)
-        out = {CacheHitSource.HOST: tiers.get("cpu", 0), CacheHitSource.DISK: tiers.get("disk", 0)}
+        out = {CacheHitSource.HOST: tiers.get("cpu", 0), CacheHitSource.DISK: tiers.get("disk", 0),
+               CacheHitSource.EXTERNAL_UNSPECIFIED: tiers.get("remote", 0)}
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -247,6 +265,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
         data["pending_jobs"] = self._scheduler.num_pending_jobs()
         data["cpu_used_bytes"] = len(cpu) * self.layout.slot_bytes
         data["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
+        if self._scheduler.remote is not None:
+            data["remote_up"] = int(self._scheduler.remote.health.up)
         disk = self._scheduler.disk
         now = time.monotonic()
         if disk is not None and now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:

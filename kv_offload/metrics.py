@@ -17,19 +17,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 _BYTES_DOC = ("Bytes moved by direction: load (host -> engine), store (engine -> host), "
-              "disk_read, disk_write")
+              "disk_read, disk_write, remote_read, remote_write")
 _SECONDS_DOC = "Seconds spent moving bytes, by direction (see transfer_bytes)"
 # name -> (Prometheus name, help, labels). A "tier"/"direction" label value follows the
 # last underscore-separated part of the short name (e.g. hit_tokens_cpu -> tier="cpu").
 COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "hit_tokens_cpu": ("kv_offload_hit_tokens_total", "Prompt tokens loaded", {"tier": "cpu"}),
     "hit_tokens_disk": ("kv_offload_hit_tokens_total", "Prompt tokens loaded", {"tier": "disk"}),
+    "hit_tokens_remote": ("kv_offload_hit_tokens_total", "Prompt tokens loaded",
+                          {"tier": "remote"}),
     "miss_tokens": ("kv_offload_miss_tokens_total",
                     "Prompt tokens past vLLM's own hit that no tier held", {}),
     "chunks_loaded_cpu": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "cpu"}),
     "chunks_loaded_disk": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "disk"}),
+    "chunks_loaded_remote": ("kv_offload_chunks_loaded_total", "Chunks loaded",
+                             {"tier": "remote"}),
     "chunks_stored_cpu": ("kv_offload_chunks_stored_total", "Chunks stored", {"tier": "cpu"}),
     "chunks_stored_disk": ("kv_offload_chunks_stored_total", "Chunks stored", {"tier": "disk"}),
+    "chunks_stored_remote": ("kv_offload_chunks_stored_total", "Chunks stored",
+                             {"tier": "remote"}),
     "evictions_cpu": ("kv_offload_evictions_total", "Chunks evicted", {"tier": "cpu"}),
     "skipped_stores": ("kv_offload_skipped_stores_total",
                        "Chunks not stored because no CPU slot was free", {}),
@@ -38,6 +44,19 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "checksum_failures": ("kv_offload_checksum_failures_total",
                           "Disk chunk reads that failed verification", {}),
     "disk_write_errors": ("kv_offload_disk_write_errors_total", "Failed slab writes", {}),
+    "remote_lookups": ("kv_offload_remote_lookups_total",
+                       "Existence checks sent to the remote tier (one per request)", {}),
+    "remote_lookup_errors": ("kv_offload_remote_lookup_errors_total",
+                             "Remote existence checks that failed or ran past the budget", {}),
+    "seconds_remote_lookup": ("kv_offload_remote_lookup_seconds_total",
+                              "Seconds the scheduler spent in remote existence checks", {}),
+    "remote_errors": ("kv_offload_remote_errors_total",
+                      "Remote reads that failed (server down, timeout) and were recomputed", {}),
+    "remote_misses": ("kv_offload_remote_misses_total",
+                      "Remote values gone since the lookup or failing verification", {}),
+    "remote_skipped_stores": ("kv_offload_remote_skipped_stores_total",
+                              "Remote writes that failed or were skipped while the server "
+                              "was down (per rank)", {}),
     "bytes_load": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
                    {"direction": "load"}),
     "bytes_store": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
@@ -46,6 +65,10 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
                         {"direction": "disk_read"}),
     "bytes_disk_write": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
                          {"direction": "disk_write"}),
+    "bytes_remote_read": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
+                          {"direction": "remote_read"}),
+    "bytes_remote_write": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
+                           {"direction": "remote_write"}),
     "seconds_load": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
                      {"direction": "load"}),
     "seconds_store": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
@@ -54,6 +77,10 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
                           {"direction": "disk_read"}),
     "seconds_disk_write": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
                            {"direction": "disk_write"}),
+    "seconds_remote_read": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
+                            {"direction": "remote_read"}),
+    "seconds_remote_write": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
+                             {"direction": "remote_write"}),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "pending_jobs": ("kv_offload_pending_jobs", "Load and store jobs in flight"),
@@ -62,6 +89,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "disk_used_bytes": ("kv_offload_disk_used_bytes",
                         "Bytes of disk slots in use in this namespace, all ranks"),
     "disk_capacity_bytes": ("kv_offload_disk_capacity_bytes", "Disk budget of this namespace"),
+    "remote_up": ("kv_offload_remote_up",
+                  "1 while the scheduler reaches the remote tier, 0 while it backs off"),
 }
 
 
@@ -91,17 +120,18 @@ class OffloadStats(KVConnectorStats):
 
 def summarize(data: dict[str, Any]) -> dict[str, int | float]:
     """A few numbers an operator reads at a glance (hit rate, GB/s, usage)."""
-    hits_cpu, hits_disk = data.get("hit_tokens_cpu", 0), data.get("hit_tokens_disk", 0)
-    looked_up = hits_cpu + hits_disk + data.get("miss_tokens", 0)
+    tiers = ("cpu", "disk", "remote")
+    hits = {t: data.get(f"hit_tokens_{t}", 0) for t in tiers}
+    looked_up = sum(hits.values()) + data.get("miss_tokens", 0)
     out: dict[str, int | float] = {
-        "hit_rate_cpu": round(hits_cpu / looked_up, 3) if looked_up else 0.0,
-        "hit_rate_disk": round(hits_disk / looked_up, 3) if looked_up else 0.0,
-    }
-    for direction in ("load", "store", "disk_read", "disk_write"):
+        f"hit_rate_{t}": round(hits[t] / looked_up, 3) if looked_up else 0.0 for t in tiers}
+    for direction in ("load", "store", "disk_read", "disk_write", "remote_read",
+                      "remote_write"):
         seconds = data.get(f"seconds_{direction}", 0)
         nbytes = data.get(f"bytes_{direction}", 0)
         out[f"{direction}_GBps"] = round(nbytes / seconds / 1e9, 2) if seconds else 0.0
-    for name in ("chunks_stored_cpu", "chunks_stored_disk", "load_errors", "skipped_stores"):
+    for name in ("chunks_stored_cpu", "chunks_stored_disk", "chunks_stored_remote",
+                 "load_errors", "skipped_stores", "remote_errors"):
         out[name] = data.get(name, 0)
     if data.get("cpu_capacity_bytes"):
         out["cpu_usage"] = round(data.get("cpu_used_bytes", 0) / data["cpu_capacity_bytes"], 3)

@@ -154,6 +154,26 @@ class RemoteTier:
                 client.close()
 
 
+def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: float,
+                    who: str) -> RemoteTier:
+    """The RemoteTier an ``OffloadConfig`` asks for, for chunks of ``layout``.
+
+    Raises ValueError naming ``remote_max_value_size`` when a chunk does not fit."""
+    from kv_offload.config import format_size
+
+    value_bytes = HEADER_BYTES + layout.slot_bytes
+    if value_bytes > config.remote_max_value_size:
+        raise ValueError(
+            f"remote_max_value_size: a chunk of this model is {format_size(value_bytes)} per "
+            f"rank ({layout.chunk_tokens} tokens), above the limit of "
+            f"{format_size(config.remote_max_value_size)}; raise remote_max_value_size (the "
+            f"server's proto-max-bulk-len must allow it) or lower chunk_tokens")
+    target = RemoteTarget(config.remote_url, tuple(config.remote_cluster_nodes or ()))
+    return RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
+                      payload_bytes=layout.slot_bytes, timeout_s=timeout_s,
+                      key_prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s, who=who)
+
+
 def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
     """A redis-py client for ``target`` that never retries (our backoff decides) and
     gives up after ``timeout_s`` per call."""

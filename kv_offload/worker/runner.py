@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerReport
+from kv_offload.remote.values import ValueCheck
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class _Store:
     job: StoreJob
     handle: Any
     writes: list[Future | None]
+    remote_writes: list[Future | None]
     host_reported: bool = False
 
 
@@ -64,6 +66,7 @@ class OffloadWorker:
 
     ``engine``: a ``kv_offload.copy.CopyEngine`` over this rank's KV planes and
     ``host`` slots. ``slab``: this rank's ``kv_offload.disk.SlabFile`` or None.
+    ``remote``: a ``kv_offload.remote.RemoteTier`` or None.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class OffloadWorker:
         engine: Any,
         host: Any,
         slab: Any | None,
+        remote: Any | None = None,
         io_threads: int = 4,
         load_timeout_s: float = 30.0,
         verify_checksums: bool = True,
@@ -82,6 +86,7 @@ class OffloadWorker:
         self.engine = engine
         self.host = host
         self.slab = slab
+        self.remote = remote
         self.load_timeout_s = load_timeout_s
         self.verify_checksums = verify_checksums
         self._clock = clock
@@ -91,6 +96,8 @@ class OffloadWorker:
         self._loads: dict[int, _Load] = {}
         self._stores: dict[int, _Store] = {}
         self._staged: dict[tuple[int, int], tuple[Future, float]] = {}
+        self._fills: dict[int, list[Future | None]] = {}  # load job -> fill_disk_slot writes
+        self._remote_misses = 0
         self._report = WorkerReport()
         self._write_errors = 0
         self._write_burst = False  # the last write failed (a failure burst is logged once)
@@ -102,7 +109,8 @@ class OffloadWorker:
     # -- loads -----------------------------------------------------------------------------
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
-        """Start ``jobs`` in the background: disk reads on the I/O pool, then one engine
+        """Start ``jobs`` in the background: disk and remote reads on the I/O pool (and
+        the disk fills of remote chunks behind them), then one engine
         copy per job on the copy thread, queued only once the reads it needs (its own and
         those of jobs it shares chunks with) are done, so a slow disk never holds up the
         copies of other jobs. Returns at once."""
@@ -111,18 +119,28 @@ class OffloadWorker:
             load = _Load(job, now)
             reads: dict[int, Future] = {}
             needed: list[Future] = []
+            fills: list[Future | None] = []
             for i, move in enumerate(job.chunks):
-                if move.cpu_slot is not None and move.disk_slot is not None:
-                    fut = self._io.submit(self._read_chunk, move)
+                fills.append(None)
+                if move.cpu_slot is None:
+                    continue
+                if move.disk_slot is not None or move.remote_key is not None:
+                    read = self._read_chunk if move.disk_slot is not None else self._read_remote
+                    fut = self._io.submit(read, move)
                     reads[i] = fut
                     self._staged[(job.job_id, move.cpu_slot)] = (fut, now)
                     needed.append(fut)
-                elif move.cpu_slot is not None and move.after_job is not None:
+                    if move.fill_disk_slot is not None:
+                        # Queued behind its read, so a busy pool cannot deadlock on it.
+                        fills[i] = self._io.submit(self._fill_disk, fut, move)
+                elif move.after_job is not None:
                     staged = self._staged.get((move.after_job, move.cpu_slot))
                     if staged is not None:
                         needed.append(staged[0])
             with self._lock:
                 self._loads[job.job_id] = load
+                if any(f is not None for f in fills):
+                    self._fills[job.job_id] = fills
             _when_all_done(needed, lambda load=load, reads=reads: self._queue_copy(load, reads))
 
     def _queue_copy(self, load: _Load, reads: dict[int, Future]) -> None:
@@ -159,6 +177,42 @@ class OffloadWorker:
                     move.disk_slot, result, self._read_failures)
             return False
         return True
+
+    def _read_remote(self, move: ChunkMove) -> bool:
+        """Fetch a chunk from the remote tier into its host slot (I/O thread)."""
+        if self.remote is None:
+            return False
+        view = self.host.slot_view(move.cpu_slot)
+        start = self._clock()
+        result = self.remote.read_into(move.remote_key, self.rank, view,
+                                       verify_checksum=self.verify_checksums)
+        if result is ValueCheck.OK:
+            self._count(bytes_remote_read=len(view), seconds_remote_read=self._clock() - start)
+            return True
+        if isinstance(result, Exception):
+            self._count(remote_errors=1)  # logged once per burst by RemoteHealth
+            return False
+        self._count(remote_misses=1)
+        with self._lock:
+            self._remote_misses += 1
+            misses = self._remote_misses
+        if misses == 1 or misses % 1000 == 0:
+            logger.warning(
+                "kv-offload: remote chunk unusable (%s: evicted since the lookup, or "
+                "written by another format or layout); its tokens are recomputed "
+                "(%d so far)", result.value, misses)
+        return False
+
+    def _fill_disk(self, read: Future, move: ChunkMove) -> int | None:
+        """Write a chunk fetched from the remote tier to its disk slot once ``read``
+        succeeded (I/O thread); its checksum, or None."""
+        try:
+            ok = read.result()
+        except Exception:
+            ok = False
+        if not ok or self.slab is None:
+            return None
+        return self._write_slot(move.cpu_slot, move.fill_disk_slot)
 
     def _run_load(self, load: _Load, reads: dict[int, Future]) -> None:
         job = load.job
@@ -224,20 +278,47 @@ class OffloadWorker:
                     writes.append(None)
                 else:
                     writes.append(self._io.submit(self._write_chunk, handle, move))
-            self._stores[job.job_id] = _Store(job, handle, writes)
+            # Remote writes queue behind the local ones: never in the step's critical path.
+            remote_writes = [None if m.remote_key is None or self.remote is None
+                             else self._io.submit(self._write_remote, handle, m)
+                             for m in job.chunks]
+            self._stores[job.job_id] = _Store(job, handle, writes, remote_writes)
         if jobs:
             # Blocks copied out may be freed and reused by the very next forward.
             self.engine.order_before_compute()
 
-    def _write_chunk(self, handle: Any, move: ChunkMove) -> int | None:
-        """Write one chunk to the slab (I/O thread); its checksum, or None if it failed.
-        Any exception is a failed store: a full disk (ENOSPC) only for this chunk, any
-        other error also counts towards DISK_BROKEN_AFTER."""
+    def _write_remote(self, handle: Any, move: ChunkMove) -> bool:
+        """Write one chunk to the remote tier (I/O thread); False when it failed or the
+        tier is backing off (a skipped store, counted)."""
         try:
             self.engine.wait(handle)
-            view = self.host.slot_view(move.cpu_slot)
+        except Exception:
+            return False
+        view = self.host.slot_view(move.cpu_slot)
+        start = self._clock()
+        if not self.remote.write(move.remote_key, self.rank, view):
+            self._count(remote_skipped_stores=1)
+            return False
+        self._count(bytes_remote_write=len(view), seconds_remote_write=self._clock() - start)
+        return True
+
+    def _write_chunk(self, handle: Any, move: ChunkMove) -> int | None:
+        """Write one chunk to the slab once its engine copy is done (I/O thread)."""
+        try:
+            self.engine.wait(handle)
+        except Exception as exc:
+            logger.warning("kv-offload: engine copy of a stored chunk failed: %s", exc)
+            return None
+        return self._write_slot(move.cpu_slot, move.disk_slot)
+
+    def _write_slot(self, cpu_slot: int, disk_slot: int) -> int | None:
+        """Write a host slot to a slab slot (I/O thread); its checksum, or None if it
+        failed. Any exception is a failed store: a full disk (ENOSPC) only for this
+        chunk, any other error also counts towards DISK_BROKEN_AFTER."""
+        try:
+            view = self.host.slot_view(cpu_slot)
             start = self._clock()
-            checksum = self.slab.write(move.disk_slot, view)
+            checksum = self.slab.write(disk_slot, view)
             self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
             self._note_io(ok=True, io_error=False, what="")
             with self._lock:
@@ -294,11 +375,18 @@ class OffloadWorker:
             if not store.host_reported and self.engine.is_done(store.handle):
                 store.host_reported = True
                 self._report.host_stored[job_id] = 1
-            if store.host_reported and all(w is None or w.done() for w in store.writes):
+            if store.host_reported and _all_done(store.writes + store.remote_writes):
                 if any(w is not None for w in store.writes):
-                    sums = tuple(None if w is None else w.result() for w in store.writes)
-                    self._report.disk_stored[job_id] = {self.rank: sums}
+                    self._report.disk_stored[job_id] = {self.rank: _results(store.writes)}
+                if any(w is not None for w in store.remote_writes):
+                    self._report.remote_stored[job_id] = {
+                        self.rank: tuple(bool(r) for r in _results(store.remote_writes))}
                 del self._stores[job_id]
+        with self._lock:
+            for job_id, fills in list(self._fills.items()):
+                if job_id not in self._loads and _all_done(fills):
+                    self._report.disk_stored[job_id] = {self.rank: _results(fills)}
+                    del self._fills[job_id]
         self._prune_staged(now)
         return PollResult(finished, failed_blocks)
 
@@ -334,7 +422,7 @@ class OffloadWorker:
                 self._stats[name] = self._stats.get(name, 0) + value
 
     def has_pending_jobs(self) -> bool:
-        return bool(self._loads or self._stores)
+        return bool(self._loads or self._stores or self._fills)
 
     def _prune_staged(self, now: float) -> None:
         for key, (fut, t0) in list(self._staged.items()):
@@ -346,17 +434,20 @@ class OffloadWorker:
         return int((blocks != SKIP_BLOCK).sum()) * per_block
 
     def close(self, *, timeout_s: float = 30.0) -> None:
-        """Finish queued disk writes and reads (bounded by ``timeout_s``), then stop."""
+        """Finish queued disk and remote writes (bounded by ``timeout_s``), then stop."""
         deadline = self._clock() + timeout_s
-        for store in list(self._stores.values()):
-            for w in store.writes:
-                if w is not None:
-                    with contextlib.suppress(Exception):
-                        w.result(timeout=max(0.0, deadline - self._clock()))
+        pending = [w for s in list(self._stores.values()) for w in s.writes + s.remote_writes]
+        pending += [f for fills in list(self._fills.values()) for f in fills]
+        for w in pending:
+            if w is not None:
+                with contextlib.suppress(Exception):
+                    w.result(timeout=max(0.0, deadline - self._clock()))
         self._io.shutdown(wait=False, cancel_futures=True)
         self._copier.shutdown(wait=False, cancel_futures=True)
         if self.slab is not None:
             self.slab.close()
+        if self.remote is not None:
+            self.remote.close()
         self.engine.close()
 
 
@@ -378,6 +469,15 @@ def _when_all_done(futures: Sequence[Future], fn: Callable[[], None]) -> None:
 
     for future in pending:
         future.add_done_callback(one_done)
+
+
+def _all_done(futures: Sequence[Future | None]) -> bool:
+    return all(f is None or f.done() for f in futures)
+
+
+def _results(futures: Sequence[Future | None]) -> tuple:
+    """Results of done futures, None for absent ones (their functions never raise)."""
+    return tuple(None if f is None else f.result() for f in futures)
 
 
 def _blocks_of(moves: Any) -> set[int]:

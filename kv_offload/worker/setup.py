@@ -67,8 +67,14 @@ def build_worker(
                         num_ranks=layout.tp_size, slot_bytes=layout.slot_bytes,
                         fsync=config.disk_fsync,
                         allow_unsafe_permissions=config.disk_allow_unsafe_permissions)
+    remote = None
+    if config.remote_enabled:
+        from kv_offload.remote import remote_tier_for
+
+        remote = remote_tier_for(config, layout, namespace=namespace,
+                                 timeout_s=config.remote_timeout_s, who=f"worker rank {rank}")
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s",
                 rank, len(planes), host.num_slots, type(engine).__name__)
-    return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab,
+    return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
                          io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
                          verify_checksums=config.verify_checksums)
