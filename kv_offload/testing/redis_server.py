@@ -1,0 +1,157 @@
+"""Throwaway Redis servers on loopback for tests, benchmarks and the demo.
+
+Uses the ``redis-server`` binary (Debian package ``redis-server``; Valkey's
+``valkey-server`` works too). Servers keep nothing on disk, listen on 127.0.0.1 only,
+and evict with ``allkeys-lru`` like a production cache. ``RedisServer`` can be killed
+and started again on the same port (a server restart); ``RedisCluster`` starts three
+masters and joins them with ``redis-cli --cluster create``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def server_binary() -> str | None:
+    """Path of redis-server or valkey-server, or None."""
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def free_port(*, below: int = 65536) -> int:
+    """A free loopback TCP port under ``below`` (cluster nodes also use port + 10000)."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < below:
+            return port
+    raise RuntimeError(f"no free port below {below}")
+
+
+class RedisServer:
+    """One server process on 127.0.0.1:``port`` with its files in ``workdir``."""
+
+    def __init__(self, workdir: Path, *, port: int | None = None, maxmemory: str = "1gb",
+                 cluster: bool = False) -> None:
+        self.workdir = Path(workdir)
+        self.port = port or free_port(below=55000 if cluster else 65536)
+        self.maxmemory = maxmemory
+        self.cluster = cluster
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, *, timeout_s: float = 10.0) -> RedisServer:
+        binary = server_binary()
+        if binary is None:
+            raise FileNotFoundError(
+                "redis-server not found: install Debian's redis-server (or valkey-server)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory",
+                self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--protected-mode", "no",
+                "--logfile", str(self.workdir / f"redis-{self.port}.log")]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                     str(self.workdir / f"nodes-{self.port}.conf")]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see "
+                                   f"{self.workdir / f'redis-{self.port}.log'}")
+            if self.cli("ping", check=False).strip() == "PONG":
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server on port {self.port} did not answer PING")
+
+    def cli(self, *args: str, check: bool = True) -> str:
+        """Run ``redis-cli`` against this server; its stdout."""
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli") or "redis-cli"
+        proc = subprocess.run([cli, "-h", "127.0.0.1", "-p", str(self.port), *args],
+                              capture_output=True, text=True, timeout=30)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"redis-cli {' '.join(args)}: {proc.stderr or proc.stdout}")
+        return proc.stdout
+
+    def kill(self) -> None:
+        """SIGKILL the server (its data is gone: nothing is persisted)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections hang, as with a stalled host."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.resume()
+        self.kill()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class RedisCluster:
+    """Three (or ``num_nodes``) cluster masters on loopback, no replicas."""
+
+    def __init__(self, workdir: Path, *, num_nodes: int = 3) -> None:
+        self.nodes = [RedisServer(Path(workdir) / f"node{i}", cluster=True)
+                      for i in range(num_nodes)]
+
+    @property
+    def seeds(self) -> list[str]:
+        return [n.address for n in self.nodes]
+
+    def start(self, *, timeout_s: float = 30.0) -> RedisCluster:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        self.nodes[0].cli("--cluster", "create", *self.seeds, "--cluster-replicas", "0",
+                          "--cluster-yes")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in n.cli("cluster", "info", check=False)
+                   for n in self.nodes):
+                return self
+            time.sleep(0.1)
+        raise TimeoutError("the Redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.stop()
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,147 @@
+"""RemoteTier against real Redis servers (standalone and a 3-node cluster on loopback).
+
+Regression scenarios: a dead server must cost one refused connection per backoff
+period, never a wait; a frozen server must not hold a lookup past its budget; a server
+restarted empty answers misses, and the tier comes back by itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from kv_offload.remote import RemoteTarget, RemoteTier, ValueCheck
+
+NS = "ab" * 16
+SLOT = 64 * 1024
+
+
+def payload(i: int, rank: int = 0) -> bytes:
+    return np.random.default_rng(i * 31 + rank).integers(0, 256, SLOT, dtype=np.uint8).tobytes()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def tier_for(target: RemoteTarget, *, num_ranks: int = 1, timeout_s: float = 1.0,
+             namespace: str = NS) -> RemoteTier:
+    t = RemoteTier(target, namespace=namespace, num_ranks=num_ranks, payload_bytes=SLOT,
+                   timeout_s=timeout_s, key_prefix="kvo-test")
+    t.health.min_backoff_s = 0.05
+    return t
+
+
+def test_write_then_read_round_trips(redis_server):
+    tier = tier_for(RemoteTarget(redis_server.url))
+    for i in range(4):
+        assert tier.write(key(i), 0, memoryview(payload(i)))
+    out = bytearray(SLOT)
+    assert tier.read_into(key(2), 0, memoryview(out)) is ValueCheck.OK
+    assert bytes(out) == payload(2)
+    assert tier.lookup([key(0), key(1), key(9), key(3)]) == 2, "a prefix, stops at the gap"
+    tier.close()
+
+
+def test_a_chunk_is_a_hit_only_when_every_rank_wrote_it(redis_server):
+    tier = tier_for(RemoteTarget(redis_server.url), num_ranks=2)
+    tier.write(key(100), 0, memoryview(payload(100, 0)))
+    assert tier.lookup([key(100)]) == 0
+    tier.write(key(100), 1, memoryview(payload(100, 1)))
+    assert tier.lookup([key(100)]) == 1
+    out = bytearray(SLOT)
+    assert tier.read_into(key(100), 1, memoryview(out)) is ValueCheck.OK
+    assert bytes(out) == payload(100, 1), "each rank reads its own part"
+
+
+def test_other_namespace_never_hits(redis_server):
+    tier = tier_for(RemoteTarget(redis_server.url))
+    other = tier_for(RemoteTarget(redis_server.url), namespace="cd" * 16)
+    tier.write(key(200), 0, memoryview(payload(200)))
+    assert other.lookup([key(200)]) == 0
+    assert other.read_into(key(200), 0, memoryview(bytearray(SLOT))) is ValueCheck.MISSING
+
+
+def test_a_foreign_or_truncated_value_is_a_miss_and_leaves_the_slot_alone(redis_server):
+    tier = tier_for(RemoteTarget(redis_server.url))
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(tier.name(key(300), 0), b"not ours" * 100)
+    good = bytes(tier.name(key(301), 0))
+    tier.write(key(301), 0, memoryview(payload(301)))
+    client.set(good, client.get(good)[:-5])  # truncated by someone
+    out = bytearray(b"\x55" * SLOT)
+    assert tier.read_into(key(300), 0, memoryview(out)) is ValueCheck.BAD_FORMAT
+    assert tier.read_into(key(301), 0, memoryview(out)) is ValueCheck.BAD_LENGTH
+    assert out == bytearray(b"\x55" * SLOT)
+
+
+def test_dead_server_backs_off_then_the_tier_comes_back(redis_server, caplog):
+    tier = tier_for(RemoteTarget(redis_server.url))
+    tier.write(key(400), 0, memoryview(payload(400)))
+    redis_server.kill()
+    try:
+        start = time.monotonic()
+        assert tier.lookup([key(400)]) == 0
+        assert not tier.health.up
+        calls = [tier.lookup([key(400)]) for _ in range(1000)]
+        assert calls == [0] * 1000
+        assert tier.health.num_failures <= 2, "backing off: no call per request"
+        assert not tier.write(key(401), 0, memoryview(payload(401)))
+        assert isinstance(tier.read_into(key(400), 0, memoryview(bytearray(SLOT))), Exception)
+        assert time.monotonic() - start < 1.0
+    finally:
+        redis_server.start()
+    deadline = time.monotonic() + 5
+    while not tier.write(key(402), 0, memoryview(payload(402))):
+        assert time.monotonic() < deadline, "the tier did not come back"
+        time.sleep(0.05)
+    assert tier.health.up
+    assert tier.lookup([key(400)]) == 0, "a restarted server is empty: a miss, not an error"
+    assert tier.lookup([key(402)]) == 1
+
+
+def test_frozen_server_answers_within_the_lookup_budget(redis_server):
+    tier = tier_for(RemoteTarget(redis_server.url), timeout_s=0.05)
+    tier.write(key(500), 0, memoryview(payload(500)))
+    assert tier.lookup([key(500)]) == 1
+    redis_server.pause()
+    try:
+        start = time.monotonic()
+        assert tier.lookup([key(500)]) == 0
+        assert time.monotonic() - start < 0.5
+    finally:
+        redis_server.resume()
+    deadline = time.monotonic() + 5
+    while tier.lookup([key(500)]) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_cluster_spreads_chunks_and_finds_them_in_one_lookup(redis_cluster):
+    tier = tier_for(RemoteTarget(cluster_nodes=tuple(redis_cluster.seeds)), num_ranks=2)
+    keys = [key(1000 + i) for i in range(24)]
+    for k in keys:
+        for rank in range(2):
+            assert tier.write(k, rank, memoryview(payload(int.from_bytes(k[:4], "little"), rank)))
+    assert tier.lookup(keys) == len(keys)
+    per_node = [int(n.cli("dbsize").strip()) for n in redis_cluster.nodes]
+    assert sum(per_node) >= 2 * len(keys) and all(c > 0 for c in per_node), per_node
+    out = bytearray(SLOT)
+    assert tier.read_into(keys[5], 1, memoryview(out)) is ValueCheck.OK
+    assert bytes(out) == payload(1005, 1)
+    tier.close()
+
+
+@pytest.mark.parametrize("url", ["valkey://127.0.0.1:{port}/0", "redis://127.0.0.1:{port}"])
+def test_valkey_scheme_and_plain_urls_connect(redis_server, url):
+    tier = tier_for(RemoteTarget(url.format(port=redis_server.port)))
+    assert tier.write(key(600), 0, memoryview(payload(600)))
+    assert tier.lookup([key(600)]) == 1
+
+
+def test_describe_hides_passwords():
+    assert "secret" not in RemoteTarget("redis://:secret@h:1/0").describe()
+    assert "secret" not in RemoteTarget(cluster_nodes=("redis://u:secret@h:7000",)).describe()

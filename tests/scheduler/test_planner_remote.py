@@ -1,0 +1,160 @@
+"""OffloadScheduler with a remote tier (a fake: a set of keys and a call counter).
+
+Regression scenarios: one remote check per request however often vLLM asks; chunks
+fetched from the remote tier are published only after every rank loaded them and
+also land on the local disk; a store keeps its CPU slot pinned until every rank's
+remote write finished; a chunk gone between lookup and load is recomputed.
+"""
+
+from __future__ import annotations
+
+import pytest
+from planner_support import make_request, make_scheduler, store_request
+
+from kv_offload.jobs import WorkerReport
+from kv_offload.remote.health import RemoteHealth
+from kv_offload.scheduler import SlotState
+
+
+class FakeRemote:
+    """Answers lookups from ``keys``; counts calls; ``down`` makes calls fail."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+        self.calls = 0
+        self.down = False
+        self.health = RemoteHealth("fake")
+        self.closed = False
+
+    def lookup(self, keys) -> int:
+        self.calls += 1
+        if self.down:
+            self.health.record_failure("down")
+            return 0
+        hits = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            hits += 1
+        return hits
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def disk_index(tmp_path):
+    from kv_offload.disk import DiskIndex
+
+    index = DiskIndex.open(tmp_path / "store", namespace_id="ab" * 16,
+                           descriptor={"test": True}, slot_bytes=64, num_ranks=2,
+                           capacity_bytes=64 * 2 * 8)
+    yield index
+    index.close()
+
+
+def remote_scheduler(remote, **kwargs):
+    return make_scheduler(remote=remote, **kwargs)
+
+
+def test_remote_hits_extend_the_local_hit_with_one_check_per_request():
+    remote = FakeRemote()
+    sched, blocks = remote_scheduler(remote)
+    writer = make_request("w", list(range(17)))
+    sched.num_matched_tokens(writer, 0)
+    job = store_request(sched, blocks, writer, [0, 1, 2, 3, 4])
+    sched.on_report(WorkerReport(remote_stored={job.job_id: {0: (True, True)}}))
+    sched.cpu.discard(writer.block_hashes[3])  # chunk 2 left the CPU tier...
+    remote.keys.add(writer.block_hashes[3])  # ...but another host stored it remotely
+    reader = make_request("r", list(range(17)))
+    calls = remote.calls
+    for _ in range(3):  # vLLM asks again while the request waits for blocks
+        assert sched.num_matched_tokens(reader, 0) == 16
+    assert remote.calls == calls + 1
+    sched.plan_load(reader, [10, 11, 12, 13, 14], 16)
+    assert sched.hit_tokens_by_tier("r") == {"cpu": 8, "remote": 8}
+    (load,) = sched.plan_step([]).loads
+    cpu_move, remote_move = load.chunks
+    assert cpu_move.remote_key is None and cpu_move.after_job is None
+    assert remote_move.remote_key == writer.block_hashes[3]
+    assert remote_move.fill_disk_slot is None, "no disk tier, no fill"
+    assert sched.cpu.state(writer.block_hashes[3]) is SlotState.STAGING
+    sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset()}}))
+    assert sched.cpu.state(writer.block_hashes[3]) is SlotState.READY
+    assert sched.cpu.counts()["pinned"] == 0
+    assert sched.counters.hit_tokens_remote == 8
+    assert sched.counters.chunks_loaded_remote == 1
+
+
+def test_remote_chunks_fill_the_disk_after_every_rank_wrote_them(disk_index):
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote, num_ranks=2, disk_index=disk_index)
+    req = make_request("r", list(range(17)))
+    keys = [req.block_hashes[1], req.block_hashes[3]]
+    remote.keys.update(keys)
+    assert sched.num_matched_tokens(req, 0) == 16
+    sched.plan_load(req, [10, 11, 12, 13, 14], 16)
+    (load,) = sched.plan_step([]).loads
+    assert [m.remote_key for m in load.chunks] == keys
+    assert all(m.fill_disk_slot is not None for m in load.chunks)
+    sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset()}}))
+    assert sched.cpu.state(keys[0]) is SlotState.READY, "usable before the fill finishes"
+    assert sched.cpu.counts()["pinned"] == 2, "but pinned while the fill reads the slot"
+    assert disk_index.lookup_prefix(keys) == []
+    sched.on_report(WorkerReport(disk_stored={load.job_id: {0: (1, 2)}}))
+    sched.on_report(WorkerReport(disk_stored={load.job_id: {1: (3, None)}}))
+    assert [e.checksums for e in disk_index.lookup_prefix(keys)] == [(1, 3)]
+    assert disk_index.stats()["used_slots"] == 1, "the failed fill was released"
+    assert sched.cpu.counts()["pinned"] == 0
+    assert not sched.has_pending_work()
+
+
+def test_a_remote_chunk_that_failed_to_load_is_recomputed_and_not_filled(disk_index):
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote, num_ranks=2, disk_index=disk_index)
+    req = make_request("r", list(range(17)))
+    keys = [req.block_hashes[1], req.block_hashes[3]]
+    remote.keys.update(keys)
+    sched.num_matched_tokens(req, 0)
+    sched.plan_load(req, [10, 11, 12, 13, 14], 16)
+    (load,) = sched.plan_step([]).loads
+    # Evicted between lookup and read on rank 1: the worker fails chunk 1 and skips its fill.
+    sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset({1})}},
+                                 disk_stored={load.job_id: {0: (1, 2), 1: (3, None)}}))
+    assert sched.cpu.state(keys[1]) is None
+    assert sched.counters.load_errors == 1
+    assert [e.key for e in disk_index.lookup_prefix(keys)] == [keys[0]]
+    assert sched.cpu.counts()["pinned"] == 0
+    assert not sched.has_pending_work()
+
+
+def test_store_writes_remote_and_keeps_the_slot_pinned_until_every_rank_did():
+    remote = FakeRemote()
+    sched, blocks = remote_scheduler(remote, num_ranks=2)
+    req = make_request("a", list(range(17)))
+    sched.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(5))
+    (job,) = sched.plan_step([("a", 17)]).stores
+    assert [m.remote_key for m in job.chunks] == [req.block_hashes[1], req.block_hashes[3]]
+    sched.on_report(WorkerReport(host_stored={job.job_id: 2}))
+    assert sched.cpu.state(req.block_hashes[1]) is SlotState.READY
+    assert sched.cpu.counts()["pinned"] == 2
+    sched.on_report(WorkerReport(remote_stored={job.job_id: {0: (True, True)}}))
+    assert sched.cpu.counts()["pinned"] == 2
+    sched.on_report(WorkerReport(remote_stored={job.job_id: {1: (True, False)}}))
+    assert sched.cpu.counts()["pinned"] == 0
+    assert sched.counters.chunks_stored_remote == 1
+    assert not sched.has_pending_work()
+
+
+def test_remote_down_is_a_miss_and_counted():
+    remote = FakeRemote()
+    remote.down = True
+    sched, _ = remote_scheduler(remote)
+    req = make_request("r", list(range(17)))
+    remote.keys.update(req.block_hashes)
+    assert sched.num_matched_tokens(req, 0) == 0
+    assert sched.counters.remote_lookups == 1
+    assert sched.counters.remote_lookup_errors == 1
+    sched.close()
+    assert remote.closed
