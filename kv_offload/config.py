@@ -107,6 +107,8 @@ class OffloadConfig:
         remote_key_prefix: prefix of every key kv-offload writes. Default "kv-offload".
         remote_ttl_s: expire remote values after this many seconds; None (default)
             leaves eviction to the server (``maxmemory-policy allkeys-lru``).
+        remote_max_backoff_s: after failures, the remote server is retried with a backoff
+            that doubles from 0.5 s up to this. Default 30.
     """
 
     cpu_size: int | str = "4GiB"
@@ -128,6 +130,7 @@ class OffloadConfig:
     remote_max_value_size: int | str = "256MiB"
     remote_key_prefix: str = "kv-offload"
     remote_ttl_s: int | None = None
+    remote_max_backoff_s: float = 30.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -190,7 +193,7 @@ class OffloadConfig:
                     f"remote_cluster_nodes: expected a list of seed nodes like "
                     f"['10.0.0.5:7000', '10.0.0.6:7000'], got {self.remote_cluster_nodes!r}")
             set_(self, "remote_cluster_nodes", [n.strip() for n in nodes])
-        for name in ("remote_timeout_s", "remote_lookup_budget_ms"):
+        for name in ("remote_timeout_s", "remote_lookup_budget_ms", "remote_max_backoff_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}: expected a positive number, got {value!r}")

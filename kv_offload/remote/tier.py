@@ -169,9 +169,11 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: floa
             f"{format_size(config.remote_max_value_size)}; raise remote_max_value_size (the "
             f"server's proto-max-bulk-len must allow it) or lower chunk_tokens")
     target = RemoteTarget(config.remote_url, tuple(config.remote_cluster_nodes or ()))
-    return RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
+    tier = RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
                       payload_bytes=layout.slot_bytes, timeout_s=timeout_s,
                       key_prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s, who=who)
+    tier.health.max_backoff_s = config.remote_max_backoff_s
+    return tier
 
 
 def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:

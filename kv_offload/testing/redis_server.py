@@ -55,19 +55,11 @@ class RedisServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self, *, timeout_s: float = 10.0) -> RedisServer:
-        binary = server_binary()
-        if binary is None:
+        if server_binary() is None:
             raise FileNotFoundError(
                 "redis-server not found: install Debian's redis-server (or valkey-server)")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory",
-                self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--protected-mode", "no",
-                "--logfile", str(self.workdir / f"redis-{self.port}.log")]
-        if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file",
-                     str(self.workdir / f"nodes-{self.port}.conf")]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -77,6 +69,22 @@ class RedisServer:
                 return self
             time.sleep(0.05)
         raise TimeoutError(f"redis-server on port {self.port} did not answer PING")
+
+    def argv(self, *, daemonize: bool = False) -> list[str]:
+        """The command line that starts this server (``daemonize``: returns at once, for
+        a restart from another process; ``stop`` still shuts it down)."""
+        binary = server_binary() or "redis-server"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory",
+                self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--protected-mode", "no",
+                "--logfile", str(self.workdir / f"redis-{self.port}.log")]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                     str(self.workdir / f"nodes-{self.port}.conf")]
+        if daemonize:
+            args += ["--daemonize", "yes"]
+        return args
 
     def cli(self, *args: str, check: bool = True) -> str:
         """Run ``redis-cli`` against this server; its stdout."""
@@ -104,8 +112,11 @@ class RedisServer:
             os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
+        """Stop the server, also one started elsewhere from ``argv(daemonize=True)``."""
         self.resume()
         self.kill()
+        with contextlib.suppress(Exception):
+            self.cli("shutdown", "nosave", check=False)
 
     def __enter__(self) -> RedisServer:
         return self.start()

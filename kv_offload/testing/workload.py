@@ -6,7 +6,10 @@ process is what a restart looks like and vLLM engines do not share a process wel
 
 SPEC: {"model": path, "offload": extra-config dict or null, "engine": LLM kwargs,
        "phases": [{"name", "prompts", "max_tokens", "reset_prefix_cache",
-                   "one_by_one"}]}
+                   "reset_connector", "one_by_one", "command_before": argv,
+                   "command_during": {"argv", "after_s"}, "sleep_before_s"}]}
+``reset_connector`` also drops kv-offload's CPU tier; the commands let a test kill or
+restart a server before or while a phase runs.
 OUT:  {"phases": [{"name", "tokens", "texts", "seconds", "latency_s", "metrics"}],
        "startup_s"}
 """
@@ -17,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,8 @@ def default_engine_kwargs() -> dict[str, Any]:
 def metric_totals(llm: Any) -> dict[str, float]:
     """vLLM's prefix-cache counters (totals since start, summed over engines)."""
     out = {k: 0.0 for k in METRICS}
-    out.update({"hits_host": 0.0, "hits_disk": 0.0, "hits_device": 0.0})
+    out.update({"hits_host": 0.0, "hits_disk": 0.0, "hits_device": 0.0,
+                "hits_external_unspecified": 0.0})
     for metric in llm.get_metrics():
         for short, name in METRICS.items():
             if metric.name == name and hasattr(metric, "value"):
@@ -89,8 +94,15 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], **kwargs)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "phases": []}
     for phase in spec["phases"]:
-        if phase.get("reset_prefix_cache"):
-            llm.reset_prefix_cache()
+        if phase.get("command_before"):
+            subprocess.run(phase["command_before"], check=True, timeout=60)
+        time.sleep(phase.get("sleep_before_s", 0))
+        if phase.get("reset_prefix_cache") or phase.get("reset_connector"):
+            llm.reset_prefix_cache(reset_connector=bool(phase.get("reset_connector")))
+        during = phase.get("command_during")
+        if during:
+            timer = threading.Timer(during["after_s"], subprocess.run, [during["argv"]])
+            timer.start()
         params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 16),
                                 ignore_eos=True)
         before = metric_totals(llm)
@@ -99,6 +111,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         outputs, latencies = generate_timed(llm, prompts, params,
                                             one_by_one=bool(phase.get("one_by_one")))
         seconds = time.perf_counter() - start
+        if during:
+            timer.join()
         after = metric_totals(llm)
         result["phases"].append({
             "name": phase.get("name", ""),
