@@ -196,6 +196,10 @@ def _namespace_report(root: Path, ns: dict) -> dict:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.remote or args.remote_cluster:
+        return _inspect_remote(args)
+    if args.path is None:
+        raise CliError("give a store directory, --remote URL or --remote-cluster NODES")
     root, namespaces = open_store(args.path)
     reports = [_namespace_report(root, ns)
                for ns in resolve_namespaces(namespaces, args.namespace)]
@@ -227,6 +231,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"newest {r['newest_access'] or '-'}")
         print("  counters   " + ", ".join(f"{k} {v}" for k, v in c.items()))
         print(f"  created    {r['created'] or '?'}")
+    return EXIT_OK
+
+
+def _inspect_remote(args: argparse.Namespace) -> int:
+    from kv_offload.remote import RemoteTarget
+    from kv_offload.remote.inspect import format_report, inspect_remote
+
+    config = OffloadConfig(remote_url=args.remote, remote_cluster_nodes=args.remote_cluster,
+                           remote_key_prefix=args.key_prefix)  # validates the addresses
+    target = RemoteTarget(config.remote_url, tuple(config.remote_cluster_nodes or ()))
+    try:
+        report = inspect_remote(target, key_prefix=config.remote_key_prefix,
+                                namespace=args.namespace)
+    except Exception as exc:  # connection refused, timeout, auth
+        raise CliError(f"cannot read {target.describe()}: {exc}", EXIT_FAILURE) from None
+    print(json.dumps(report, indent=2) if args.json else "\n".join(format_report(report)))
+    if args.path is not None:
+        print()
+        args.remote = args.remote_cluster = None
+        return cmd_inspect(args)
     return EXIT_OK
 
 
@@ -466,10 +490,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show namespaces, chunks, sizes and counters",
                        description="Show each namespace of a store: model and KV layout, "
                        "chunk size, chunks, bytes used and capacity, oldest and newest "
-                       "access, persistent counters. Read-only; safe while engines run.")
-    p.add_argument("path", help="store directory (the disk_path)")
+                       "access, persistent counters; with --remote, the same for a Redis or "
+                       "Valkey remote tier and the server's memory and evictions. "
+                       "Read-only; safe while engines run.")
+    p.add_argument("path", nargs="?", help="store directory (the disk_path)")
     p.add_argument("--namespace", metavar="ID", help="only this namespace (id or unique prefix)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--remote", metavar="URL", help="also (or only) a remote tier: the "
+                   "remote_url, e.g. redis://10.0.0.5:6379/0")
+    p.add_argument("--remote-cluster", metavar="NODES", help="a Redis Cluster's seed nodes, "
+                   "comma-separated host:port")
+    p.add_argument("--key-prefix", default="kv-offload", help="the remote_key_prefix")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="read every chunk and check its checksums",
                        description="Read every chunk of every rank's slab and check its "

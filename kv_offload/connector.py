@@ -158,6 +158,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
             remote = remote_tier_for(
                 self.config, self.layout, namespace=self.namespace,
                 timeout_s=self.config.remote_lookup_budget_ms / 1000, who="scheduler")
+            remote.publish_descriptor(self.layout.descriptor())
         planner_config = PlannerConfig(
             chunk_tokens=self.layout.chunk_tokens, block_size=self.layout.block_size,
             tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,

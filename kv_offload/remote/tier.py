@@ -12,6 +12,7 @@ down and picks it up when it comes.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kv_offload.remote.health import RemoteHealth
-from kv_offload.remote.values import HEADER_BYTES, ValueCheck, check_value, encode_header, key_name
+from kv_offload.remote.values import (
+    HEADER_BYTES,
+    ValueCheck,
+    check_value,
+    encode_header,
+    key_name,
+    meta_key,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +102,20 @@ class RemoteTier:
                 break
             hits += 1
         return hits
+
+    def publish_descriptor(self, descriptor: dict) -> bool:
+        """Record what this namespace is (model, layout) for ``kv-offload inspect
+        --remote``; best effort, False when the server is unreachable."""
+        if not self.health.should_try():
+            return False
+        try:
+            self._get_client().set(meta_key(self.key_prefix, self.namespace),
+                                   json.dumps(descriptor, sort_keys=True))
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        self.health.record_success()
+        return True
 
     # -- worker side --------------------------------------------------------------------------
 

@@ -48,10 +48,15 @@ def key_name(prefix: str, namespace: str, chunk_key: bytes, rank: int, num_ranks
     return f"{prefix}:{{{namespace}:{chunk_key.hex()}}}:r{rank}of{num_ranks}".encode()
 
 
+def meta_key(prefix: str, namespace: str) -> bytes:
+    """The key of a namespace's descriptor (model, layout), for ``inspect --remote``."""
+    return f"{prefix}:meta:{namespace}".encode()
+
+
 def namespace_pattern(prefix: str, namespace: str | None = None) -> bytes:
-    """A SCAN MATCH pattern for every key of ``namespace`` (all namespaces when None)."""
-    inner = f"{namespace}:" if namespace else ""
-    return f"{prefix}:{{{inner}*".encode()
+    """A SCAN MATCH pattern for every chunk key of the namespaces whose id starts with
+    ``namespace`` (all namespaces when None)."""
+    return f"{prefix}:{{{namespace or ''}*".encode()
 
 
 def encode_header(name: bytes, payload) -> bytes:
