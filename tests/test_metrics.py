@@ -32,3 +32,20 @@ def test_every_metric_has_a_kv_offload_name_with_unit_and_docs():
         assert name.startswith("kv_offload_") and name.endswith("_total") and doc
     for name, doc in GAUGES.values():
         assert name.startswith("kv_offload_") and doc
+
+
+def test_every_metric_is_documented():
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    for name, *_ in list(COUNTERS.values()) + list(GAUGES.values()):
+        assert f"`{name}`" in docs, f"{name} missing from docs/metrics.md"
+    for _, _, labels in COUNTERS.values():
+        for key, value in labels.items():
+            assert f'{key}="{value}"' in docs
+
+
+def test_summary_counts_the_remote_tier():
+    summary = OffloadStats(data={"hit_tokens_remote": 250, "miss_tokens": 750,
+                                 "bytes_remote_read": 1e9, "seconds_remote_read": 0.5}).reduce()
+    assert summary["hit_rate_remote"] == 0.25 and summary["remote_read_GBps"] == 2.0

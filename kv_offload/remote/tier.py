@@ -183,6 +183,11 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: floa
     Raises ValueError naming ``remote_max_value_size`` when a chunk does not fit."""
     from kv_offload.config import format_size
 
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ValueError("remote_url / remote_cluster_nodes: the remote tier needs redis-py; "
+                         "install it with: pip install 'kv-offload[remote]'") from None
     value_bytes = HEADER_BYTES + layout.slot_bytes
     if value_bytes > config.remote_max_value_size:
         raise ValueError(
