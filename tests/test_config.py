@@ -90,3 +90,45 @@ def test_chunk_tokens_must_be_multiple_of_block_size():
 def test_bad_json_is_a_clear_error():
     with pytest.raises(ValueError, match="not valid JSON"):
         OffloadConfig.from_json("{cpu_size: 1}")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"remote_url": "http://cache:6379"}, "remote_url: expected a URL starting with"),
+    ({"remote_url": 6379}, "remote_url"),
+    ({"remote_url": "redis://a:1", "remote_cluster_nodes": ["b:2"]}, "both set"),
+    ({"remote_cluster_nodes": []}, "remote_cluster_nodes: expected a list of seed nodes"),
+    ({"remote_cluster_nodes": ["no-port"]}, "remote_cluster_nodes"),
+    ({"remote_timeout_s": 0}, "remote_timeout_s: expected a positive number"),
+    ({"remote_lookup_budget_ms": -1}, "remote_lookup_budget_ms"),
+    ({"remote_max_value_size": "lots"}, "remote_max_value_size: cannot parse"),
+    ({"remote_key_prefix": "has space"}, "remote_key_prefix"),
+    ({"remote_key_prefix": "a{b}"}, "remote_key_prefix"),
+    ({"remote_ttl_s": 0}, "remote_ttl_s: must be >= 1"),
+])
+def test_remote_options_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig(**kwargs)
+
+
+def test_remote_options_round_trip_through_json():
+    cfg = OffloadConfig(remote_cluster_nodes="10.0.0.5:7000, redis://:pw@10.0.0.6:7000",
+                        remote_max_value_size="64MiB")
+    assert cfg.remote_enabled and cfg.remote_max_value_size == 64 * 2**20
+    assert cfg.remote_cluster_nodes == ["10.0.0.5:7000", "redis://:pw@10.0.0.6:7000"]
+    assert OffloadConfig.from_json(cfg.to_json()) == cfg
+    assert not OffloadConfig().remote_enabled
+    assert OffloadConfig(remote_url="valkey://cache:6379/1").remote_enabled
+
+
+def test_a_chunk_larger_than_the_value_limit_fails_at_start_with_the_fix():
+    from kv_offload.layout import KVLayout
+    from kv_offload.remote import remote_tier_for
+
+    layout = KVLayout(model="m", model_fingerprint="f", dtype="bfloat16", kv_cache_dtype="auto",
+                      attention="full_attention", num_layers=32, page_bytes=2 * 2**20,
+                      block_size=16, tokens_per_hash=16, chunk_tokens=256, tp_size=1,
+                      pp_size=1, hash_algo="sha256")
+    cfg = OffloadConfig(remote_url="redis://cache:6379", remote_max_value_size="64MiB")
+    with pytest.raises(ValueError, match="remote_max_value_size: a chunk of this model is "
+                       "1.0 GiB.*raise remote_max_value_size.*or lower chunk_tokens"):
+        remote_tier_for(cfg, layout, namespace="ab" * 16, timeout_s=1, who="test")
