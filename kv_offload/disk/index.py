@@ -131,10 +131,24 @@ class DiskIndex:
         return cls(store, record=record, clock=clock)
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[DiskEntry]:
+        """``find_prefix``, counted in the persistent hits and misses."""
+        found = self.find_prefix(keys)
+        self.count_lookup(hits=len(found), misses=len(keys) - len(found))
+        return found
+
+    def count_lookup(self, *, hits: int, misses: int) -> None:
+        """Add one lookup's outcome to the persistent counters (in memory until the next
+        write transaction)."""
+        with self._store.lock:
+            self._counts["hits"] += hits
+            self._counts["misses"] += misses
+
+    def find_prefix(self, keys: Sequence[bytes]) -> list[DiskEntry]:
         """Entries of the longest prefix of ``keys`` that is committed, in order.
 
         One short read transaction. Records each hit's access in memory (applied to the
-        LRU order by the next write: flush_access, allocate, commit...); writes nothing.
+        LRU order by the next write: flush_access, allocate, commit...); writes nothing
+        and counts nothing (the planner asks again for the same request).
         """
         self._check_open()
         found: list[DiskEntry] = []
@@ -152,8 +166,6 @@ class DiskIndex:
             pending = self._pending
             for entry in found:
                 pending[entry.key] = tick
-            self._counts["hits"] += len(found)
-            self._counts["misses"] += len(keys) - len(found)
         return found
 
     def contains(self, key: bytes) -> bool:

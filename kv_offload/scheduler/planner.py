@@ -48,6 +48,7 @@ class _Request:
     next_store_chunk: int = 0
     lookup: tuple[int, int] | None = None  # (num_computed_tokens, hit tokens) memo
     remote: tuple[int, int, frozenset] | None = None  # (first chunk, num keys, hit keys) memo
+    disk_outcome: tuple[int, int] = (0, 0)  # (hits, misses) of the last disk lookup
     tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -136,7 +137,7 @@ class OffloadScheduler:
         disk_hits = []
         if self.disk_enabled and rest:
             with self._disk_guard("lookup"):
-                disk_hits = self.disk.lookup_prefix(rest)
+                disk_hits = self.disk.find_prefix(rest)
         return cpu_hits, disk_hits
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -151,6 +152,8 @@ class OffloadScheduler:
         else:
             cpu_hits, disk_hits = self._lookup(keys, first)
             local_end = first + len(cpu_hits) + len(disk_hits)
+            if self.disk_enabled:
+                state.disk_outcome = (len(disk_hits), len(keys) - local_end)
             end = (local_end + self._remote_lookup(state, keys, local_end)
                    ) * self.config.chunk_tokens
             hit_tokens = max(0, end - num_computed_tokens)
@@ -188,6 +191,12 @@ class OffloadScheduler:
             return
         num_local, _ = state.lookup
         state.lookup = None
+        if self.disk_enabled and any(state.disk_outcome):
+            # Counted once per scheduled request, however often vLLM asked before.
+            hits, misses = state.disk_outcome
+            state.disk_outcome = (0, 0)
+            with self._disk_guard("count_lookup"):
+                self.disk.count_lookup(hits=hits, misses=misses)
         looked_up = max(0, request.num_tokens - 1 - num_local)
         self.counters.miss_tokens += max(0, looked_up - num_external_tokens)
         if num_external_tokens <= 0:

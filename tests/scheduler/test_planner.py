@@ -144,3 +144,22 @@ def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
     sched.on_report(WorkerReport(loaded={load_y.job_id: {0: frozenset(), 1: frozenset({1})}}))
     assert sched.cpu.counts()["pinned"] == 0
     assert not sched.has_pending_work()
+
+
+def test_disk_hits_are_counted_once_per_scheduled_request(disk_index):
+    """Regression: vLLM asks again while a request waits, and plan_load looks the chunks
+    up again to pin them; the store's persistent hit counter used to count them twice."""
+    writer, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
+    req = make_request("a", list(range(17)))
+    writer.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(5))
+    (job,) = writer.plan_step([("a", 17)]).stores
+    writer.on_report(WorkerReport(host_stored={job.job_id: 2},
+                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    sched, _ = make_scheduler(num_ranks=2, disk_index=disk_index)
+    reader = make_request("x", list(range(17)))
+    for _ in range(3):
+        assert sched.num_matched_tokens(reader, 0) == 16
+    sched.plan_load(reader, [40, 41, 42, 43, 44], 16)
+    disk_index.flush_access()
+    assert disk_index.stats()["counters"]["hits"] == 2
