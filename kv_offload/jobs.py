@@ -76,6 +76,8 @@ class WorkerReport:
     ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed);
     for a load job, the checksums of its ``fill_disk_slot`` writes.
     ``remote_stored``: store job -> rank -> per chunk, whether its remote write succeeded.
+    ``bad_reads``: load job -> rank -> chunks whose disk read failed verification or
+    I/O (their entries are dropped; a load that merely timed out keeps them).
     ``loaded``: load job -> rank -> indexes of chunks that failed on that rank.
     ``disk_broken``: a rank's store directory keeps failing (deleted, read-only, I/O
     errors); the scheduler then stops using the disk tier.
@@ -85,6 +87,7 @@ class WorkerReport:
     disk_stored: dict[int, dict[int, tuple[int | None, ...]]] = field(default_factory=dict)
     loaded: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
     remote_stored: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
+    bad_reads: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
     disk_broken: str | None = None
 
     def __bool__(self) -> bool:
@@ -101,5 +104,7 @@ class WorkerReport:
             self.loaded.setdefault(job, {}).update(per_rank)
         for job, per_rank in other.remote_stored.items():
             self.remote_stored.setdefault(job, {}).update(per_rank)
+        for job, per_rank in other.bad_reads.items():
+            self.bad_reads.setdefault(job, {}).update(per_rank)
         self.disk_broken = self.disk_broken or other.disk_broken
         return self

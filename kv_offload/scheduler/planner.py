@@ -65,6 +65,7 @@ class _Job:
     remote_reports: dict[int, Any] = field(default_factory=dict)  # store: remote writes
     fill_reports: dict[int, Any] = field(default_factory=dict)  # load: fill_disk_slot writes
     fill_pinned: set[int] = field(default_factory=set)  # load: CPU pins held for fills
+    bad_reads: set[int] = field(default_factory=set)  # load: disk copies found damaged
     host_done: bool = False  # store: published in the CPU tier; load: loaded on all ranks
 
 
@@ -377,6 +378,10 @@ class OffloadScheduler:
             if job is not None:
                 job.remote_reports.update(per_rank)
                 self._maybe_finish_store(job_id, job)
+        for job_id, per_rank in report.bad_reads.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.bad_reads.update(*per_rank.values())
         for job_id, per_rank in report.loaded.items():
             job = self._jobs.get(job_id)
             if job is not None:
@@ -442,8 +447,9 @@ class OffloadScheduler:
             self._commit_disk(job.keys, fills, job.fill_reports, failed)
 
     def _apply_load(self, job: _Job, failed: frozenset[int]) -> None:
-        """Publish staged chunks that every rank loaded, drop the failed ones, release
-        pins (a chunk still being written to the disk keeps its pin until then)."""
+        """Publish staged chunks that every rank loaded, forget the failed ones (and drop
+        disk entries that a rank found damaged), release pins (a chunk still being
+        written to the disk keeps its pin until then)."""
         self.counters.load_errors += len(failed)
         for i, (key, move) in enumerate(zip(job.keys, job.moves)):
             if move.cpu_slot is None:
@@ -453,7 +459,7 @@ class OffloadScheduler:
                     self.disk.unpin([move.disk_slot])
                 if i in failed:
                     self.cpu.discard(key)
-                    if move.disk_slot is not None:
+                    if move.disk_slot is not None and i in job.bad_reads:
                         with self._disk_guard("drop"):
                             self.disk.drop(key, move.disk_slot)
                     continue

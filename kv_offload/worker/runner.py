@@ -40,6 +40,7 @@ class _Load:
     future: Future | None = None
     state: str = _READING
     failed: set[int] = field(default_factory=set)
+    bad_reads: set[int] = field(default_factory=set)  # disk reads that failed verification
     reported_to_vllm: bool = False
 
 
@@ -223,6 +224,8 @@ class OffloadWorker:
             elif i in reads:
                 if not reads[i].result():
                     load.failed.add(i)
+                    if move.disk_slot is not None:
+                        load.bad_reads.add(i)
                 else:
                     ok_rows.append(i)
             elif move.after_job is not None:
@@ -370,6 +373,8 @@ class OffloadWorker:
                     failed = set(range(len(load.job.chunks))) if (
                         load.state == _CANCELLED) else load.failed
                     self._report.loaded[job_id] = {self.rank: frozenset(failed)}
+                    if load.bad_reads:
+                        self._report.bad_reads[job_id] = {self.rank: frozenset(load.bad_reads)}
                     del self._loads[job_id]
         for job_id, store in list(self._stores.items()):
             if not store.host_reported and self.engine.is_done(store.handle):

@@ -135,7 +135,8 @@ def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
     assert [m.after_job for m in load_y.chunks] == [load_x.job_id] * 2
     assert all(m.disk_slot is None for m in load_y.chunks)
     # Chunk 1 failed its checksum on rank 1: it is dropped from disk and CPU.
-    sched.on_report(WorkerReport(loaded={load_x.job_id: {0: frozenset(), 1: frozenset({1})}}))
+    sched.on_report(WorkerReport(loaded={load_x.job_id: {0: frozenset(), 1: frozenset({1})}},
+                                 bad_reads={load_x.job_id: {1: frozenset({1})}}))
     assert sched.cpu.state(req.block_hashes[1]) is SlotState.READY
     assert sched.cpu.state(req.block_hashes[3]) is None
     assert [e.key for e in disk_index.lookup_prefix([req.block_hashes[1],
@@ -163,3 +164,25 @@ def test_disk_hits_are_counted_once_per_scheduled_request(disk_index):
     sched.plan_load(reader, [40, 41, 42, 43, 44], 16)
     disk_index.flush_access()
     assert disk_index.stats()["counters"]["hits"] == 2
+
+
+def test_a_timed_out_disk_load_keeps_the_entries(disk_index):
+    """Regression: a load that only timed out (slow disk) used to drop its good entries
+    like a checksum failure; now only chunks a rank found damaged are dropped."""
+    writer, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
+    req = make_request("a", list(range(17)))
+    writer.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(5))
+    (job,) = writer.plan_step([("a", 17)]).stores
+    writer.on_report(WorkerReport(host_stored={job.job_id: 2},
+                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    sched, _ = make_scheduler(num_ranks=2, disk_index=disk_index)
+    reader = make_request("x", list(range(17)))
+    sched.num_matched_tokens(reader, 0)
+    sched.plan_load(reader, [40, 41, 42, 43, 44], 16)
+    (load,) = sched.plan_step([]).loads
+    everything = frozenset({0, 1})
+    sched.on_report(WorkerReport(loaded={load.job_id: {0: everything, 1: everything}}))
+    assert sched.counters.load_errors == 2
+    assert len(disk_index.lookup_prefix([req.block_hashes[1], req.block_hashes[3]])) == 2
+    assert sched.cpu.counts()["pinned"] == 0 and len(sched.cpu) == 0

@@ -108,6 +108,7 @@ def test_corrupt_chunk_is_a_load_error_with_its_blocks(planes, tmp_path):
     for p, orig in zip(planes, target):
         assert torch.equal(p[[11, 12]], orig), "bad bytes reached the engine"
     assert any(x.loaded.get(2) == {0: frozenset({0, 1})} for x in reports)
+    assert any(x.bad_reads.get(2) == {0: frozenset({0})} for x in reports), "only the damaged"
     assert worker.take_stats()["checksum_failures"] == 1
     worker.close()
 
@@ -138,6 +139,7 @@ def test_load_timeout_fails_request_and_late_read_never_reaches_engine(planes):
     slab.release.set()
     reports, _, _ = drain(worker, until=lambda r, f, b: any(x.loaded for x in r))
     assert next(x for x in reports if x.loaded).loaded[1] == {0: frozenset({0})}
+    assert not any(x.bad_reads for x in reports), "a slow read is not a damaged chunk"
     for p, orig in zip(planes, before):
         assert torch.equal(p[[5, 6]], orig)
     worker.close()
