@@ -108,31 +108,42 @@ def test_served_requests_hit_the_cpu_tier_and_match_recompute(server, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(tmp_path_factory):
+def tp2_runs(tmp_path_factory, redis_server):
+    """Two TP=2 engines (two "hosts") with their own stores, sharing one Redis."""
     model = make_tiny_model()
-    store = tmp_path_factory.mktemp("tp2") / "store"
     prompts = [make_prompt(500, seed=7) + make_prompt(20 + i, seed=8 + i) for i in range(3)]
-    offload = {"cpu_size": "64MiB", "disk_path": str(store), "chunk_tokens": 64}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     engine = {"tensor_parallel_size": 2}
+
+    def offload(store):
+        return {"cpu_size": "64MiB", "disk_path": str(store), "chunk_tokens": 64,
+                "remote_url": redis_server.url}
+
     first = run_in_subprocess(
-        {"model": str(model), "offload": offload, "engine": engine,
+        {"model": str(model), "offload": offload(tmp_path_factory.mktemp("tp2-a") / "store"),
+         "engine": engine,
          "phases": [{"name": "cold", "prompts": prompts},
                     {"name": "cpu", "prompts": prompts, "reset_prefix_cache": True}]},
-        tmp_path_factory.mktemp("tp2-a"), env=env)
+        tmp_path_factory.mktemp("tp2-a-run"), env=env)
+    store = tmp_path_factory.mktemp("tp2-b") / "store"
     second = run_in_subprocess(
-        {"model": str(model), "offload": offload, "engine": engine,
-         "phases": [{"name": "disk", "prompts": prompts}]},
-        tmp_path_factory.mktemp("tp2-b"), env=env)
+        {"model": str(model), "offload": offload(store), "engine": engine,
+         "phases": [{"name": "remote", "prompts": prompts},
+                    {"name": "disk", "prompts": prompts, "reset_connector": True}]},
+        tmp_path_factory.mktemp("tp2-b-run"), env=env)
     return store, first, second
 
 
 def test_tp2_ranks_have_own_slabs_and_outputs_match(tp2_runs):
+    """Each rank stores and loads its own part: CPU tier, remote tier (every rank's value
+    must exist), and the disk tier filled from the remote tier (one slab per rank)."""
     store, first, second = tp2_runs
     cold, cpu = first["phases"]
-    (disk,) = second["phases"]
+    remote, disk = second["phases"]
     assert cold["metrics"]["external_hits"] == 0
     assert cpu["tokens"] == cold["tokens"] and cpu["metrics"]["hits_host"] >= 448
+    assert remote["tokens"] == cold["tokens"]
+    assert remote["metrics"]["hits_external_unspecified"] >= 448
     assert disk["tokens"] == cold["tokens"] and disk["metrics"]["hits_disk"] >= 448
     ranks = sorted(p.name for p in Path(store).glob("slabs/*/*.slab"))
     assert ranks == ["rank0-of-2.slab", "rank1-of-2.slab"]
