@@ -45,11 +45,12 @@ def metric_sum(metrics_text: str, name: str, label: str = "") -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, redis_server):
     """`vllm serve` (as python -m, see README) with the connector, on a loopback port."""
     model = make_tiny_model()
     store = tmp_path_factory.mktemp("serve-store")
-    cfg = OffloadConfig(cpu_size="64MiB", disk_path=str(store), chunk_tokens=64)
+    cfg = OffloadConfig(cpu_size="64MiB", disk_path=str(store), chunk_tokens=64,
+                        remote_url=redis_server.url)
     port = free_port()
     log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -105,6 +106,18 @@ def test_served_requests_hit_the_cpu_tier_and_match_recompute(server, tmp_path):
     stored = ("kv_offload_chunks_stored_total", 'tier="cpu"')
     assert metric_sum(after, *stored) >= 9
     assert metric_sum(after, "kv_offload_transfer_bytes_total", 'direction="load"') > 0
+    # The remote tier is reported like the others (its writes finish in the background).
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        after = http(base + "/metrics")
+        if metric_sum(after, "kv_offload_chunks_stored_total", 'tier="remote"') >= 9:
+            break
+        time.sleep(1)
+    assert metric_sum(after, "kv_offload_chunks_stored_total", 'tier="remote"') >= 9
+    assert metric_sum(after, "kv_offload_transfer_bytes_total", 'direction="remote_write"') > 0
+    assert metric_sum(after, "kv_offload_remote_lookups_total") >= 1
+    up = [line for line in after.splitlines() if line.startswith("kv_offload_remote_up{")]
+    assert up and all(line.endswith(" 1.0") for line in up), up
 
 
 @pytest.fixture(scope="module")
