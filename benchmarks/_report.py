@@ -316,9 +316,215 @@ def lookup_section(data: dict, img: Path, targets: Targets) -> list[str]:
     return lines
 
 
+REMOTE_RATIOS = (  # io_ratios key -> column header
+    ("remote_vs_disk_store", "remote/disk store"),
+    ("remote_vs_disk_load", "remote/disk load (warm)"),
+    ("remote_vs_disk_cold_load", "remote/disk load (cold)"),
+    ("hiredis_vs_python_load", "hiredis/no hiredis load"),
+    ("hiredis_vs_python_store", "hiredis/no hiredis store"),
+    ("py_packer_vs_hiredis_store", "py packer/hiredis store"),
+    ("ours_vs_raw_store", "ours/raw store"),
+    ("ours_vs_raw_load", "ours/raw load"),
+)
+
+
+def _span(values: list[float]) -> str:
+    """'a-b' (or 'a') of the numbers in ``values``, 2 decimals."""
+    values = [v for v in values if isinstance(v, (int, float))]
+    if not values:
+        return "n/a"
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}"
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if isinstance(v, (int, float)))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _effect(med: float, what: str) -> str:
+    """'helps X' / 'slows X down' / 'makes no clear difference to X' for a speed ratio."""
+    if med >= 1.1:
+        return f"helps {what} ({med:.2f}x the speed without it, median)"
+    if med <= 0.9:
+        return f"slows {what} down ({med:.2f}x the speed without it, median)"
+    return (f"makes no clear difference to {what} (median {med:.2f}x, within the +-10% this "
+            "machine's noise allows)")
+
+
+def _hiredis_verdict(load: list[float], store: list[float], packer: list[float],
+                     lookup: list[float]) -> str:
+    """Sentences: does hiredis help, from the hiredis / no-hiredis speed ratios (> 1: it
+    helps) of loads (its reply parser), stores (its command packer) and lookups."""
+    parts = []
+    if _median(load) is not None:
+        parts.append(f"Does hiredis help? Its reply parser {_effect(_median(load), 'loads')}; "
+                     f"per case {_span(load)}.")
+    if _median(store) is not None:
+        parts.append(f"Its command packer {_effect(_median(store), 'stores')}; per case "
+                     f"{_span(store)}.")
+    if _median(packer) is not None:
+        parts.append(f"hiredis's parser with redis-py's Python packer (which sends large values "
+                     f"without copying them) stores at {_span(packer)}x the speed of the "
+                     "connector's client (hiredis for both; median "
+                     f"{_median(packer):.2f}x).")
+    if _median(lookup) is not None:
+        parts.append(f"Lookups (many small commands and replies) take {_median(lookup):.2f}x "
+                     "as long without hiredis (median over the lookup cases).")
+    return " ".join(parts) or "The hiredis comparison is missing."
+
+
+def remote_section(data: dict, img: Path, targets: Targets) -> list[str]:
+    server = data.get("server", {})
+    versions = data.get("versions", {})
+    clients = data.get("clients", {})
+    io = [r for r in data.get("io", []) if isinstance(r, dict)]
+    ratios = [r for r in data.get("io_ratios", []) if isinstance(r, dict)]
+    lines = [
+        "## Remote tier (`bench_remote.py`)", "",
+        f"A throwaway `redis-server` {server.get('version', '?')} on loopback (maxmemory "
+        f"{server.get('maxmemory', '?')}, no persistence) on this machine, redis-py "
+        f"{versions.get('redis', '?')} with hiredis {versions.get('hiredis', '?')}. Server and "
+        "client share the same cores and no network is crossed, so these are upper bounds for a "
+        "remote server: a real network adds its round trip to every call and caps the bandwidth.",
+        "",
+        f"**Store and load.** Each contender stores, then loads, {data.get('io_total_mib', '?')} "
+        "MiB per chunk size and thread count through a ThreadPoolExecutor (like the worker's "
+        f"I/O pool); fastest of {data.get('repeat', '?')} runs in rotating order; every load is "
+        "compared with the stored bytes. *remote (hiredis)*: `RemoteTier.write` / "
+        f"`read_into` (a {data.get('header_bytes', 40)}-byte header, xxh3 checksum verified on "
+        "load) on the connector's own client (`connect_redis`: redis-py with hiredis installed "
+        f"parses replies and packs commands with hiredis: {clients.get('remote', '?')}). "
+        "*remote (no hiredis)*: the same with redis-py's pure-Python parser and packer, what a "
+        f"machine without hiredis gets ({clients.get('remote_python', '?')}): loads differ only "
+        "in the reply parser, stores only in the command packer. *remote (hiredis parser, py "
+        f"packer)*: {clients.get('remote_mixed', '?')}. (redis-py's hiredis packer turns a "
+        "bytearray or memoryview value into bytes, then packs the whole command into one new "
+        "buffer: two copies of each value; its Python packer sends a large value as it is.) "
+        "*raw redis-py*: plain `SET` / `GET` of the payload on the connector's client, "
+        "no header, no checksum (the loaded bytes copied into the slot, as `read_into` does). "
+        "*disk slab*: the disk tier's `SlabFile.write` / `read` with checksum verification in a "
+        "temp dir on the local disk; writes land in the page cache, warm loads read the page "
+        "cache, cold loads follow fsync + POSIX_FADV_DONTNEED.", "",
+    ]
+    rows = [[r.get("chunk", 0) // 1024, r.get("threads"), r.get("contender"),
+             _fmt(r.get("store_gbps"), ".2f"), _fmt(r.get("load_gbps"), ".2f"),
+             _fmt(r.get("load_cold_gbps"), ".2f")] for r in io]
+    if rows:
+        lines += _table(["chunk KiB", "threads", "contender", "store GB/s", "load GB/s",
+                         "load cold GB/s"], rows)
+    if ratios:
+        lines += ["Ratios (GB/s over GB/s, same chunk size and thread count; remote = RemoteTier "
+                  "on hiredis; > 1: the first is faster):", ""]
+        lines += _table(["chunk KiB", "threads", *[name for _, name in REMOTE_RATIOS]],
+                        [[r.get("chunk", 0) // 1024, r.get("threads"),
+                          *[_fmt(r.get(k), ".2f") for k, _ in REMOTE_RATIOS]] for r in ratios])
+
+        def col(key: str) -> list[float]:
+            return [r[key] for r in ratios if isinstance(r.get(key), (int, float))]
+
+        lookup_ratios = _lookup_parser_ratios(data.get("lookup", []))
+        lines += [
+            f"In words: against the disk tier on the same machine, the remote tier stores at "
+            f"{_span(col('remote_vs_disk_store'))}x and loads at "
+            f"{_span(col('remote_vs_disk_load'))}x its speed when the slab is in the page cache "
+            f"({_span(col('remote_vs_disk_cold_load'))}x against cold disk reads). Our value "
+            f"format (header, checksum, one copy into the value) runs stores at "
+            f"{_span(col('ours_vs_raw_store'))}x and loads at {_span(col('ours_vs_raw_load'))}x "
+            "the speed of raw redis-py SET/GET of the same bytes. "
+            + _hiredis_verdict(col("hiredis_vs_python_load"), col("hiredis_vs_python_store"),
+                               col("py_packer_vs_hiredis_store"), lookup_ratios), ""]
+    if plot_remote(io, img / "remote_gbps.png"):
+        lines += ["![Remote vs disk tier GB/s vs chunk size](img/remote_gbps.png)", ""]
+    lookup = [r for r in data.get("lookup", []) if isinstance(r, dict)]
+    if lookup:
+        calls = lookup[0].get("calls", "?")
+        lines += [f"**Lookup.** `RemoteTier.lookup` of N chunk keys: one pipelined `EXISTS` per "
+                  f"key, one round trip per call; {calls} calls per row, interleaved; "
+                  "microseconds per request.", ""]
+        lines += _table(["keys", "present", "client", "median us", "p99 us", "median us/key"],
+                        [[r.get("keys"), "all" if r.get("present") else "none",
+                          "no hiredis" if r.get("parser") == "python" else r.get("parser"),
+                          _fmt(r.get("median_us"), ".0f"), _fmt(r.get("p99_us"), ".0f"),
+                          _fmt(r.get("median_us_per_key"), ".1f")] for r in lookup])
+        sixteen = next((r for r in lookup if r.get("keys") == 16 and r.get("present")
+                        and r.get("parser") == "hiredis"), None)
+        if sixteen:
+            lines += [f"A 4k-token prompt is 16 chunks of 256 tokens: its lookup costs "
+                      f"{_fmt(sixteen.get('median_us'), '.0f')} us (p99 "
+                      f"{_fmt(sixteen.get('p99_us'), '.0f')} us) on vLLM's scheduler thread, "
+                      "against the default `remote_lookup_budget_ms` of 20 ms.", ""]
+        by = {(r.get("keys"), r.get("present"), r.get("parser")): r.get("median_us")
+              for r in lookup}
+        absent = [by[(k, False, p)] / by[(k, True, p)] for (k, hit, p) in by
+                  if hit and by.get((k, False, p)) and by[(k, True, p)]]
+        if absent:
+            lines += [f"A lookup that finds nothing takes {_span(absent)}x the time of one that "
+                      "finds every key (the whole pipeline is sent either way).", ""]
+    lines += _remote_ttft_lines(data.get("ttft"))
+    return lines
+
+
+def _lookup_parser_ratios(lookup: list[dict]) -> list[float]:
+    """python median / hiredis median per (keys, present) lookup case."""
+    by = {(r.get("keys"), r.get("present"), r.get("parser")): r.get("median_us")
+          for r in lookup if isinstance(r, dict)}
+    out = []
+    for (keys, present, parser), value in by.items():
+        fast = by.get((keys, present, "hiredis"))
+        if parser == "python" and isinstance(value, (int, float)) and fast:
+            out.append(value / fast)
+    return out
+
+
+def _remote_ttft_lines(ttft: Any) -> list[str]:
+    if not isinstance(ttft, dict):
+        return ["**TTFT.** Not measured.", ""]
+    if "modes" not in ttft:
+        return [f"**TTFT.** Not measured: {ttft.get('error', 'no data')}.", ""]
+    lengths = [str(n) for n in ttft.get("lengths", [])]
+    model = ttft.get("model", {})
+    env = ttft.get("env", {})
+    in_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    lines = [
+        f"**TTFT.** One engine (vLLM CPU backend, random-weight Llama `{model.get('name')}`, "
+        f"float32) with kv-offload `{ttft.get('offload')}`, `remote_url` set and no disk tier; "
+        f"environment `{env}`. {ttft.get('rounds', '?')} rounds; each runs new prompts of L + "
+        f"{ttft.get('suffix_tokens', 16)} tokens cold (one request at a time, max_tokens=1), "
+        "one short request that lets the engine collect the store reports, then the same "
+        "prompts after `reset_prefix_cache(reset_connector=True)`, which empties vLLM's cache "
+        "and kv-offload's CPU tier, so the prefix comes from Redis. Median per length.", ""]
+    if in_process:
+        lines += ["**This run used the single-process engine (--quick). There, remote loads "
+                  "were several times slower than with vLLM's default engine processes (the I/O "
+                  "threads share one interpreter, and its GIL, with the engine loop): these "
+                  "figures are not representative.**", ""]
+    modes = ttft["modes"]
+    def ms(mode: str, n: str) -> float | None:
+        value = modes.get(mode, {}).get(n, {}).get("median_s")
+        return value * 1e3 if isinstance(value, (int, float)) else None
+
+    rows = [[mode, *[_fmt(ms(mode, n), ".1f") for n in lengths]] for mode in ("cold", "remote")]
+    rows.append(["remote / cold", *[_fmt(ttft.get("ratios", {}).get(n)) for n in lengths]])
+    lines += _table(["TTFT", *[f"L={n} (ms)" for n in lengths]], rows)
+    hits, expected = ttft.get("remote_hit_tokens"), ttft.get("expected_hit_tokens")
+    ratio_text = ", ".join(f"{_fmt(ttft.get('ratios', {}).get(n), '.2f')}x at {n} tokens"
+                           for n in lengths)
+    lines += [f"A remote hit took {ratio_text} of the cold prefill's TTFT. vLLM counted "
+              f"{_fmt(hits, '.0f')} of the {_fmt(expected, '.0f')} prefix tokens of the remote "
+              f"passes as loaded from the remote tier "
+              f"({_fmt(ttft.get('remote_pass_host_hit_tokens'), '.0f')} from the CPU tier); "
+              f"greedy tokens of the cold and remote passes equal: {ttft.get('tokens_equal')}. "
+              f"Engine start-up {_fmt(ttft.get('startup_s'), '.0f')} s.", ""]
+    return lines
+
+
 SECTIONS: dict[str, Callable[[dict, Path, Targets], list[str]]] = {
     "ttft": ttft_section, "overhead": overhead_section, "copy": copy_section,
-    "tiers": tiers_section, "lookup": lookup_section,
+    "tiers": tiers_section, "lookup": lookup_section, "remote": remote_section,
 }
 
 
@@ -413,6 +619,30 @@ def plot_tiers(io: list[dict], path: Path) -> bool:
         _chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
         ax.set_ylabel("GB/s")
         ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    return _save(fig, plt, path)
+
+
+def plot_remote(io: list[dict], path: Path) -> bool:
+    rows = [r for r in io if isinstance(r, dict) and r.get("chunk") and r.get("contender")]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (key, title) in zip(axes, (("store_gbps", "store"), ("load_gbps", "load (disk: warm)"))):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            if isinstance(r.get(key), (int, float)):
+                label = f"{r['contender']}, {r.get('threads')} thr"
+                series.setdefault(label, []).append((r["chunk"] / 1024, r[key]))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot(*zip(*pts), "--" if label.startswith("disk") else "-", marker="o",
+                    label=label, linewidth=2.5 if label.startswith("remote (hiredis)") else 1.2)
+        _chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"remote tier vs disk tier, {title}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
     return _save(fig, plt, path)

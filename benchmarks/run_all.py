@@ -30,6 +30,7 @@ BENCHES = {  # name -> script, in the order they run
     "copy": "bench_copy.py",
     "tiers": "bench_tiers.py",
     "lookup": "bench_lookup.py",
+    "remote": "bench_remote.py",
 }
 
 

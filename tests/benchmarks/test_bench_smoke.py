@@ -8,6 +8,8 @@ hundred tokens): together they take a few minutes on two cores.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
+
+
+def need_redis_server() -> None:
+    """Skip without a redis-server binary unless KV_OFFLOAD_REQUIRE_REDIS=1 (as the
+    remote-tier tests do): then fail."""
+    if shutil.which("redis-server") is None and shutil.which("valkey-server") is None:
+        if os.environ.get("KV_OFFLOAD_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is required (KV_OFFLOAD_REQUIRE_REDIS=1) but missing")
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
 
 
 def run_script(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
@@ -32,7 +43,7 @@ def run_json(name: str, tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.parametrize("name", ["bench_ttft.py", "bench_overhead.py", "bench_lookup.py",
-                                  "run_all.py"])
+                                  "bench_remote.py", "run_all.py"])
 def test_help(name):
     assert "--quick" in run_script(name, "--help").stdout
 
@@ -93,3 +104,44 @@ def test_overhead_quick(tmp_path):
             assert summary[name]["throughput_tok_s"] > 0
     assert data["summary"]["reuse_50"]["ours"]["external_hit_tokens"] > 0
     assert isinstance(data["verdict"]["pass"], bool)
+
+
+@pytest.mark.engine
+def test_remote_quick(tmp_path):
+    """Every section of bench_remote's JSON is there with positive numbers, and the
+    report renders it."""
+    need_redis_server()
+    data = run_json("bench_remote.py", tmp_path, "--chunk-kib", "256,2048", "--total-mib", "8",
+                    "--lookup-keys", "16,64", "--lookup-calls", "20", "--lengths", "256")
+    kinds = {"remote", "remote_python", "remote_mixed", "raw", "disk"}
+    cases = {(r["chunk"], r["threads"], r["kind"]) for r in data["io"]}
+    assert cases == {(c, t, k) for c in (256 << 10, 2 << 20) for t in (1, 4) for k in kinds}
+    for row in data["io"]:
+        assert row["store_gbps"] > 0 and row["load_gbps"] > 0, row
+    assert all(r["load_cold_gbps"] > 0 for r in data["io"] if r["kind"] == "disk")
+    assert len(data["io_ratios"]) == 4
+    for row in data["io_ratios"]:
+        for key in ("remote_vs_disk_store", "remote_vs_disk_load", "remote_vs_disk_cold_load",
+                    "hiredis_vs_python_load", "hiredis_vs_python_store",
+                    "py_packer_vs_hiredis_store", "mixed_vs_hiredis_load", "ours_vs_raw_store",
+                    "ours_vs_raw_load"):
+            assert row[key] > 0, key
+    assert set(data["parsers"]) == {"hiredis", "python"}
+    assert set(data["clients"]) == {"remote", "remote_python", "remote_mixed"}
+    assert {(r["keys"], r["present"], r["parser"]) for r in data["lookup"]} == {
+        (n, p, parser) for n in (16, 64) for p in (True, False) for parser in ("hiredis", "python")}
+    assert all(r["median_us"] > 0 and r["p99_us"] >= r["median_us"] for r in data["lookup"])
+    ttft = data["ttft"]
+    assert ttft["tokens_equal"] is True
+    assert ttft["remote_hit_tokens"] > 0  # vLLM counted tokens loaded from Redis
+    for mode in ("cold", "remote"):
+        assert ttft["modes"][mode]["256"]["median_s"] > 0
+    assert ttft["ratios"]["256"] > 0
+
+    out = tmp_path / "report"
+    (out / "bench-data").mkdir(parents=True)
+    (out / "bench-data" / "remote.json").write_text(json.dumps(data))
+    run_script("run_all.py", "--report-only", "--out", str(out))
+    report = (out / "benchmarks.md").read_text()
+    assert "## Remote tier (`bench_remote.py`)" in report
+    assert "hiredis/no hiredis load" in report and "Could not render" not in report

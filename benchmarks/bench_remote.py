@@ -1,0 +1,602 @@
+"""Remote tier (Redis/Valkey) benchmarks, next to the disk tier, in one run on one machine.
+
+A throwaway ``redis-server`` is started on loopback (stopped again whatever happens) and
+every contender moves the same bytes:
+
+1. I/O: store and load N chunks of 256 KiB, 2 MiB and 8 MiB with 1 and 4 threads (a
+   ThreadPoolExecutor, like the worker's I/O pool):
+   - remote (hiredis): ``RemoteTier.write`` / ``read_into`` with checksum verification,
+     on the connector's own client (``connect_redis``): redis-py with hiredis installed
+     parses replies and packs commands with hiredis;
+   - remote (no hiredis): the same with redis-py's pure-Python reply parser and command
+     packer, i.e. what a machine without hiredis gets (loads differ only in the parser,
+     stores only in the packer);
+   - remote (hiredis parser, py packer): hiredis for replies, redis-py's Python packer
+     for commands (it sends large values without copying them);
+   - raw redis-py: plain ``SET`` / ``GET`` of the payload (copied into the slot) with
+     no header and no checksum, on the same hiredis client: the cost of our format;
+   - disk slab: the disk tier's ``SlabFile.write`` / ``read`` with verification, in a
+     temp dir on this machine; loads warm (page cache) and cold (evicted with
+     POSIX_FADV_DONTNEED after fsync).
+   Ratios: remote / disk, hiredis / no hiredis, Python packer / hiredis packer, ours /
+   raw redis-py.
+2. Lookup: ``RemoteTier.lookup`` of 16, 64 and 256 keys (one pipelined EXISTS each),
+   every key present or none; median and p99 per request in microseconds, with and
+   without hiredis.
+3. TTFT: one vLLM engine (CPU backend, tiny random-weight model) with ``remote_url`` set
+   and no disk tier; per round, a cold pass over prompts of L + 16 tokens (one request
+   at a time, max_tokens=1), one short request that lets the engine collect the store
+   reports, then the same prompts after ``reset_prefix_cache(reset_connector=True)``, so
+   that the KV comes from Redis. Median TTFT of each and their ratio; the script fails
+   when the tokens of the two passes differ and warns when vLLM counted no (or not all)
+   remote hits. --quick runs the engine in one process (faster start, not the default
+   topology: its remote TTFT means nothing, see docs/benchmarks.md).
+
+    python benchmarks/bench_remote.py --quick --json /tmp/remote.json   # ~30 s
+    python benchmarks/bench_remote.py --json remote.json                # ~4 min, 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import mmap
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _engine import benchmark_env, engine_kwargs  # noqa: E402
+
+from kv_offload.disk import SlabFile  # noqa: E402
+from kv_offload.remote.tier import RemoteTarget, RemoteTier, connect_redis  # noqa: E402
+from kv_offload.remote.values import HEADER_BYTES, ValueCheck  # noqa: E402
+from kv_offload.testing.redis_server import RedisServer, server_binary  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+NAMESPACE = "bench"
+SUFFIX_TOKENS = 16
+# Same geometry as bench_ttft's default model (its cached files are reused).
+TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                  max_position=16384)
+KINDS = {  # kind -> label
+    "remote": "remote (hiredis)",
+    "remote_python": "remote (no hiredis)",
+    "remote_mixed": "remote (hiredis parser, py packer)",
+    "raw": "raw redis-py set/get",
+    "disk": "disk slab",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="toy sizes for a smoke test")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--chunk-kib", type=str, default="256,2048,8192",
+                        help="comma-separated chunk sizes in KiB (default 256,2048,8192)")
+    parser.add_argument("--threads", type=str, default="1,4",
+                        help="comma-separated I/O thread counts (default 1,4)")
+    parser.add_argument("--total-mib", type=int, default=None,
+                        help="bytes moved per chunk size and contender (default 256, --quick 16)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="runs per I/O contender, fastest kept (default 3, --quick 1)")
+    parser.add_argument("--lookup-keys", type=str, default="16,64,256",
+                        help="comma-separated keys per lookup (default 16,64,256)")
+    parser.add_argument("--lookup-calls", type=int, default=None,
+                        help="lookups per figure (default 1000, --quick 100)")
+    parser.add_argument("--lengths", type=str, default=None,
+                        help="TTFT prefix lengths in tokens, multiples of 256 "
+                             "(default 2048,4096; --quick 256,512)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="TTFT rounds (cold pass + remote pass; default 5, --quick 1)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the TTFT part")
+    parser.add_argument("--maxmemory", type=str, default=None,
+                        help="the Redis server's maxmemory (default 4gb, --quick 512mb)")
+    parser.add_argument("--timeout-s", type=float, default=10.0,
+                        help="RemoteTier timeout per call (default 10: a slow benchmark "
+                             "call must not trip the tier's backoff)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where the disk slabs, the server and the engine run go "
+                             "(default: a temp dir under $TMPDIR)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="engine in one process (the default with --quick)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (engine log)")
+    args = parser.parse_args(argv)
+    args.chunks = [int(x) * KiB for x in args.chunk_kib.split(",")]
+    args.thread_counts = [int(x) for x in args.threads.split(",")]
+    args.total_mib = args.total_mib or (16 if args.quick else 256)
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    args.lookup_sizes = [int(x) for x in args.lookup_keys.split(",")]
+    args.lookup_calls = args.lookup_calls or (100 if args.quick else 1000)
+    lengths = args.lengths or ("256,512" if args.quick else "2048,4096")
+    args.lengths = sorted(int(x) for x in lengths.split(","))
+    args.rounds = args.rounds or (1 if args.quick else 5)
+    args.maxmemory = args.maxmemory or ("512mb" if args.quick else "4gb")
+    args.in_process = args.in_process or args.quick
+    if max(args.chunks) > args.total_mib * MiB:
+        parser.error("--total-mib must hold at least one chunk of the largest size")
+    return args
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def prefaulted(nbytes: int) -> np.ndarray:
+    arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+    arr[:] = 1
+    return arr
+
+
+def views(buf: np.ndarray, chunk: int) -> list[memoryview]:
+    view = memoryview(buf)
+    return [view[i : i + chunk] for i in range(0, buf.nbytes - chunk + 1, chunk)]
+
+
+def chunk_keys(tag: str, count: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(count)]
+
+
+def connect_variant(target: RemoteTarget, timeout_s: float, *, python_parser: bool,
+                    python_packer: bool) -> Any:
+    """A client configured like ``connect_redis``, with redis-py's pure-Python reply parser
+    and/or command packer instead of hiredis's. With hiredis installed redis-py uses both
+    of hiredis's; both Python ones are what a machine without hiredis gets."""
+    import redis
+    from redis._parsers.encoders import Encoder
+    from redis.backoff import NoBackoff
+    from redis.connection import PythonRespSerializer, _RESP2Parser
+    from redis.retry import Retry
+
+    extra: dict[str, Any] = {}
+    if python_parser:
+        # redis-py swaps _RESP2Parser for its RESP3 twin when the protocol is 3 (its
+        # default): either way pure Python, on the same protocol as the hiredis client.
+        extra["parser_class"] = _RESP2Parser
+    if python_packer:  # what redis-py packs commands with when hiredis is missing
+        extra["command_packer"] = PythonRespSerializer(6000, Encoder("utf-8", "strict",
+                                                                     False).encode)
+    return redis.Redis.from_url(target.url, socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                                **extra)
+
+
+def client_name(client: Any) -> str:
+    """'<parser> (RESP<n>) + <command packer>' of ``client``'s connections."""
+    conn = client.connection_pool.get_connection()
+    try:
+        return (f"{type(conn._parser).__name__} (RESP{conn.protocol}) + "
+                f"{type(conn._command_packer).__name__}")
+    finally:
+        client.connection_pool.release(conn)
+
+
+def warm_connections(client: Any, threads: int) -> None:
+    """Open ``threads`` pooled connections now, so no timed call pays a connect."""
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: client.ping(), range(threads * 4)))
+
+
+# -- I/O contenders: each returns {"store": s, "load": s} (disk adds "load_cold") -----------
+
+
+def run_remote(client: Any, url: str, timeout_s: float, srcs: list[memoryview],
+               dsts: list[memoryview], chunk: int, tag: str, pool: ThreadPoolExecutor) -> dict:
+    tier = RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1, payload_bytes=chunk,
+                      timeout_s=timeout_s, connect=lambda _target, _timeout: client)
+    keys = chunk_keys(tag, len(srcs))
+
+    def store() -> None:
+        ok = list(pool.map(lambda i: tier.write(keys[i], 0, srcs[i]), range(len(keys))))
+        if not all(ok):
+            raise RuntimeError(f"{tag}: {ok.count(False)} of {len(ok)} writes failed "
+                               "(see the kv_offload.remote warnings above)")
+
+    def load() -> None:
+        got = list(pool.map(lambda i: tier.read_into(keys[i], 0, dsts[i]), range(len(keys))))
+        bad = [g for g in got if g is not ValueCheck.OK]
+        if bad:
+            raise RuntimeError(f"{tag}: {len(bad)} reads failed, first: {bad[0]!r}")
+
+    return {"store": timed(store), "load": timed(load)}
+
+
+def run_raw(client: Any, srcs: list[memoryview], dsts: list[memoryview], tag: str,
+            pool: ThreadPoolExecutor) -> dict:
+    names = [b"bench-raw:" + k.hex().encode() for k in chunk_keys(tag, len(srcs))]
+
+    def put(i: int) -> None:
+        client.set(names[i], srcs[i])
+
+    def get(i: int) -> None:
+        value = client.get(names[i])
+        if value is None or len(value) != len(dsts[i]):
+            raise RuntimeError(f"{tag}: raw GET returned {None if value is None else len(value)}"
+                               " bytes")
+        dsts[i][:] = value  # a load ends in the host slot, as read_into does
+
+    return {"store": timed(lambda: list(pool.map(put, range(len(names))))),
+            "load": timed(lambda: list(pool.map(get, range(len(names)))))}
+
+
+def run_disk(root: Path, srcs: list[memoryview], dsts: list[memoryview], chunk: int,
+             pool: ThreadPoolExecutor) -> dict:
+    slab = SlabFile(root, namespace_id="ab" * 16, rank=0, num_ranks=1, slot_bytes=chunk)
+    sums: list[int] = []
+
+    def store() -> None:
+        sums[:] = pool.map(lambda i: slab.write(i, srcs[i]), range(len(srcs)))
+
+    def load() -> None:
+        ok = list(pool.map(lambda i: bool(slab.read(i, dsts[i], sums[i])), range(len(srcs))))
+        if not all(ok):
+            raise RuntimeError(f"disk slab: {ok.count(False)} reads failed")
+
+    try:
+        out = {"store": timed(store), "load": timed(load)}
+        fd = os.open(slab.path, os.O_RDONLY)
+        try:  # evict the slab's pages: the next load reads the device
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        out["load_cold"] = timed(load)
+        return out
+    finally:
+        slab.close()
+
+
+def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: Path
+             ) -> list[dict]:
+    total = args.total_mib * MiB
+    src = prefaulted(total)
+    src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    dst = prefaulted(total)
+    flush = clients["remote"].flushall
+    rows = []
+    for chunk in args.chunks:
+        count = total // chunk
+        srcs, dsts = views(src, chunk), views(dst, chunk)
+        nbytes = count * chunk
+        best: dict[tuple[str, int], dict] = {}
+        for rep in range(args.repeat):
+            for threads in args.thread_counts:
+                order = list(KINDS)
+                order = order[rep % len(order):] + order[: rep % len(order)]  # rotate
+                with ThreadPoolExecutor(threads) as pool:
+                    for kind in order:
+                        tag = f"{kind}-{chunk}-{threads}-{rep}"
+                        dst[:nbytes] = 0
+                        work = Path(tempfile.mkdtemp(dir=base))
+                        try:
+                            if kind == "disk":
+                                times = run_disk(work, srcs, dsts, chunk, pool)
+                            elif kind == "raw":
+                                times = run_raw(clients["remote"], srcs, dsts, tag, pool)
+                            else:
+                                times = run_remote(clients[kind], url, args.timeout_s, srcs,
+                                                   dsts, chunk, tag, pool)
+                        finally:
+                            shutil.rmtree(work, ignore_errors=True)
+                            if kind != "disk":
+                                flush()
+                        if not np.array_equal(dst[:nbytes], src[:nbytes]):
+                            raise RuntimeError(f"{tag}: loaded bytes differ from stored bytes")
+                        old = best.get((kind, threads), times)
+                        best[(kind, threads)] = {k: min(v, old[k]) for k, v in times.items()}
+        for threads in args.thread_counts:
+            for kind, label in KINDS.items():
+                times = best[(kind, threads)]
+                row = {"chunk": chunk, "threads": threads, "kind": kind, "contender": label,
+                       "chunks": count, "bytes": nbytes}
+                row.update({f"{k}_gbps": round(nbytes / v / 1e9, 3) for k, v in times.items()})
+                rows.append(row)
+        print(f"  I/O with {chunk // KiB} KiB chunks done", flush=True)
+    return rows
+
+
+def io_ratios(rows: list[dict]) -> list[dict]:
+    """Per chunk size and thread count: remote / disk, hiredis / python, ours / raw."""
+    by = {(r["chunk"], r["threads"], r["kind"]): r for r in rows}
+    out = []
+    for chunk, threads in sorted({(r["chunk"], r["threads"]) for r in rows}):
+        def ratio(a: str, b: str, key_a: str, key_b: str | None = None,
+                  c: int = chunk, t: int = threads) -> float | None:
+            x, y = by.get((c, t, a), {}).get(key_a), by.get((c, t, b), {}).get(key_b or key_a)
+            return round(x / y, 3) if x and y else None
+
+        out.append({
+            "chunk": chunk, "threads": threads,
+            "remote_vs_disk_store": ratio("remote", "disk", "store_gbps"),
+            "remote_vs_disk_load": ratio("remote", "disk", "load_gbps"),
+            "remote_vs_disk_cold_load": ratio("remote", "disk", "load_gbps", "load_cold_gbps"),
+            "hiredis_vs_python_load": ratio("remote", "remote_python", "load_gbps"),
+            "hiredis_vs_python_store": ratio("remote", "remote_python", "store_gbps"),
+            "py_packer_vs_hiredis_store": ratio("remote_mixed", "remote", "store_gbps"),
+            "mixed_vs_hiredis_load": ratio("remote_mixed", "remote", "load_gbps"),
+            "ours_vs_raw_store": ratio("remote", "raw", "store_gbps"),
+            "ours_vs_raw_load": ratio("remote", "raw", "load_gbps"),
+        })
+    return out
+
+
+# -- lookup -----------------------------------------------------------------------------------
+
+
+def bench_lookup(args: argparse.Namespace, url: str, clients: dict[str, Any]) -> list[dict]:
+    parsers = {"hiredis": clients["remote"], "python": clients["remote_python"]}
+    tiers = {name: RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1,
+                              payload_bytes=4096, timeout_s=args.timeout_s,
+                              connect=lambda _t, _s, c=client: c)
+             for name, client in parsers.items()}
+    largest = max(args.lookup_sizes)
+    present = chunk_keys("lookup-present", largest)
+    absent = chunk_keys("lookup-absent", largest)
+    payload = memoryview(bytes(4096))
+    if not all(tiers["hiredis"].write(k, 0, payload) for k in present):
+        raise RuntimeError("lookup: could not write the present keys")
+    cases = [(n, hit, name) for n in args.lookup_sizes for hit in (True, False) for name in tiers]
+    samples: dict[tuple, list[float]] = {case: [] for case in cases}
+    for case in cases:  # untimed warm-up of each case
+        n, hit, name = case
+        tiers[name].lookup((present if hit else absent)[:n])
+    rng = random.Random(0)
+    for _ in range(args.lookup_calls):  # every case once per round, in a new order each time
+        order = cases[:]
+        rng.shuffle(order)
+        for case in order:
+            n, hit, name = case
+            keys = (present if hit else absent)[:n]
+            start = time.perf_counter()
+            found = tiers[name].lookup(keys)
+            samples[case].append(time.perf_counter() - start)
+            if found != (n if hit else 0):
+                raise RuntimeError(f"lookup of {n} keys found {found}, expected "
+                                   f"{n if hit else 0}")
+    clients["remote"].flushall()
+    rows = []
+    for (n, hit, name), times in samples.items():
+        us = sorted(t * 1e6 for t in times)
+        p99 = us[min(len(us) - 1, round(0.99 * (len(us) - 1)))]
+        rows.append({"keys": n, "present": hit, "parser": name, "calls": len(us),
+                     "median_us": round(statistics.median(us), 1), "p99_us": round(p99, 1),
+                     "median_us_per_key": round(statistics.median(us) / n, 2)})
+    return rows
+
+
+# -- TTFT ------------------------------------------------------------------------------------
+
+
+def ttft_prompt(length: int, rnd: int) -> str:
+    from kv_offload.testing.tiny_model import make_prompt
+
+    seed = 30_000 + length * 10 + rnd  # distinct per (length, round): no shared prefixes
+    return make_prompt(length, seed=seed) + make_prompt(SUFFIX_TOKENS, seed=700_000 + seed)
+
+
+def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
+    from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
+    from kv_offload.testing.workload import run_in_subprocess
+
+    model_kwargs = {} if args.quick else dict(TTFT_MODEL)
+    model = make_tiny_model(**model_kwargs)
+    max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
+    engine = engine_kwargs(in_process=args.in_process, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_model_len)
+    env = benchmark_env(in_process=args.in_process, vllm_default_binding=False)
+    offload = {"cpu_size": "1GiB", "remote_url": url, "remote_timeout_s": args.timeout_s}
+    phases: list[dict] = [{"name": "warm-up", "prompts": [make_prompt(64, seed=7)],
+                           "max_tokens": 1}]
+    for rnd in range(args.rounds):
+        prompts = [ttft_prompt(n, rnd) for n in args.lengths]
+        common = {"prompts": prompts, "max_tokens": 1, "one_by_one": True}
+        phases.append({"name": f"cold-{rnd}", **common})
+        # The stores of a request are reported to the scheduler at a later engine step;
+        # until then their CPU-tier entries stay pinned and reset_connector keeps them
+        # (the remote pass would then hit the CPU tier). One short request that stores
+        # nothing steps the engine.
+        phases.append({"name": f"flush-{rnd}", "prompts": [make_prompt(32, seed=8 + rnd)],
+                       "max_tokens": 1})
+        phases.append({"name": f"remote-{rnd}", **common, "reset_prefix_cache": True,
+                       "reset_connector": True})
+    spec = {"model": str(model), "offload": offload, "engine": engine, "phases": phases}
+    started = time.perf_counter()
+    out = run_in_subprocess(spec, base / "engine", env=env, timeout_s=1800)
+    by_name = {p["name"]: p for p in out["phases"]}
+    samples: dict[str, dict[int, list[float]]] = {"cold": {}, "remote": {}}
+    mismatches = []
+    for rnd in range(args.rounds):
+        cold, remote = by_name[f"cold-{rnd}"], by_name[f"remote-{rnd}"]
+        if cold["tokens"] != remote["tokens"]:
+            mismatches.append(rnd)
+        for i, n in enumerate(args.lengths):
+            samples["cold"].setdefault(n, []).append(cold["latency_s"][i])
+            samples["remote"].setdefault(n, []).append(remote["latency_s"][i])
+    remote_hits = sum(by_name[f"remote-{r}"]["metrics"]["hits_external_unspecified"]
+                      for r in range(args.rounds))
+    expected_hits = args.rounds * sum(args.lengths)
+    result: dict[str, Any] = {
+        "model": {"name": "test default" if args.quick else "tiny", **model_kwargs},
+        "engine": engine, "env": env, "offload": {k: v for k, v in offload.items()
+                                                  if k != "remote_url"},
+        "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "rounds": args.rounds,
+        "startup_s": round(out["startup_s"], 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "modes": {mode: {str(n): {"median_s": statistics.median(v), "samples_s": v}
+                         for n, v in per.items()} for mode, per in samples.items()},
+        "remote_hit_tokens": remote_hits, "expected_hit_tokens": expected_hits,
+        "remote_pass_host_hit_tokens": sum(by_name[f"remote-{r}"]["metrics"]["hits_host"]
+                                           for r in range(args.rounds)),
+        "cold_external_hit_tokens": sum(by_name[f"cold-{r}"]["metrics"]["external_hits"]
+                                        for r in range(args.rounds)),
+        "tokens_equal": not mismatches,
+    }
+    result["ratios"] = {
+        str(n): round(result["modes"]["remote"][str(n)]["median_s"]
+                      / result["modes"]["cold"][str(n)]["median_s"], 4)
+        for n in args.lengths}
+    if mismatches:
+        result["error"] = f"tokens differ between the cold and remote passes in rounds {mismatches}"
+    return result
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def print_tables(result: dict) -> None:
+    load = result["machine"]["loadavg_start"][0], result["machine"]["loadavg_end"][0]
+    print(f"\nRemote tier vs disk tier ({result['io_total_mib']} MiB per chunk size and contender,"
+          f" fastest of {result['repeat']}; GB/s; load average {load[0]:.1f} -> {load[1]:.1f})")
+    print(f"{'chunk':>8} {'thr':>3} {'contender':<35} {'store':>7} {'load':>7} {'ld cold':>8}")
+    for r in result["io"]:
+        cold = r.get("load_cold_gbps")
+        cold_text = "-" if cold is None else f"{cold:.2f}"
+        print(f"{r['chunk'] // KiB:>4} KiB {r['threads']:>3} {r['contender']:<35} "
+              f"{r['store_gbps']:>7.2f} {r['load_gbps']:>7.2f} {cold_text:>8}")
+    print("\nRatios (GB/s over GB/s; remote = RemoteTier on hiredis; hi/py: hiredis over no "
+          "hiredis; pypack/hi: hiredis parser + Python packer over hiredis)")
+    cols = [("remote_vs_disk_store", "rem/disk st"), ("remote_vs_disk_load", "rem/disk ld"),
+            ("remote_vs_disk_cold_load", "rem/disk cold"), ("hiredis_vs_python_load", "hi/py ld"),
+            ("hiredis_vs_python_store", "hi/py st"),
+            ("py_packer_vs_hiredis_store", "pypack/hi st"), ("ours_vs_raw_store", "ours/raw st"),
+            ("ours_vs_raw_load", "ours/raw ld")]
+    print(f"{'chunk':>8} {'thr':>3}" + "".join(f"{name:>14}" for _, name in cols))
+    for r in result["io_ratios"]:
+        print(f"{r['chunk'] // KiB:>4} KiB {r['threads']:>3}" + "".join(
+            f"{'-' if r.get(k) is None else format(r[k], '.2f'):>14}" for k, _ in cols))
+    print(f"\nRemoteTier.lookup, one pipelined EXISTS per call (us per request; clients "
+          f"{result['parsers']})")
+    print(f"{'keys':>5} {'present':>8} {'parser':>8} {'median':>9} {'p99':>9} {'us/key':>8}")
+    for r in result["lookup"]:
+        print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} {r['parser']:>8} "
+              f"{r['median_us']:>9.1f} {r['p99_us']:>9.1f} {r['median_us_per_key']:>8.2f}")
+    ttft = result.get("ttft")
+    if ttft and "modes" in ttft:
+        print(f"\nTTFT, median ms (prefix L + {ttft['suffix_tokens']} tokens, {ttft['rounds']} "
+              f"rounds; model {ttft['model']['name']}; remote hits {ttft['remote_hit_tokens']:.0f}"
+              f" of {ttft['expected_hit_tokens']} tokens; tokens equal: {ttft['tokens_equal']})")
+        print(f"{'mode':<8}" + "".join(f"{'L=' + str(n):>10}" for n in ttft["lengths"]))
+        for mode in ("cold", "remote"):
+            print(f"{mode:<8}" + "".join(
+                f"{ttft['modes'][mode][str(n)]['median_s'] * 1e3:>10.1f}" for n in ttft["lengths"]))
+        print(f"{'ratio':<8}" + "".join(f"{ttft['ratios'][str(n)]:>10.3f}" for n in ttft["lengths"]))
+    elif ttft:
+        print(f"\nTTFT: {ttft.get('error', 'skipped')}")
+
+
+def warn_hits(ttft: dict) -> None:
+    """Say so when the remote pass did not load (all of) its prefixes from Redis."""
+    if "remote_hit_tokens" not in ttft:
+        return
+    if ttft["remote_hit_tokens"] == 0:
+        print("WARNING: vLLM counted no tokens loaded from the remote tier "
+              "(hits_external_unspecified is 0): the remote TTFT is not a remote hit",
+              file=sys.stderr, flush=True)
+    elif ttft["remote_hit_tokens"] < ttft["expected_hit_tokens"]:
+        print(f"WARNING: the remote pass loaded {ttft['remote_hit_tokens']:.0f} of "
+              f"{ttft['expected_hit_tokens']} prefix tokens from the remote tier "
+              f"({ttft['remote_pass_host_hit_tokens']:.0f} from the CPU tier)",
+              file=sys.stderr, flush=True)
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for dist in ("redis", "hiredis"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if server_binary() is None:
+        sys.exit("bench_remote: redis-server not found (apt-get install redis-server)")
+    base = Path(tempfile.mkdtemp(prefix="kv-offload-remote-", dir=args.dir))
+    started = time.perf_counter()
+    server = RedisServer(base / "redis", maxmemory=args.maxmemory)
+    clients: dict[str, Any] = {}
+    result: dict[str, Any] = {
+        "bench": "remote", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "quick": args.quick,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "loadavg_start": os.getloadavg()},
+        "io_total_mib": args.total_mib, "repeat": args.repeat, "timeout_s": args.timeout_s,
+        "header_bytes": HEADER_BYTES, "versions": versions(),
+    }
+    failed = False
+    try:
+        server.start()
+        target = RemoteTarget(server.url)
+        clients = {"remote": connect_redis(target, args.timeout_s),
+                   "remote_python": connect_variant(target, args.timeout_s, python_parser=True,
+                                                    python_packer=True),
+                   "remote_mixed": connect_variant(target, args.timeout_s, python_parser=False,
+                                                   python_packer=True)}
+        info = clients["remote"].info("server")
+        result["server"] = {"version": info.get("redis_version"), "maxmemory": args.maxmemory,
+                            "binary": server_binary()}
+        result["clients"] = {kind: client_name(client) for kind, client in clients.items()}
+        result["parsers"] = {"hiredis": result["clients"]["remote"],
+                             "python": result["clients"]["remote_python"]}
+        for client in clients.values():
+            warm_connections(client, max(args.thread_counts))
+        print(f"redis-server {result['server']['version']} at {server.url}; clients "
+              f"{result['clients']}", flush=True)
+        result["io"] = bench_io(args, server.url, clients, base)
+        result["io_ratios"] = io_ratios(result["io"])
+        result["lookup"] = bench_lookup(args, server.url, clients)
+        if args.no_engine:
+            result["ttft"] = {"error": "skipped (--no-engine)"}
+        else:
+            try:
+                result["ttft"] = bench_ttft(args, server.url, base)
+            except Exception as exc:  # keep the I/O figures; fail at the end
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                result["ttft"] = {"error": f"{type(exc).__name__}: {first}"}
+                print(str(exc)[-4000:], file=sys.stderr)
+                args.keep = True
+            failed = "error" in result["ttft"] and not args.no_engine
+            warn_hits(result["ttft"])
+    finally:
+        for client in clients.values():
+            client.close()
+        server.stop()
+        if args.keep:
+            print(f"kept {base}", file=sys.stderr)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print_tables(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+    if failed:
+        raise SystemExit(f"bench_remote: TTFT part failed: {result['ttft']['error']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
