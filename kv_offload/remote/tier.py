@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kv_offload.remote.health import RemoteHealth
+from kv_offload.remote.resp import Joined, RespPacker, pipeline_on_connection
 from kv_offload.remote.values import (
     HEADER_BYTES,
     ValueCheck,
@@ -87,11 +88,17 @@ class RemoteTier:
         """
         if not chunk_keys or not self.health.should_try():
             return 0
+        groups = [[self.name(key, r) for r in range(self.num_ranks)] for key in chunk_keys]
         try:
-            pipe = self._get_client().pipeline(transaction=False)
-            for key in chunk_keys:
-                pipe.exists(*(self.name(key, r) for r in range(self.num_ranks)))
-            counts = pipe.execute()
+            client = self._get_client()
+            if self.target.is_cluster:  # redis-py routes each command to its node
+                pipe = client.pipeline(transaction=False)
+                for names in groups:
+                    pipe.exists(*names)
+                counts = pipe.execute()
+            else:
+                counts = pipeline_on_connection(client.connection_pool,
+                                                [("EXISTS", *names) for names in groups])
         except Exception as exc:  # redis errors, timeouts, refused connections
             self._failed(exc)
             return 0
@@ -144,9 +151,7 @@ class RemoteTier:
         if not self.health.should_try():
             return False
         name = self.name(chunk_key, rank)
-        value = bytearray(HEADER_BYTES + len(payload))
-        value[:HEADER_BYTES] = encode_header(name, payload)
-        value[HEADER_BYTES:] = payload
+        value = Joined(encode_header(name, payload), payload)  # sent as is: no copy
         try:
             self._get_client().set(name, value, ex=self.ttl_s)
         except Exception as exc:
@@ -211,19 +216,31 @@ def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
     from redis.retry import Retry
 
     common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-              "retry": Retry(NoBackoff(), 0)}
+              "retry": Retry(NoBackoff(), 0), "command_packer": RespPacker()}
     if not target.is_cluster:
         return redis.Redis.from_url(_redis_scheme(target.url or ""), **common)
     from redis.cluster import ClusterNode, RedisCluster
 
-    nodes, password, username = [], None, None
-    for seed in target.cluster_nodes:
-        parts = urlsplit(_redis_scheme(seed if "://" in seed else f"redis://{seed}"))
-        nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
-        password = password or parts.password
-        username = username or parts.username
-    return RedisCluster(startup_nodes=nodes, password=password, username=username,
-                        require_full_coverage=False, **common)
+    seeds = [_redis_scheme(n if "://" in n else f"redis://{n}") for n in target.cluster_nodes]
+    nodes = [ClusterNode(p.hostname or "127.0.0.1", p.port or 6379)
+             for p in map(urlsplit, seeds)]
+    # from_url: node connection pools get the URL's credentials and TLS and our
+    # connection class (RedisCluster drops a command_packer argument); the other seeds
+    # are tried when the first is down.
+    base = redis.SSLConnection if seeds[0].startswith("rediss://") else redis.Connection
+    common["connection_class"] = type("KVOffloadConnection", (base,),
+                                      {"__init__": _packer_init(base)})
+    del common["command_packer"]
+    return RedisCluster.from_url(seeds[0], startup_nodes=nodes, require_full_coverage=False,
+                                 **common)
+
+
+def _packer_init(base: type) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", RespPacker())
+        base.__init__(self, *args, **kwargs)
+
+    return __init__
 
 
 def _redis_scheme(url: str) -> str:
