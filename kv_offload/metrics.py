@@ -45,7 +45,8 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
                           "Disk chunk reads that failed verification", {}),
     "disk_write_errors": ("kv_offload_disk_write_errors_total", "Failed slab writes", {}),
     "remote_lookups": ("kv_offload_remote_lookups_total",
-                       "Existence checks sent to the remote tier (one per request)", {}),
+                       "Remote existence checks, one per request the local tiers could not "
+                       "serve (a miss without a call while the server backs off)", {}),
     "remote_lookup_errors": ("kv_offload_remote_lookup_errors_total",
                              "Remote existence checks that failed or ran past the budget", {}),
     "seconds_remote_lookup": ("kv_offload_remote_lookup_seconds_total",
