@@ -71,16 +71,37 @@ class RespPacker:
         return pack_command(*args)
 
 
+def pack_commands(commands: Sequence[Sequence[Any]]) -> list[Any]:
+    """Several commands as buffers to send in order: small pieces joined, large values
+    referenced (one ``sendall`` per large value, one for everything between)."""
+    out: list[Any] = []
+    small: list[bytes] = []
+    for command in commands:
+        for piece in pack_command(*command):
+            if isinstance(piece, bytes):
+                small.append(piece)
+                continue
+            if small:
+                out.append(b"".join(small))
+                small = []
+            out.append(piece)
+    if small:
+        out.append(b"".join(small))
+    return out
+
+
 def pipeline_on_connection(pool: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
-    """Send ``commands`` in one write on one pooled connection and read every reply.
+    """Send ``commands`` on one pooled connection of a standalone server and read every
+    reply, packed by ``pack_command`` whatever packer the client was built with.
 
     A failed or timed-out connection is closed before it returns to the pool, so the
-    next caller reconnects instead of reading stale replies. Raises what redis-py raises.
+    next caller reconnects instead of reading stale replies. Raises what redis-py raises
+    (an error reply included).
     """
-    packed = b"".join(b"".join(bytes(p) for p in pack_command(*c)) for c in commands)
+    pieces = pack_commands(commands)
     conn = pool.get_connection()
     try:
-        conn.send_packed_command([packed])
+        conn.send_packed_command(pieces)
         return [conn.read_response() for _ in commands]
     except BaseException:
         conn.disconnect()

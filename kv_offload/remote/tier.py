@@ -152,8 +152,13 @@ class RemoteTier:
             return False
         name = self.name(chunk_key, rank)
         value = Joined(encode_header(name, payload), payload)  # sent as is: no copy
+        command = ("SET", name, value) + (("EX", self.ttl_s) if self.ttl_s else ())
         try:
-            self._get_client().set(name, value, ex=self.ttl_s)
+            client = self._get_client()
+            if self.target.is_cluster:  # its node connections pack with RespPacker
+                client.execute_command(*command)
+            else:
+                pipeline_on_connection(client.connection_pool, [command])
         except Exception as exc:
             self._failed(exc)
             return False

@@ -145,3 +145,19 @@ def test_valkey_scheme_and_plain_urls_connect(redis_server, url):
 def test_describe_hides_passwords():
     assert "secret" not in RemoteTarget("redis://:secret@h:1/0").describe()
     assert "secret" not in RemoteTarget(cluster_nodes=("redis://u:secret@h:7000",)).describe()
+
+
+def test_ttl_and_a_client_built_elsewhere(redis_server):
+    """Values expire with remote_ttl_s; writes do not depend on the client's packer."""
+
+    def plain_client(target, timeout_s):
+        return redis.Redis.from_url(target.url, socket_timeout=timeout_s)
+
+    tier = RemoteTier(RemoteTarget(redis_server.url), namespace=NS, num_ranks=1,
+                      payload_bytes=SLOT, timeout_s=1.0, key_prefix="kvo-test", ttl_s=60,
+                      connect=plain_client)
+    assert tier.write(key(700), 0, memoryview(payload(700)))
+    assert 0 < redis.Redis.from_url(redis_server.url).ttl(tier.name(key(700), 0)) <= 60
+    out = bytearray(SLOT)
+    assert tier.read_into(key(700), 0, memoryview(out)) is ValueCheck.OK
+    assert bytes(out) == payload(700)
