@@ -1,7 +1,8 @@
 """kv-offload in a real vLLM engine (CPU backend): every load path against recompute.
 
-Each engine runs in a fresh process (``kv_offload.testing.workload``); module-scoped
-fixtures share them between tests. Greedy tokens of the tiny model depend on every
+Each engine runs in a fresh process (``kv_offload.testing.workload``), with vLLM's
+engine core and worker inside it (``in_process``: starts in seconds; the multi-process
+layout is covered by test_serve_and_tp.py); module-scoped fixtures share them. Greedy tokens of the tiny model depend on every
 prompt token, so KV loaded for the wrong prompt, layer or model changes the output.
 """
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kv_offload.disk.index import list_namespaces
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 from kv_offload.testing.workload import run_in_subprocess
 
@@ -34,7 +36,8 @@ def offload(store: Path, **extra) -> dict:
 
 
 def spec(model: Path, offload_cfg: dict | None, phases: list[dict], **engine) -> dict:
-    return {"model": str(model), "offload": offload_cfg, "engine": engine, "phases": phases}
+    return {"model": str(model), "offload": offload_cfg, "engine": engine, "phases": phases,
+            "in_process": True}
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +98,14 @@ def test_restarted_engine_hits_disk_tier(restarted_engine, reference):
 
 
 def test_other_model_never_hits(other_model, store, restarted_engine, tmp_path_factory):
+    """Another model on the same store: nothing is loaded (so its tokens are recomputed
+    by construction), and it keeps its own namespace."""
     phases = [{"name": "other", "prompts": prompts()}]
     out = run_in_subprocess(spec(other_model, offload(store), phases),
                             tmp_path_factory.mktemp("other"))
-    ref = run_in_subprocess(spec(other_model, None, phases), tmp_path_factory.mktemp("other-ref"))
     assert out["phases"][0]["metrics"]["external_hits"] == 0
-    assert out["phases"][0]["tokens"] == ref["phases"][0]["tokens"]
+    assert out["phases"][0]["metrics"]["external_queries"] > 0, "it did look"
+    assert len(list_namespaces(store)) == 2
 
 
 def test_corrupted_slab_is_recomputed(model, store, reference, restarted_engine,
