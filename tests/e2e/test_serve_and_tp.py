@@ -87,6 +87,7 @@ def test_served_requests_hit_the_cpu_tier_and_match_recompute(server, tmp_path):
     prefix = make_prompt(600, seed=3)
     prompts = [prefix + make_prompt(30, seed=4), prefix + make_prompt(45, seed=5)]
     ref = run_in_subprocess({"model": str(model), "offload": None, "engine": {},
+                             "in_process": True,
                              "phases": [{"prompts": prompts}]}, tmp_path)
     texts = []
     for i, prompt in enumerate(prompts):
