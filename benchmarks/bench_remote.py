@@ -4,25 +4,38 @@ A throwaway ``redis-server`` is started on loopback (stopped again whatever happ
 every contender moves the same bytes:
 
 1. I/O: store and load N chunks of 256 KiB, 2 MiB and 8 MiB with 1 and 4 threads (a
-   ThreadPoolExecutor, like the worker's I/O pool):
-   - remote (hiredis): ``RemoteTier.write`` / ``read_into`` with checksum verification,
-     on the connector's own client (``connect_redis``): redis-py with hiredis installed
-     parses replies and packs commands with hiredis;
-   - remote (no hiredis): the same with redis-py's pure-Python reply parser and command
-     packer, i.e. what a machine without hiredis gets (loads differ only in the parser,
-     stores only in the packer);
-   - remote (hiredis parser, py packer): hiredis for replies, redis-py's Python packer
-     for commands (it sends large values without copying them);
-   - raw redis-py: plain ``SET`` / ``GET`` of the payload (copied into the slot) with
-     no header and no checksum, on the same hiredis client: the cost of our format;
+   ThreadPoolExecutor, like the worker's I/O pool). Every remote contender runs
+   ``RemoteTier.write`` / ``read_into`` (40-byte header, checksum verified on load); they
+   differ in the redis-py client under it:
+   - ours: the connector's own client (``connect_redis``): hiredis parses replies,
+     kv-offload's ``RespPacker`` packs commands and sends the header and the payload of a
+     value as their own buffers (no copy);
+   - ours, Python parser: the same packer with redis-py's pure-Python reply parser, i.e.
+     what ``connect_redis`` gives on a machine without hiredis (loads differ from ours
+     only in the parser);
+   - redis-py default (hiredis): ``redis.Redis.from_url`` with hiredis installed (hiredis
+     parser and hiredis packer), what the connector used before it had its own packer;
+   - redis-py pure Python: redis-py's Python parser and Python packer (no hiredis at all).
+     redis-py's packers cannot send ``RemoteTier``'s two-part value, so on both redis-py
+     clients each value is first joined into one bytearray (header + payload: the copy
+     that ``RemoteTier.write`` made before, see ``FlatValues``);
+   - raw SET/GET: plain ``SET`` / ``GET`` of the payload (copied into the slot) with no
+     header and no checksum, on ours' client: the cost of our value format;
    - disk slab: the disk tier's ``SlabFile.write`` / ``read`` with verification, in a
      temp dir on this machine; loads warm (page cache) and cold (evicted with
      POSIX_FADV_DONTNEED after fsync).
-   Ratios: remote / disk, hiredis / no hiredis, Python packer / hiredis packer, ours /
-   raw redis-py.
-2. Lookup: ``RemoteTier.lookup`` of 16, 64 and 256 keys (one pipelined EXISTS each),
-   every key present or none; median and p99 per request in microseconds, with and
-   without hiredis.
+   Per contender: GB/s, and the client's CPU seconds (this process, all threads, user +
+   system; the server is not counted) and minor page faults per GB / MB moved, each the
+   lowest of the runs. With a core to spare, the single-threaded server, not the client,
+   can set the GB/s; the CPU figure is what a store or load costs the worker process.
+   Ratios: ours / redis-py default, ours / pure Python, hiredis / Python parser (ours vs
+   ours with the Python parser), ours / raw SET/GET, remote (ours) / disk; GB/s and CPU.
+2. Lookup of 16, 64 and 256 keys (one EXISTS each), every key present or none:
+   ``RemoteTier.lookup`` (one write of every command on one pooled connection, raw reads)
+   on ours and on ours with the Python parser, next to a redis-py pipeline
+   (``pipeline(transaction=False)``) of the same EXISTS commands on the redis-py default
+   client with hiredis, which is how ``lookup`` worked before. Median and p99 per request
+   and median microseconds per key.
 3. TTFT: one vLLM engine (CPU backend, tiny random-weight model) with ``remote_url`` set
    and no disk tier; per round, a cold pass over prompts of L + 16 tokens (one request
    at a time, max_tokens=1), one short request that lets the engine collect the store
@@ -33,7 +46,7 @@ every contender moves the same bytes:
    topology: its remote TTFT means nothing, see docs/benchmarks.md).
 
     python benchmarks/bench_remote.py --quick --json /tmp/remote.json   # ~30 s
-    python benchmarks/bench_remote.py --json remote.json                # ~4 min, 2 cores
+    python benchmarks/bench_remote.py --json remote.json                # ~5 min, 2 cores
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ import mmap
 import os
 import platform
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -62,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _engine import benchmark_env, engine_kwargs  # noqa: E402
 
 from kv_offload.disk import SlabFile  # noqa: E402
+from kv_offload.remote.resp import Joined, RespPacker  # noqa: E402
 from kv_offload.remote.tier import RemoteTarget, RemoteTier, connect_redis  # noqa: E402
 from kv_offload.remote.values import HEADER_BYTES, ValueCheck  # noqa: E402
 from kv_offload.testing.redis_server import RedisServer, server_binary  # noqa: E402
@@ -72,12 +87,19 @@ SUFFIX_TOKENS = 16
 # Same geometry as bench_ttft's default model (its cached files are reused).
 TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                   max_position=16384)
-KINDS = {  # kind -> label
-    "remote": "remote (hiredis)",
-    "remote_python": "remote (no hiredis)",
-    "remote_mixed": "remote (hiredis parser, py packer)",
-    "raw": "raw redis-py set/get",
+KINDS = {  # I/O contender -> label; every one but raw and disk runs RemoteTier
+    "remote": "ours (hiredis parser + zero-copy packer)",
+    "remote_pyparser": "ours, Python parser (no hiredis)",
+    "redispy_hiredis": "redis-py default (hiredis)",
+    "redispy_python": "redis-py pure Python (no hiredis)",
+    "raw": "raw SET/GET (ours' client)",
     "disk": "disk slab",
+}
+REDISPY = ("redispy_hiredis", "redispy_python")  # redis-py's own packers: FlatValues
+LOOKUPS = {  # lookup method -> label
+    "ours": "RemoteTier.lookup (ours)",
+    "ours_python": "RemoteTier.lookup, Python parser",
+    "redispy_pipeline": "redis-py pipeline (default, hiredis)",
 }
 
 
@@ -135,10 +157,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def timed(fn: Callable[[], object]) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, minor page faults) of ``fn()``; CPU and faults of this
+    process, all threads. The server is another process: they are the client's cost."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
 def prefaulted(nbytes: int) -> np.ndarray:
@@ -156,11 +182,16 @@ def chunk_keys(tag: str, count: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(count)]
 
 
-def connect_variant(target: RemoteTarget, timeout_s: float, *, python_parser: bool,
-                    python_packer: bool) -> Any:
-    """A client configured like ``connect_redis``, with redis-py's pure-Python reply parser
-    and/or command packer instead of hiredis's. With hiredis installed redis-py uses both
-    of hiredis's; both Python ones are what a machine without hiredis gets."""
+def connect_client(target: RemoteTarget, timeout_s: float, *, python_parser: bool = False,
+                   packer: str = "default") -> Any:
+    """A standalone redis-py client with ``connect_redis``'s timeouts and no retries.
+
+    ``python_parser``: redis-py's pure-Python reply parser instead of hiredis's.
+    ``packer``: "ours" (kv-offload's ``RespPacker``, as ``connect_redis``), "python"
+    (redis-py's pure-Python packer) or "default" (what redis-py picks: hiredis's when
+    hiredis is installed). The default parser and packer with hiredis installed are
+    redis-py's default client; both Python ones are what a machine without hiredis gets.
+    """
     import redis
     from redis._parsers.encoders import Encoder
     from redis.backoff import NoBackoff
@@ -172,12 +203,39 @@ def connect_variant(target: RemoteTarget, timeout_s: float, *, python_parser: bo
         # redis-py swaps _RESP2Parser for its RESP3 twin when the protocol is 3 (its
         # default): either way pure Python, on the same protocol as the hiredis client.
         extra["parser_class"] = _RESP2Parser
-    if python_packer:  # what redis-py packs commands with when hiredis is missing
+    if packer == "ours":
+        extra["command_packer"] = RespPacker()
+    elif packer == "python":  # what redis-py packs commands with when hiredis is missing
         extra["command_packer"] = PythonRespSerializer(6000, Encoder("utf-8", "strict",
                                                                      False).encode)
+    elif packer != "default":
+        raise ValueError(f"packer: {packer!r}")
     return redis.Redis.from_url(target.url, socket_timeout=timeout_s,
                                 socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
                                 **extra)
+
+
+class FlatValues:
+    """A redis-py client whose ``set`` joins ``RemoteTier``'s two-part value (a ``Joined``:
+    header, payload) into one bytearray first, as ``RemoteTier.write`` did before it sent
+    the parts as they are: redis-py's own packers take no ``Joined``. Everything else
+    goes to the client unchanged."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def set(self, name: Any, value: Any, **kwargs: Any) -> Any:
+        if isinstance(value, Joined):
+            flat = bytearray(value.nbytes)
+            pos = 0
+            for part in value.parts:
+                flat[pos : pos + len(part)] = part
+                pos += len(part)
+            value = flat
+        return self._client.set(name, value, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def client_name(client: Any) -> str:
@@ -196,7 +254,8 @@ def warm_connections(client: Any, threads: int) -> None:
         list(pool.map(lambda _: client.ping(), range(threads * 4)))
 
 
-# -- I/O contenders: each returns {"store": s, "load": s} (disk adds "load_cold") -----------
+# -- I/O contenders: each returns {"store": timed(...), "load": ...} (disk adds
+# "load_cold") ---------------------------------------------------------------------------------
 
 
 def run_remote(client: Any, url: str, timeout_s: float, srcs: list[memoryview],
@@ -293,7 +352,10 @@ def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: 
                             elif kind == "raw":
                                 times = run_raw(clients["remote"], srcs, dsts, tag, pool)
                             else:
-                                times = run_remote(clients[kind], url, args.timeout_s, srcs,
+                                client = clients[kind]
+                                if kind in REDISPY:
+                                    client = FlatValues(client)
+                                times = run_remote(client, url, args.timeout_s, srcs,
                                                    dsts, chunk, tag, pool)
                         finally:
                             shutil.rmtree(work, ignore_errors=True)
@@ -301,21 +363,26 @@ def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: 
                                 flush()
                         if not np.array_equal(dst[:nbytes], src[:nbytes]):
                             raise RuntimeError(f"{tag}: loaded bytes differ from stored bytes")
-                        old = best.get((kind, threads), times)
-                        best[(kind, threads)] = {k: min(v, old[k]) for k, v in times.items()}
+                        old = best.get((kind, threads), times)  # lowest of each figure
+                        best[(kind, threads)] = {k: tuple(map(min, v, old[k]))
+                                                 for k, v in times.items()}
         for threads in args.thread_counts:
             for kind, label in KINDS.items():
                 times = best[(kind, threads)]
                 row = {"chunk": chunk, "threads": threads, "kind": kind, "contender": label,
                        "chunks": count, "bytes": nbytes}
-                row.update({f"{k}_gbps": round(nbytes / v / 1e9, 3) for k, v in times.items()})
+                for k, (wall, cpu, faults) in times.items():
+                    row[f"{k}_gbps"] = round(nbytes / wall / 1e9, 3)
+                    row[f"{k}_cpu_s_per_gb"] = round(cpu / (nbytes / 1e9), 4)
+                    row[f"{k}_page_faults_per_mb"] = round(faults / (nbytes / MiB), 2)
                 rows.append(row)
         print(f"  I/O with {chunk // KiB} KiB chunks done", flush=True)
     return rows
 
 
 def io_ratios(rows: list[dict]) -> list[dict]:
-    """Per chunk size and thread count: remote / disk, hiredis / python, ours / raw."""
+    """Per chunk size and thread count: GB/s over GB/s (> 1: the first is faster) and, in
+    the ``*_cpu`` keys, client CPU per GB over client CPU per GB (< 1: the first costs less)."""
     by = {(r["chunk"], r["threads"], r["kind"]): r for r in rows}
     out = []
     for chunk, threads in sorted({(r["chunk"], r["threads"]) for r in rows}):
@@ -324,63 +391,107 @@ def io_ratios(rows: list[dict]) -> list[dict]:
             x, y = by.get((c, t, a), {}).get(key_a), by.get((c, t, b), {}).get(key_b or key_a)
             return round(x / y, 3) if x and y else None
 
-        out.append({
-            "chunk": chunk, "threads": threads,
-            "remote_vs_disk_store": ratio("remote", "disk", "store_gbps"),
-            "remote_vs_disk_load": ratio("remote", "disk", "load_gbps"),
-            "remote_vs_disk_cold_load": ratio("remote", "disk", "load_gbps", "load_cold_gbps"),
-            "hiredis_vs_python_load": ratio("remote", "remote_python", "load_gbps"),
-            "hiredis_vs_python_store": ratio("remote", "remote_python", "store_gbps"),
-            "py_packer_vs_hiredis_store": ratio("remote_mixed", "remote", "store_gbps"),
-            "mixed_vs_hiredis_load": ratio("remote_mixed", "remote", "load_gbps"),
-            "ours_vs_raw_store": ratio("remote", "raw", "store_gbps"),
-            "ours_vs_raw_load": ratio("remote", "raw", "load_gbps"),
-        })
+        row: dict[str, Any] = {"chunk": chunk, "threads": threads}
+        for op in ("store", "load"):
+            row[f"ours_vs_redispy_hiredis_{op}"] = ratio("remote", "redispy_hiredis",
+                                                         f"{op}_gbps")
+            row[f"ours_vs_redispy_python_{op}"] = ratio("remote", "redispy_python", f"{op}_gbps")
+            # ours with hiredis's parser over ours with redis-py's Python parser
+            row[f"hiredis_vs_python_parser_{op}"] = ratio("remote", "remote_pyparser",
+                                                          f"{op}_gbps")
+            # redis-py's default client: all hiredis over all Python
+            row[f"redispy_hiredis_vs_python_{op}"] = ratio("redispy_hiredis", "redispy_python",
+                                                           f"{op}_gbps")
+            # client CPU seconds per GB, ours over theirs (< 1: ours costs the client less)
+            row[f"ours_vs_redispy_hiredis_{op}_cpu"] = ratio("remote", "redispy_hiredis",
+                                                             f"{op}_cpu_s_per_gb")
+            row[f"ours_vs_redispy_python_{op}_cpu"] = ratio("remote", "redispy_python",
+                                                            f"{op}_cpu_s_per_gb")
+            row[f"hiredis_vs_python_parser_{op}_cpu"] = ratio("remote", "remote_pyparser",
+                                                              f"{op}_cpu_s_per_gb")
+            row[f"ours_vs_raw_{op}"] = ratio("remote", "raw", f"{op}_gbps")
+            row[f"remote_vs_disk_{op}"] = ratio("remote", "disk", f"{op}_gbps")
+        row["remote_vs_disk_cold_load"] = ratio("remote", "disk", "load_gbps", "load_cold_gbps")
+        out.append(row)
     return out
 
 
 # -- lookup -----------------------------------------------------------------------------------
 
 
-def bench_lookup(args: argparse.Namespace, url: str, clients: dict[str, Any]) -> list[dict]:
-    parsers = {"hiredis": clients["remote"], "python": clients["remote_python"]}
-    tiers = {name: RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1,
-                              payload_bytes=4096, timeout_s=args.timeout_s,
-                              connect=lambda _t, _s, c=client: c)
-             for name, client in parsers.items()}
+def pipeline_lookup(client: Any, tier: RemoteTier, chunk_keys: list[bytes]) -> int:
+    """What ``RemoteTier.lookup`` did before it had its own pipeline: a redis-py pipeline
+    (no transaction) of one EXISTS per chunk key on ``client``."""
+    pipe = client.pipeline(transaction=False)
+    for key in chunk_keys:
+        pipe.exists(*(tier.name(key, r) for r in range(tier.num_ranks)))
+    hits = 0
+    for count in pipe.execute():
+        if count != tier.num_ranks:
+            break
+        hits += 1
+    return hits
+
+
+def bench_lookup(args: argparse.Namespace, url: str, clients: dict[str, Any]) -> dict:
+    """Per (keys, all present or none, method): latency of one lookup; see LOOKUPS."""
+    def tier(client: Any) -> RemoteTier:
+        return RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1,
+                          payload_bytes=4096, timeout_s=args.timeout_s,
+                          connect=lambda _t, _s: client)
+
+    ours, ours_python = tier(clients["remote"]), tier(clients["remote_pyparser"])
+    default = clients["redispy_hiredis"]
+    methods: dict[str, Callable[[list[bytes]], int]] = {
+        "ours": ours.lookup,
+        "ours_python": ours_python.lookup,
+        "redispy_pipeline": lambda keys: pipeline_lookup(default, ours, keys),
+    }
     largest = max(args.lookup_sizes)
     present = chunk_keys("lookup-present", largest)
     absent = chunk_keys("lookup-absent", largest)
     payload = memoryview(bytes(4096))
-    if not all(tiers["hiredis"].write(k, 0, payload) for k in present):
+    if not all(ours.write(k, 0, payload) for k in present):
         raise RuntimeError("lookup: could not write the present keys")
-    cases = [(n, hit, name) for n in args.lookup_sizes for hit in (True, False) for name in tiers]
+    cases = [(n, hit, m) for n in args.lookup_sizes for hit in (True, False) for m in methods]
     samples: dict[tuple, list[float]] = {case: [] for case in cases}
-    for case in cases:  # untimed warm-up of each case
-        n, hit, name = case
-        tiers[name].lookup((present if hit else absent)[:n])
+    for n, hit, m in cases:  # untimed warm-up of each case
+        methods[m]((present if hit else absent)[:n])
     rng = random.Random(0)
     for _ in range(args.lookup_calls):  # every case once per round, in a new order each time
         order = cases[:]
         rng.shuffle(order)
         for case in order:
-            n, hit, name = case
+            n, hit, m = case
             keys = (present if hit else absent)[:n]
             start = time.perf_counter()
-            found = tiers[name].lookup(keys)
+            found = methods[m](keys)
             samples[case].append(time.perf_counter() - start)
             if found != (n if hit else 0):
-                raise RuntimeError(f"lookup of {n} keys found {found}, expected "
+                raise RuntimeError(f"lookup ({m}) of {n} keys found {found}, expected "
                                    f"{n if hit else 0}")
+    if ours.health.num_failures or ours_python.health.num_failures:  # errors answer 0
+        raise RuntimeError("lookup: RemoteTier recorded failures")
     clients["remote"].flushall()
     rows = []
-    for (n, hit, name), times in samples.items():
+    medians = {}
+    for (n, hit, m), times in samples.items():
         us = sorted(t * 1e6 for t in times)
         p99 = us[min(len(us) - 1, round(0.99 * (len(us) - 1)))]
-        rows.append({"keys": n, "present": hit, "parser": name, "calls": len(us),
-                     "median_us": round(statistics.median(us), 1), "p99_us": round(p99, 1),
-                     "median_us_per_key": round(statistics.median(us) / n, 2)})
-    return rows
+        med = statistics.median(us)
+        medians[(n, hit, m)] = med
+        rows.append({"keys": n, "present": hit, "method": m, "label": LOOKUPS[m],
+                     "calls": len(us), "median_us": round(med, 1), "p99_us": round(p99, 1),
+                     "median_us_per_key": round(med / n, 2), "p99_us_per_key": round(p99 / n, 2)})
+    ratios = [{"keys": n, "present": hit,
+               # > 1: the redis-py pipeline (before) takes longer than ours (now)
+               "pipeline_vs_ours": round(medians[(n, hit, "redispy_pipeline")]
+                                         / medians[(n, hit, "ours")], 3),
+               # > 1: the Python parser takes longer than hiredis's
+               "python_vs_hiredis_parser": round(medians[(n, hit, "ours_python")]
+                                                 / medians[(n, hit, "ours")], 3)}
+              for n in args.lookup_sizes for hit in (True, False)]
+    return {"rows": rows, "ratios": ratios}
 
 
 # -- TTFT ------------------------------------------------------------------------------------
@@ -462,33 +573,46 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
 # -- main -------------------------------------------------------------------------------------
 
 
+RATIO_COLUMNS = (  # io_ratios key -> short header
+    ("ours_vs_redispy_hiredis_store", "ours/rp-hi st"), ("ours_vs_redispy_hiredis_load", "ld"),
+    ("ours_vs_redispy_python_store", "ours/rp-py st"), ("ours_vs_redispy_python_load", "ld"),
+    ("hiredis_vs_python_parser_load", "hi/py-parse ld"), ("ours_vs_raw_store", "ours/raw st"),
+    ("ours_vs_raw_load", "ld"), ("remote_vs_disk_store", "ours/disk st"),
+    ("remote_vs_disk_load", "ld"), ("remote_vs_disk_cold_load", "ld cold"),
+    ("ours_vs_redispy_hiredis_store_cpu", "cpu ours/rp-hi st"),
+    ("ours_vs_redispy_python_store_cpu", "cpu ours/rp-py st"),
+    ("hiredis_vs_python_parser_load_cpu", "cpu hi/py-parse ld"),
+)
+
+
 def print_tables(result: dict) -> None:
     load = result["machine"]["loadavg_start"][0], result["machine"]["loadavg_end"][0]
     print(f"\nRemote tier vs disk tier ({result['io_total_mib']} MiB per chunk size and contender,"
           f" fastest of {result['repeat']}; GB/s; load average {load[0]:.1f} -> {load[1]:.1f})")
-    print(f"{'chunk':>8} {'thr':>3} {'contender':<35} {'store':>7} {'load':>7} {'ld cold':>8}")
+    print(f"{'chunk':>8} {'thr':>3} {'contender':<42} {'store':>7} {'load':>7} {'ld cold':>8}"
+          f" {'cpu st':>7} {'cpu ld':>7}   (cpu: client CPU s per GB)")
     for r in result["io"]:
         cold = r.get("load_cold_gbps")
         cold_text = "-" if cold is None else f"{cold:.2f}"
-        print(f"{r['chunk'] // KiB:>4} KiB {r['threads']:>3} {r['contender']:<35} "
-              f"{r['store_gbps']:>7.2f} {r['load_gbps']:>7.2f} {cold_text:>8}")
-    print("\nRatios (GB/s over GB/s; remote = RemoteTier on hiredis; hi/py: hiredis over no "
-          "hiredis; pypack/hi: hiredis parser + Python packer over hiredis)")
-    cols = [("remote_vs_disk_store", "rem/disk st"), ("remote_vs_disk_load", "rem/disk ld"),
-            ("remote_vs_disk_cold_load", "rem/disk cold"), ("hiredis_vs_python_load", "hi/py ld"),
-            ("hiredis_vs_python_store", "hi/py st"),
-            ("py_packer_vs_hiredis_store", "pypack/hi st"), ("ours_vs_raw_store", "ours/raw st"),
-            ("ours_vs_raw_load", "ours/raw ld")]
-    print(f"{'chunk':>8} {'thr':>3}" + "".join(f"{name:>14}" for _, name in cols))
+        print(f"{r['chunk'] // KiB:>4} KiB {r['threads']:>3} {r['contender']:<42} "
+              f"{r['store_gbps']:>7.2f} {r['load_gbps']:>7.2f} {cold_text:>8} "
+              f"{r['store_cpu_s_per_gb']:>7.3f} {r['load_cpu_s_per_gb']:>7.3f}")
+    print("\nRatios (GB/s over GB/s; cpu: client CPU per GB over client CPU per GB; ours = "
+          "RemoteTier on connect_redis; rp-hi / rp-py: RemoteTier on redis-py's default client "
+          "with / without hiredis; hi/py-parse: ours over ours with the Python parser)")
+    print(f"{'chunk':>8} {'thr':>3}" + "".join(f"{name:>19}" for _, name in RATIO_COLUMNS))
     for r in result["io_ratios"]:
         print(f"{r['chunk'] // KiB:>4} KiB {r['threads']:>3}" + "".join(
-            f"{'-' if r.get(k) is None else format(r[k], '.2f'):>14}" for k, _ in cols))
-    print(f"\nRemoteTier.lookup, one pipelined EXISTS per call (us per request; clients "
-          f"{result['parsers']})")
-    print(f"{'keys':>5} {'present':>8} {'parser':>8} {'median':>9} {'p99':>9} {'us/key':>8}")
+            f"{'-' if r.get(k) is None else format(r[k], '.2f'):>19}" for k, _ in RATIO_COLUMNS))
+    print(f"\nLookup, one EXISTS per key (us per request; clients {result['lookup_clients']})")
+    print(f"{'keys':>5} {'present':>8} {'method':<38} {'median':>9} {'p99':>9} {'us/key':>8}")
     for r in result["lookup"]:
-        print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} {r['parser']:>8} "
+        print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} {r['label']:<38} "
               f"{r['median_us']:>9.1f} {r['p99_us']:>9.1f} {r['median_us_per_key']:>8.2f}")
+    print(f"{'keys':>5} {'present':>8} {'pipeline / ours':>18} {'Python / hiredis parser':>25}")
+    for r in result["lookup_ratios"]:
+        print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} "
+              f"{r['pipeline_vs_ours']:>18.2f} {r['python_vs_hiredis_parser']:>25.2f}")
     ttft = result.get("ttft")
     if ttft and "modes" in ttft:
         print(f"\nTTFT, median ms (prefix L + {ttft['suffix_tokens']} tokens, {ttft['rounds']} "
@@ -549,23 +673,29 @@ def main(argv: list[str] | None = None) -> dict:
         server.start()
         target = RemoteTarget(server.url)
         clients = {"remote": connect_redis(target, args.timeout_s),
-                   "remote_python": connect_variant(target, args.timeout_s, python_parser=True,
-                                                    python_packer=True),
-                   "remote_mixed": connect_variant(target, args.timeout_s, python_parser=False,
-                                                   python_packer=True)}
+                   "remote_pyparser": connect_client(target, args.timeout_s, python_parser=True,
+                                                     packer="ours"),
+                   "redispy_hiredis": connect_client(target, args.timeout_s),
+                   "redispy_python": connect_client(target, args.timeout_s, python_parser=True,
+                                                    packer="python")}
         info = clients["remote"].info("server")
         result["server"] = {"version": info.get("redis_version"), "maxmemory": args.maxmemory,
                             "binary": server_binary()}
         result["clients"] = {kind: client_name(client) for kind, client in clients.items()}
-        result["parsers"] = {"hiredis": result["clients"]["remote"],
-                             "python": result["clients"]["remote_python"]}
+        result["lookup_clients"] = {"ours": result["clients"]["remote"],
+                                    "ours_python": result["clients"]["remote_pyparser"],
+                                    "redispy_pipeline": result["clients"]["redispy_hiredis"]}
+        if result["versions"]["hiredis"] == "not installed":
+            print("WARNING: hiredis is not installed: every client parses with redis-py's "
+                  "Python parser", file=sys.stderr, flush=True)
         for client in clients.values():
             warm_connections(client, max(args.thread_counts))
         print(f"redis-server {result['server']['version']} at {server.url}; clients "
               f"{result['clients']}", flush=True)
         result["io"] = bench_io(args, server.url, clients, base)
         result["io_ratios"] = io_ratios(result["io"])
-        result["lookup"] = bench_lookup(args, server.url, clients)
+        lookup = bench_lookup(args, server.url, clients)
+        result["lookup"], result["lookup_ratios"] = lookup["rows"], lookup["ratios"]
         if args.no_engine:
             result["ttft"] = {"error": "skipped (--no-engine)"}
         else:

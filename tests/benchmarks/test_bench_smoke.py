@@ -113,24 +113,44 @@ def test_remote_quick(tmp_path):
     need_redis_server()
     data = run_json("bench_remote.py", tmp_path, "--chunk-kib", "256,2048", "--total-mib", "8",
                     "--lookup-keys", "16,64", "--lookup-calls", "20", "--lengths", "256")
-    kinds = {"remote", "remote_python", "remote_mixed", "raw", "disk"}
+    kinds = {"remote", "remote_pyparser", "redispy_hiredis", "redispy_python", "raw", "disk"}
     cases = {(r["chunk"], r["threads"], r["kind"]) for r in data["io"]}
     assert cases == {(c, t, k) for c in (256 << 10, 2 << 20) for t in (1, 4) for k in kinds}
     for row in data["io"]:
         assert row["store_gbps"] > 0 and row["load_gbps"] > 0, row
+        assert row["store_cpu_s_per_gb"] >= 0 and row["load_cpu_s_per_gb"] >= 0, row
+        assert row["store_page_faults_per_mb"] >= 0 and row["load_page_faults_per_mb"] >= 0
     assert all(r["load_cold_gbps"] > 0 for r in data["io"] if r["kind"] == "disk")
     assert len(data["io_ratios"]) == 4
     for row in data["io_ratios"]:
         for key in ("remote_vs_disk_store", "remote_vs_disk_load", "remote_vs_disk_cold_load",
-                    "hiredis_vs_python_load", "hiredis_vs_python_store",
-                    "py_packer_vs_hiredis_store", "mixed_vs_hiredis_load", "ours_vs_raw_store",
-                    "ours_vs_raw_load"):
+                    "ours_vs_redispy_hiredis_store", "ours_vs_redispy_hiredis_load",
+                    "ours_vs_redispy_python_store", "ours_vs_redispy_python_load",
+                    "hiredis_vs_python_parser_load", "hiredis_vs_python_parser_store",
+                    "redispy_hiredis_vs_python_store", "ours_vs_raw_store", "ours_vs_raw_load"):
             assert row[key] > 0, key
-    assert set(data["parsers"]) == {"hiredis", "python"}
-    assert set(data["clients"]) == {"remote", "remote_python", "remote_mixed"}
-    assert {(r["keys"], r["present"], r["parser"]) for r in data["lookup"]} == {
-        (n, p, parser) for n in (16, 64) for p in (True, False) for parser in ("hiredis", "python")}
-    assert all(r["median_us"] > 0 and r["p99_us"] >= r["median_us"] for r in data["lookup"])
+        for key in ("ours_vs_redispy_hiredis_store_cpu", "ours_vs_redispy_python_store_cpu",
+                    "hiredis_vs_python_parser_load_cpu"):
+            assert key in row, key  # None when a CPU time rounds to 0
+    # the contenders are the clients they claim to be
+    clients = data["clients"]
+    assert set(clients) == {"remote", "remote_pyparser", "redispy_hiredis", "redispy_python"}
+    assert clients["remote"].endswith("+ RespPacker") and "Hiredis" in clients["remote"]
+    assert clients["remote_pyparser"].endswith("+ RespPacker")
+    assert "Hiredis" not in clients["remote_pyparser"]
+    assert "RespPacker" not in clients["redispy_hiredis"]
+    assert "Hiredis" not in clients["redispy_python"]
+    methods = ("ours", "ours_python", "redispy_pipeline")
+    assert {(r["keys"], r["present"], r["method"]) for r in data["lookup"]} == {
+        (n, p, m) for n in (16, 64) for p in (True, False) for m in methods}
+    for row in data["lookup"]:
+        assert row["median_us"] > 0 and row["p99_us"] >= row["median_us"], row
+        assert row["median_us_per_key"] == pytest.approx(row["median_us"] / row["keys"],
+                                                         abs=0.02)
+    assert {(r["keys"], r["present"]) for r in data["lookup_ratios"]} == {
+        (n, p) for n in (16, 64) for p in (True, False)}
+    assert all(r["pipeline_vs_ours"] > 0 and r["python_vs_hiredis_parser"] > 0
+               for r in data["lookup_ratios"])
     ttft = data["ttft"]
     assert ttft["tokens_equal"] is True
     assert ttft["remote_hit_tokens"] > 0  # vLLM counted tokens loaded from Redis
@@ -144,4 +164,6 @@ def test_remote_quick(tmp_path):
     run_script("run_all.py", "--report-only", "--out", str(out))
     report = (out / "benchmarks.md").read_text()
     assert "## Remote tier (`bench_remote.py`)" in report
-    assert "hiredis/no hiredis load" in report and "Could not render" not in report
+    assert "ours/redis-py hiredis store" in report and "Could not render" not in report
+    assert "redis-py pipeline / ours" in report and "Does hiredis help now?" in report
+    assert "store CPU s/GB" in report
