@@ -400,26 +400,6 @@ def _hiredis_verdict(parser_load: list[float], parser_store: list[float],
     return " ".join(parts)
 
 
-def _store_note(speed: list[float], cpu: list[float], ours_cpu: list[float]) -> str:
-    """A sentence on what the zero-copy packer does for stores, from ours / redis-py default
-    (hiredis) store speed and client-CPU ratios and ours' store CPU s/GB."""
-    med, med_cpu = _median(speed), _median(cpu)
-    if med is None or med_cpu is None:
-        return ""
-    if med >= 1.1:
-        return (f" The zero-copy packer stores {med:.2f}x as fast as hiredis's packer "
-                f"(median) at {med_cpu:.2f}x its client CPU per GB.")
-    return (f" The zero-copy packer shows no clear store gain in this run (median {med:.2f}x the "
-            f"speed, {med_cpu:.2f}x the client CPU per GB): with the server on loopback and a "
-            "core to spare, the single-threaded server and the kernel's socket work bound a "
-            "store, and the copies it avoids (three per value against that client: the join "
-            "into one buffer, then hiredis's two) are a small part of the client's "
-            f"{_span(ours_cpu)} CPU s per GB stored. Copies weigh more when client and server "
-            "compete for the cores: runs while other test suites loaded this machine measured "
-            "up to about 3x for the same comparison, so the gain depends on how busy the host "
-            "is.")
-
-
 def remote_section(data: dict, img: Path, targets: Targets) -> list[str]:
     server = data.get("server", {})
     versions = data.get("versions", {})
@@ -437,23 +417,26 @@ def remote_section(data: dict, img: Path, targets: Targets) -> list[str]:
         f"**Store and load.** Each contender stores, then loads, {data.get('io_total_mib', '?')} "
         "MiB per chunk size and thread count through a ThreadPoolExecutor (like the worker's "
         f"I/O pool); fastest of {data.get('repeat', '?')} runs in rotating order; every load is "
-        "compared with the stored bytes. The four remote contenders all run `RemoteTier.write` "
-        f"/ `read_into` (a {data.get('header_bytes', 40)}-byte header, xxh3 checksum verified "
-        "on load) and differ only in the redis-py client under it. "
-        "*ours (hiredis parser + zero-copy packer)*: the connector's own client "
-        f"(`connect_redis`: {clients.get('remote', '?')}): hiredis parses replies, kv-offload's "
-        "`RespPacker` packs commands and sends a value's header and payload as their own "
-        "buffers, without copying them. *ours, Python parser (no hiredis)*: the same packer "
-        f"with redis-py's pure-Python reply parser ({clients.get('remote_pyparser', '?')}), what "
-        "`connect_redis` gives where hiredis is not installed. *redis-py default (hiredis)*: "
+        "compared with the stored bytes. The four remote contenders store and load the "
+        f"connector's value format (a {data.get('header_bytes', 40)}-byte header + the payload, "
+        "xxh3 checksum verified on load by `RemoteTier.read_into`) and differ in the redis-py "
+        "client. *ours (hiredis parser + zero-copy packer)*: `RemoteTier.write` / `read_into` "
+        f"on the connector's own client (`connect_redis`: {clients.get('remote', '?')}): "
+        "hiredis parses replies, kv-offload packs the commands and sends a value's header and "
+        "payload as their own buffers, without copying them. *ours, Python parser (no "
+        "hiredis)*: the same with redis-py's pure-Python reply parser "
+        f"({clients.get('remote_pyparser', '?')}), what `connect_redis` gives where hiredis is "
+        "not installed. *redis-py default (hiredis)*: "
         "`redis.Redis.from_url` with hiredis installed "
         f"({clients.get('redispy_hiredis', '?')}), the connector's client before it had its "
         "own packer; hiredis's packer turns a bytearray or memoryview value into bytes, then "
         "packs the whole command into one new buffer (two copies of each value). *redis-py "
         f"pure Python (no hiredis)*: {clients.get('redispy_python', '?')}; its packer sends a "
-        "large value as it is. redis-py's packers take no two-part value, so on both redis-py "
-        "clients each value is first joined into one bytearray (header + payload), the copy "
-        "`RemoteTier.write` made before. *raw SET/GET*: plain `SET` / `GET` of the payload on "
+        "large value as it is. On both redis-py clients a store is `client.set` of the value "
+        "joined into one bytearray (header + payload), so that the client's own packer sends "
+        "it: what `RemoteTier.write` did before kv-offload packed values itself; a load is "
+        "`RemoteTier.read_into` (`client.get`). *raw SET/GET*: plain `SET` / `GET` of the "
+        "payload on "
         "ours' client, no header, no checksum (the loaded bytes copied into the slot, as "
         "`read_into` does). *disk slab*: the disk tier's `SlabFile.write` / `read` with "
         "checksum verification in a temp dir on the local disk; writes land in the page cache, "
@@ -478,8 +461,9 @@ def remote_section(data: dict, img: Path, targets: Targets) -> list[str]:
     lookup_ratios = [r for r in data.get("lookup_ratios", []) if isinstance(r, dict)]
     if ratios:
         lines += ["Ratios (GB/s over GB/s, same chunk size and thread count; ours = RemoteTier "
-                  "on `connect_redis`; redis-py hiredis / pure Python = RemoteTier on redis-py's "
-                  "default client with / without hiredis; hiredis/Python parser = ours over ours "
+                  "on `connect_redis`; redis-py hiredis / pure Python = redis-py's default client with "
+                  "/ without hiredis (stores through its own packer); hiredis/Python parser = ours "
+                  "over ours "
                   "with the Python parser; > 1: the first is faster):", ""]
         lines += _table(["chunk KiB", "threads", *[name for _, name in REMOTE_RATIOS]],
                         [[r.get("chunk", 0) // 1024, r.get("threads"),
@@ -519,10 +503,6 @@ def remote_section(data: dict, img: Path, targets: Targets) -> list[str]:
                                 if isinstance(r.get("python_vs_hiredis_parser"),
                                               (int, float))],
                                col("hiredis_vs_python_parser_load_cpu"))
-            + _store_note(col("ours_vs_redispy_hiredis_store"),
-                          col("ours_vs_redispy_hiredis_store_cpu"),
-                          [r["store_cpu_s_per_gb"] for r in io if r.get("kind") == "remote"
-                           and isinstance(r.get("store_cpu_s_per_gb"), (int, float))])
             + f" Our value format (header, checksum) runs stores at "
             f"{_span(col('ours_vs_raw_store'))}x and loads at {_span(col('ours_vs_raw_load'))}x "
             "the speed of raw SET/GET of the same bytes on the same client. Against the disk "

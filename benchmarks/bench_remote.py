@@ -4,21 +4,21 @@ A throwaway ``redis-server`` is started on loopback (stopped again whatever happ
 every contender moves the same bytes:
 
 1. I/O: store and load N chunks of 256 KiB, 2 MiB and 8 MiB with 1 and 4 threads (a
-   ThreadPoolExecutor, like the worker's I/O pool). Every remote contender runs
-   ``RemoteTier.write`` / ``read_into`` (40-byte header, checksum verified on load); they
-   differ in the redis-py client under it:
-   - ours: the connector's own client (``connect_redis``): hiredis parses replies,
-     kv-offload's ``RespPacker`` packs commands and sends the header and the payload of a
-     value as their own buffers (no copy);
-   - ours, Python parser: the same packer with redis-py's pure-Python reply parser, i.e.
-     what ``connect_redis`` gives on a machine without hiredis (loads differ from ours
-     only in the parser);
+   ThreadPoolExecutor, like the worker's I/O pool). Every remote contender stores and
+   loads the connector's value format (40-byte header + payload, checksum verified on
+   load by ``RemoteTier.read_into``); they differ in the redis-py client:
+   - ours: ``RemoteTier.write`` / ``read_into`` on the connector's own client
+     (``connect_redis``): hiredis parses replies; kv-offload packs the commands and sends
+     a value's header and payload as their own buffers (no copy);
+   - ours, Python parser: the same with redis-py's pure-Python reply parser, i.e. what
+     ``connect_redis`` gives on a machine without hiredis (only the parser differs);
    - redis-py default (hiredis): ``redis.Redis.from_url`` with hiredis installed (hiredis
      parser and hiredis packer), what the connector used before it had its own packer;
    - redis-py pure Python: redis-py's Python parser and Python packer (no hiredis at all).
-     redis-py's packers cannot send ``RemoteTier``'s two-part value, so on both redis-py
-     clients each value is first joined into one bytearray (header + payload: the copy
-     that ``RemoteTier.write`` made before, see ``FlatValues``);
+     On both redis-py clients a store is ``client.set`` of the value joined into one
+     bytearray, so the client's own packer sends it (``client_set_write``: what
+     ``RemoteTier.write`` did before kv-offload packed values itself); loads are
+     ``RemoteTier.read_into``;
    - raw SET/GET: plain ``SET`` / ``GET`` of the payload (copied into the slot) with no
      header and no checksum, on ours' client: the cost of our value format;
    - disk slab: the disk tier's ``SlabFile.write`` / ``read`` with verification, in a
@@ -26,8 +26,8 @@ every contender moves the same bytes:
      POSIX_FADV_DONTNEED after fsync).
    Per contender: GB/s, and the client's CPU seconds (this process, all threads, user +
    system; the server is not counted) and minor page faults per GB / MB moved, each the
-   lowest of the runs. With a core to spare, the single-threaded server, not the client,
-   can set the GB/s; the CPU figure is what a store or load costs the worker process.
+   lowest of the runs. The server (single-threaded, on the same cores) limits the GB/s
+   too; the CPU figure is what a store or load costs the worker process itself.
    Ratios: ours / redis-py default, ours / pure Python, hiredis / Python parser (ours vs
    ours with the Python parser), ours / raw SET/GET, remote (ours) / disk; GB/s and CPU.
 2. Lookup of 16, 64 and 256 keys (one EXISTS each), every key present or none:
@@ -76,9 +76,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _engine import benchmark_env, engine_kwargs  # noqa: E402
 
 from kv_offload.disk import SlabFile  # noqa: E402
-from kv_offload.remote.resp import Joined, RespPacker  # noqa: E402
+from kv_offload.remote.resp import RespPacker  # noqa: E402
 from kv_offload.remote.tier import RemoteTarget, RemoteTier, connect_redis  # noqa: E402
-from kv_offload.remote.values import HEADER_BYTES, ValueCheck  # noqa: E402
+from kv_offload.remote.values import HEADER_BYTES, ValueCheck, encode_header  # noqa: E402
 from kv_offload.testing.redis_server import RedisServer, server_binary  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -95,7 +95,7 @@ KINDS = {  # I/O contender -> label; every one but raw and disk runs RemoteTier
     "raw": "raw SET/GET (ours' client)",
     "disk": "disk slab",
 }
-REDISPY = ("redispy_hiredis", "redispy_python")  # redis-py's own packers: FlatValues
+REDISPY = ("redispy_hiredis", "redispy_python")  # stores: client_set_write
 LOOKUPS = {  # lookup method -> label
     "ours": "RemoteTier.lookup (ours)",
     "ours_python": "RemoteTier.lookup, Python parser",
@@ -215,27 +215,19 @@ def connect_client(target: RemoteTarget, timeout_s: float, *, python_parser: boo
                                 **extra)
 
 
-class FlatValues:
-    """A redis-py client whose ``set`` joins ``RemoteTier``'s two-part value (a ``Joined``:
-    header, payload) into one bytearray first, as ``RemoteTier.write`` did before it sent
-    the parts as they are: redis-py's own packers take no ``Joined``. Everything else
-    goes to the client unchanged."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-
-    def set(self, name: Any, value: Any, **kwargs: Any) -> Any:
-        if isinstance(value, Joined):
-            flat = bytearray(value.nbytes)
-            pos = 0
-            for part in value.parts:
-                flat[pos : pos + len(part)] = part
-                pos += len(part)
-            value = flat
-        return self._client.set(name, value, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
+def client_set_write(client: Any, tier: RemoteTier, chunk_key: bytes, rank: int,
+                     payload: memoryview) -> bool:
+    """A store through ``client.set``, hence through the client's own command packer: the
+    value (``RemoteTier``'s header + payload) joined into one bytearray first. This is what
+    ``RemoteTier.write`` did before kv-offload packed values itself (``RemoteTier.write``
+    now packs with ``kv_offload.remote.resp`` whatever the client, so calling it would not
+    measure the client's packer). Raises on failure."""
+    name = tier.name(chunk_key, rank)
+    value = bytearray(HEADER_BYTES + len(payload))
+    value[:HEADER_BYTES] = encode_header(name, payload)
+    value[HEADER_BYTES:] = payload
+    client.set(name, value, ex=tier.ttl_s)
+    return True
 
 
 def client_name(client: Any) -> str:
@@ -259,13 +251,22 @@ def warm_connections(client: Any, threads: int) -> None:
 
 
 def run_remote(client: Any, url: str, timeout_s: float, srcs: list[memoryview],
-               dsts: list[memoryview], chunk: int, tag: str, pool: ThreadPoolExecutor) -> dict:
+               dsts: list[memoryview], chunk: int, tag: str, pool: ThreadPoolExecutor,
+               *, client_set: bool = False) -> dict:
+    """RemoteTier.read_into loads; stores by RemoteTier.write, or by ``client_set_write``
+    (through the client's own packer) when ``client_set``."""
     tier = RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1, payload_bytes=chunk,
                       timeout_s=timeout_s, connect=lambda _target, _timeout: client)
     keys = chunk_keys(tag, len(srcs))
+    if client_set:
+        def write(i: int) -> bool:
+            return client_set_write(client, tier, keys[i], 0, srcs[i])
+    else:
+        def write(i: int) -> bool:
+            return tier.write(keys[i], 0, srcs[i])
 
     def store() -> None:
-        ok = list(pool.map(lambda i: tier.write(keys[i], 0, srcs[i]), range(len(keys))))
+        ok = list(pool.map(write, range(len(keys))))
         if not all(ok):
             raise RuntimeError(f"{tag}: {ok.count(False)} of {len(ok)} writes failed "
                                "(see the kv_offload.remote warnings above)")
@@ -352,11 +353,9 @@ def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: 
                             elif kind == "raw":
                                 times = run_raw(clients["remote"], srcs, dsts, tag, pool)
                             else:
-                                client = clients[kind]
-                                if kind in REDISPY:
-                                    client = FlatValues(client)
-                                times = run_remote(client, url, args.timeout_s, srcs,
-                                                   dsts, chunk, tag, pool)
+                                times = run_remote(clients[kind], url, args.timeout_s, srcs,
+                                                   dsts, chunk, tag, pool,
+                                                   client_set=kind in REDISPY)
                         finally:
                             shutil.rmtree(work, ignore_errors=True)
                             if kind != "disk":
@@ -598,8 +597,8 @@ def print_tables(result: dict) -> None:
               f"{r['store_gbps']:>7.2f} {r['load_gbps']:>7.2f} {cold_text:>8} "
               f"{r['store_cpu_s_per_gb']:>7.3f} {r['load_cpu_s_per_gb']:>7.3f}")
     print("\nRatios (GB/s over GB/s; cpu: client CPU per GB over client CPU per GB; ours = "
-          "RemoteTier on connect_redis; rp-hi / rp-py: RemoteTier on redis-py's default client "
-          "with / without hiredis; hi/py-parse: ours over ours with the Python parser)")
+          "RemoteTier on connect_redis; rp-hi / rp-py: redis-py's default client with / without "
+          "hiredis; hi/py-parse: ours over ours with the Python parser)")
     print(f"{'chunk':>8} {'thr':>3}" + "".join(f"{name:>19}" for _, name in RATIO_COLUMNS))
     for r in result["io_ratios"]:
         print(f"{r['chunk'] // KiB:>4} KiB {r['threads']:>3}" + "".join(

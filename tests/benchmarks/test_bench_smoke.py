@@ -167,3 +167,29 @@ def test_remote_quick(tmp_path):
     assert "ours/redis-py hiredis store" in report and "Could not render" not in report
     assert "redis-py pipeline / ours" in report and "Does hiredis help now?" in report
     assert "store CPU s/GB" in report
+
+
+def test_remote_client_set_write_goes_through_the_clients_set(monkeypatch):
+    """bench_remote's redis-py contenders store with the client's own set(), hence its own
+    command packer (RemoteTier.write packs values itself whatever the client), and the
+    value they store is the connector's (it verifies)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_remote
+
+    from kv_offload.remote.tier import RemoteTarget, RemoteTier
+    from kv_offload.remote.values import HEADER_BYTES, ValueCheck, check_value
+
+    calls = []
+
+    class Client:
+        def set(self, name, value, ex=None):
+            calls.append((name, bytes(value), ex))
+
+    tier = RemoteTier(RemoteTarget("redis://127.0.0.1:1"), namespace="n", num_ranks=1,
+                      payload_bytes=64, timeout_s=1.0, connect=lambda *_: Client())
+    payload = memoryview(bytes(range(64)))
+    assert bench_remote.client_set_write(Client(), tier, b"k" * 32, 0, payload) is True
+    [(name, value, ex)] = calls
+    assert name == tier.name(b"k" * 32, 0) and ex is None
+    assert len(value) == HEADER_BYTES + 64 and value[HEADER_BYTES:] == bytes(payload)
+    assert check_value(name, value, 64) is ValueCheck.OK
