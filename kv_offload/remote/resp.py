@@ -34,6 +34,9 @@ def pack_command(*args: Any) -> list[Any]:
     Large bytes-like arguments are referenced, not copied: keep them unchanged until
     the command was sent.
     """
+    if all(type(a) is bytes and len(a) <= _INLINE_MAX for a in args):  # lookups: fast path
+        return [b"*%d\r\n" % len(args)
+                + b"".join([b"$%d\r\n%b\r\n" % (len(a), a) for a in args])]
     out: list[Any] = []
     head = [b"*%d\r\n" % len(args)]
     for arg in args:

@@ -98,7 +98,7 @@ class RemoteTier:
                 counts = pipe.execute()
             else:
                 counts = pipeline_on_connection(client.connection_pool,
-                                                [("EXISTS", *names) for names in groups])
+                                                [(b"EXISTS", *names) for names in groups])
         except Exception as exc:  # redis errors, timeouts, refused connections
             self._failed(exc)
             return 0
