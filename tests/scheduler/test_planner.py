@@ -85,6 +85,19 @@ def test_load_pins_slots_until_done_and_skips_locally_computed_blocks():
     assert not sched.has_pending_work()
 
 
+def store_two_chunks_on_disk(disk_index):
+    """A 17-token request stored on both ranks of ``disk_index`` by another scheduler
+    (an earlier engine); returns the request."""
+    writer, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
+    req = make_request("a", list(range(17)))
+    writer.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(5))
+    (job,) = writer.plan_step([("a", 17)]).stores
+    writer.on_report(WorkerReport(host_stored={job.job_id: 2},
+                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    return req
+
+
 @pytest.fixture
 def disk_index(tmp_path):
     from kv_offload.disk import DiskIndex
@@ -115,13 +128,7 @@ def test_disk_commit_needs_every_rank_and_a_failed_rank_releases(disk_index):
 
 
 def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
-    writer, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
-    req = make_request("a", list(range(17)))
-    writer.num_matched_tokens(req, 0)
-    blocks["a"] = list(range(5))
-    (job,) = writer.plan_step([("a", 17)]).stores
-    writer.on_report(WorkerReport(host_stored={job.job_id: 2},
-                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    req = store_two_chunks_on_disk(disk_index)
     # A fresh scheduler (a restarted engine) has an empty CPU tier.
     sched, _ = make_scheduler(num_ranks=2, disk_index=disk_index)
     first, second = make_request("x", list(range(17))), make_request("y", list(range(17)))
@@ -150,13 +157,7 @@ def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
 def test_disk_hits_are_counted_once_per_scheduled_request(disk_index):
     """Regression: vLLM asks again while a request waits, and plan_load looks the chunks
     up again to pin them; the store's persistent hit counter used to count them twice."""
-    writer, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
-    req = make_request("a", list(range(17)))
-    writer.num_matched_tokens(req, 0)
-    blocks["a"] = list(range(5))
-    (job,) = writer.plan_step([("a", 17)]).stores
-    writer.on_report(WorkerReport(host_stored={job.job_id: 2},
-                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    store_two_chunks_on_disk(disk_index)
     sched, _ = make_scheduler(num_ranks=2, disk_index=disk_index)
     reader = make_request("x", list(range(17)))
     for _ in range(3):
@@ -169,13 +170,7 @@ def test_disk_hits_are_counted_once_per_scheduled_request(disk_index):
 def test_a_timed_out_disk_load_keeps_the_entries(disk_index):
     """Regression: a load that only timed out (slow disk) used to drop its good entries
     like a checksum failure; now only chunks a rank found damaged are dropped."""
-    writer, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
-    req = make_request("a", list(range(17)))
-    writer.num_matched_tokens(req, 0)
-    blocks["a"] = list(range(5))
-    (job,) = writer.plan_step([("a", 17)]).stores
-    writer.on_report(WorkerReport(host_stored={job.job_id: 2},
-                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    req = store_two_chunks_on_disk(disk_index)
     sched, _ = make_scheduler(num_ranks=2, disk_index=disk_index)
     reader = make_request("x", list(range(17)))
     sched.num_matched_tokens(reader, 0)
