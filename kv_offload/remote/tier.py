@@ -59,7 +59,7 @@ class RemoteTier:
 
     def __init__(self, target: RemoteTarget, *, namespace: str, num_ranks: int,
                  payload_bytes: int, timeout_s: float, key_prefix: str = "kv-offload",
-                 ttl_s: int | None = None, who: str = "",
+                 ttl_s: int | None = None, who: str = "", max_backoff_s: float = 30.0,
                  connect: Callable[[RemoteTarget, float], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
@@ -70,7 +70,7 @@ class RemoteTier:
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.health = RemoteHealth(f"{target.describe()}{' (' + who + ')' if who else ''}",
-                                   clock=clock)
+                                   max_backoff_s=max_backoff_s, clock=clock)
         self._connect = connect or connect_redis
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -206,11 +206,10 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: floa
             f"{format_size(config.remote_max_value_size)}; raise remote_max_value_size (the "
             f"server's proto-max-bulk-len must allow it) or lower chunk_tokens")
     target = RemoteTarget(config.remote_url, tuple(config.remote_cluster_nodes or ()))
-    tier = RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
+    return RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
                       payload_bytes=layout.slot_bytes, timeout_s=timeout_s,
-                      key_prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s, who=who)
-    tier.health.max_backoff_s = config.remote_max_backoff_s
-    return tier
+                      key_prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s, who=who,
+                      max_backoff_s=config.remote_max_backoff_s)
 
 
 def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
