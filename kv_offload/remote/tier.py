@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,9 +28,22 @@ from kv_offload.remote.values import (
     ValueCheck,
     check_value,
     encode_header,
-    key_name,
     meta_key,
 )
+
+logger = logging.getLogger(__name__)
+
+# KEYS: every rank's key of each chunk, chunk after chunk; ARGV[1]: ranks per chunk.
+# Returns how many chunks from the first have all their ranks' keys.
+_PREFIX_SCRIPT = b"""
+local per = tonumber(ARGV[1])
+local hits = 0
+for i = 1, #KEYS, per do
+  if redis.call('EXISTS', unpack(KEYS, i, i + per - 1)) ~= per then return hits end
+  hits = hits + 1
+end
+return hits
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,31 +88,36 @@ class RemoteTier:
         self._connect = connect or connect_redis
         self._client: Any = None
         self._client_lock = threading.Lock()
+        self._use_script = True
+        # key_name's parts, precomputed: lookups name every rank of every chunk.
+        self._name_head = f"{key_prefix}:{{{namespace}:".encode()
+        self._name_tails = [f"}}:r{r}of{num_ranks}".encode() for r in range(num_ranks)]
 
     def name(self, chunk_key: bytes, rank: int) -> bytes:
-        return key_name(self.key_prefix, self.namespace, chunk_key, rank, self.num_ranks)
+        """The key of this rank's part of ``chunk_key`` (``values.key_name``)."""
+        return self._name_head + chunk_key.hex().encode() + self._name_tails[rank]
 
     # -- scheduler side ---------------------------------------------------------------------
 
     def lookup(self, chunk_keys: Sequence[bytes]) -> int:
         """How many of ``chunk_keys``, from the first, are present for every rank.
 
-        One pipeline (one round trip per cluster node); 0 on any failure or while the
-        server is backing off. Has no side effects on the server.
+        One round trip (per cluster node); 0 on any failure or while the server is
+        backing off. Read-only on the server. A standalone server counts the prefix
+        itself (one script call, one integer back); where scripts are refused (ACLs,
+        managed services) and on a cluster, one ``EXISTS`` per chunk is pipelined.
         """
         if not chunk_keys or not self.health.should_try():
             return 0
-        groups = [[self.name(key, r) for r in range(self.num_ranks)] for key in chunk_keys]
+        names = [self.name(key, r) for key in chunk_keys for r in range(self.num_ranks)]
         try:
             client = self._get_client()
-            if self.target.is_cluster:  # redis-py routes each command to its node
-                pipe = client.pipeline(transaction=False)
-                for names in groups:
-                    pipe.exists(*names)
-                counts = pipe.execute()
-            else:
-                counts = pipeline_on_connection(client.connection_pool,
-                                                [(b"EXISTS", *names) for names in groups])
+            if not self.target.is_cluster and self._use_script:
+                hits = self._lookup_by_script(client, names)
+                if hits is not None:
+                    self.health.record_success()
+                    return hits
+            counts = self._exists_per_chunk(client, names)
         except Exception as exc:  # redis errors, timeouts, refused connections
             self._failed(exc)
             return 0
@@ -109,6 +128,32 @@ class RemoteTier:
                 break
             hits += 1
         return hits
+
+    def _lookup_by_script(self, client: Any, names: list[bytes]) -> int | None:
+        """The prefix length counted by the server; None (and never again) if the
+        server refuses scripts."""
+        from redis.exceptions import ResponseError
+
+        command = (b"EVAL", _PREFIX_SCRIPT, b"%d" % len(names), *names, b"%d" % self.num_ranks)
+        try:
+            (hits,) = pipeline_on_connection(client.connection_pool, [command])
+        except ResponseError as exc:
+            self._use_script = False
+            logger.info("kv-offload: the remote server refuses Lua scripts (%s); lookups "
+                        "use one EXISTS per chunk", exc)
+            return None
+        return int(hits)
+
+    def _exists_per_chunk(self, client: Any, names: list[bytes]) -> list[int]:
+        per = self.num_ranks
+        groups = [names[i:i + per] for i in range(0, len(names), per)]
+        if self.target.is_cluster:  # redis-py routes each command to its node
+            pipe = client.pipeline(transaction=False)
+            for group in groups:
+                pipe.exists(*group)
+            return pipe.execute()
+        return pipeline_on_connection(client.connection_pool,
+                                      [(b"EXISTS", *group) for group in groups])
 
     def publish_descriptor(self, descriptor: dict) -> bool:
         """Record what this namespace is (model, layout) for ``kv-offload inspect

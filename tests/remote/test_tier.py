@@ -161,3 +161,18 @@ def test_ttl_and_a_client_built_elsewhere(redis_server):
     out = bytearray(SLOT)
     assert tier.read_into(key(700), 0, memoryview(out)) is ValueCheck.OK
     assert bytes(out) == payload(700)
+
+
+def test_lookup_without_script_permission_falls_back_to_exists(redis_server, caplog):
+    """Servers whose ACLs (or managed service) refuse EVAL still answer lookups."""
+    redis_server.cli("ACL", "SETUSER", "noscript", "on", "nopass", "~*", "+@all", "-eval",
+                     "-evalsha")
+    url = f"redis://noscript:any@127.0.0.1:{redis_server.port}/0"
+    tier = tier_for(RemoteTarget(url))
+    for i in (800, 801):
+        assert tier.write(key(i), 0, memoryview(payload(i)))
+    with caplog.at_level("INFO", logger="kv_offload.remote.tier"):
+        assert tier.lookup([key(800), key(801), key(802)]) == 2
+        assert tier.lookup([key(800), key(802)]) == 1
+    assert tier.health.up and tier.health.num_failures == 0
+    assert sum("refuses Lua scripts" in r.getMessage() for r in caplog.records) == 1

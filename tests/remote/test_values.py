@@ -70,3 +70,17 @@ def test_namespace_pattern_matches_only_its_namespace():
     assert fnmatch.fnmatchcase(name, namespace_pattern("kvo", NS).decode())
     assert fnmatch.fnmatchcase(name, namespace_pattern("kvo").decode())
     assert not fnmatch.fnmatchcase(name, namespace_pattern("kvo", "cd" * 16).decode())
+
+
+def test_the_tier_names_keys_exactly_like_key_name():
+    import os
+
+    from kv_offload.remote import RemoteTarget, RemoteTier
+
+    for namespace in (NS, "00" * 16, "0a" * 16):
+        tier = RemoteTier(RemoteTarget("redis://127.0.0.1:1/0"), namespace=namespace,
+                          num_ranks=4, payload_bytes=1, timeout_s=1, key_prefix="kv-offload")
+        for _ in range(20):
+            chunk = os.urandom(32)
+            for rank in range(4):
+                assert tier.name(chunk, rank) == key_name("kv-offload", namespace, chunk, rank, 4)
