@@ -522,11 +522,13 @@ def _remote_lookup_lines(lookup: list[dict], ratios: list[dict], clients: dict) 
         return []
     calls = lookup[0].get("calls", "?")
     lines = [
-        "**Lookup.** N chunk keys, one `EXISTS` per key, all present or none; "
+        "**Lookup.** N chunk keys, all present or none; "
         f"{calls} calls per row, interleaved in random order; microseconds per request. "
         "*RemoteTier.lookup (ours)*: the connector's lookup on `connect_redis` "
-        f"({clients.get('ours', '?')}): every command packed by kv-offload, sent in one write "
-        "on one pooled connection, the replies read one by one. *RemoteTier.lookup, Python "
+        f"({clients.get('ours', '?')}): on a standalone server, one read-only Lua script "
+        "(`EVAL`) that counts the present prefix and returns one integer (where scripts are "
+        "refused, and on a cluster, one `EXISTS` per key pipelined in one write). "
+        "*RemoteTier.lookup, Python "
         f"parser*: the same on {clients.get('ours_python', '?')}. *redis-py pipeline (default, "
         "hiredis)*: `pipeline(transaction=False)` of the same `EXISTS` commands on redis-py's "
         f"default client ({clients.get('redispy_pipeline', '?')}), how the lookup worked "

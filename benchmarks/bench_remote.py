@@ -30,9 +30,9 @@ every contender moves the same bytes:
    too; the CPU figure is what a store or load costs the worker process itself.
    Ratios: ours / redis-py default, ours / pure Python, hiredis / Python parser (ours vs
    ours with the Python parser), ours / raw SET/GET, remote (ours) / disk; GB/s and CPU.
-2. Lookup of 16, 64 and 256 keys (one EXISTS each), every key present or none:
-   ``RemoteTier.lookup`` (one write of every command on one pooled connection, raw reads)
-   on ours and on ours with the Python parser, next to a redis-py pipeline
+2. Lookup of 16, 64 and 256 keys, every key present or none: ``RemoteTier.lookup`` (on
+   a standalone server one read-only Lua script that returns the present prefix's
+   length) on ours and on ours with the Python parser, next to a redis-py pipeline
    (``pipeline(transaction=False)``) of the same EXISTS commands on the redis-py default
    client with hiredis, which is how ``lookup`` worked before. Median and p99 per request
    and median microseconds per key.
@@ -603,7 +603,7 @@ def print_tables(result: dict) -> None:
     for r in result["io_ratios"]:
         print(f"{r['chunk'] // KiB:>4} KiB {r['threads']:>3}" + "".join(
             f"{'-' if r.get(k) is None else format(r[k], '.2f'):>19}" for k, _ in RATIO_COLUMNS))
-    print(f"\nLookup, one EXISTS per key (us per request; clients {result['lookup_clients']})")
+    print(f"\nLookup (us per request; clients {result['lookup_clients']})")
     print(f"{'keys':>5} {'present':>8} {'method':<38} {'median':>9} {'p99':>9} {'us/key':>8}")
     for r in result["lookup"]:
         print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} {r['label']:<38} "
