@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from pathlib import Path
 import pytest
 
 from kv_offload import OffloadConfig
+from kv_offload.testing.redis_server import free_port
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 from kv_offload.testing.workload import run_in_subprocess
 
 pytestmark = pytest.mark.engine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, payload: dict | None = None, timeout: float = 120) -> str:

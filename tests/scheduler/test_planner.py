@@ -4,7 +4,6 @@ Covers invariants 1 and 2 (visibility only after every rank finished; pins prote
 slots being read) and the plan shapes the workers rely on.
 """
 
-import pytest
 from planner_support import make_request, make_scheduler, store_request
 
 from kv_offload.jobs import SKIP_BLOCK, WorkerReport
@@ -96,17 +95,6 @@ def store_two_chunks_on_disk(disk_index):
     writer.on_report(WorkerReport(host_stored={job.job_id: 2},
                                   disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
     return req
-
-
-@pytest.fixture
-def disk_index(tmp_path):
-    from kv_offload.disk import DiskIndex
-
-    index = DiskIndex.open(tmp_path / "store", namespace_id="ab" * 16,
-                           descriptor={"test": True}, slot_bytes=64, num_ranks=2,
-                           capacity_bytes=64 * 2 * 8)
-    yield index
-    index.close()
 
 
 def test_disk_commit_needs_every_rank_and_a_failed_rank_releases(disk_index):

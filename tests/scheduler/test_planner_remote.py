@@ -8,7 +8,6 @@ remote write finished; a chunk gone between lookup and load is recomputed.
 
 from __future__ import annotations
 
-import pytest
 from planner_support import make_request, make_scheduler, store_request
 
 from kv_offload.jobs import WorkerReport
@@ -40,17 +39,6 @@ class FakeRemote:
 
     def close(self) -> None:
         self.closed = True
-
-
-@pytest.fixture
-def disk_index(tmp_path):
-    from kv_offload.disk import DiskIndex
-
-    index = DiskIndex.open(tmp_path / "store", namespace_id="ab" * 16,
-                           descriptor={"test": True}, slot_bytes=64, num_ranks=2,
-                           capacity_bytes=64 * 2 * 8)
-    yield index
-    index.close()
 
 
 def remote_scheduler(remote, **kwargs):
