@@ -111,3 +111,25 @@ def pipeline_on_connection(pool: Any, commands: Sequence[Sequence[Any]]) -> list
         raise
     finally:
         pool.release(conn)
+
+
+def pipelines_on_connections(batches: dict[Any, Sequence[Sequence[Any]]]
+                             ) -> dict[Any, list[Any]]:
+    """``pipeline_on_connection`` on several pools at once (the nodes of a cluster):
+    every pool's commands are sent before any reply is read, so the round trips overlap
+    (one round trip in all, not one per node). Replies per pool, in command order.
+    Raises what redis-py raises; every connection is released, failed ones closed."""
+    taken: list[tuple[Any, Any]] = []
+    try:
+        for pool, commands in batches.items():
+            conn = pool.get_connection()
+            taken.append((pool, conn))
+            conn.send_packed_command(pack_commands(commands))
+        return {pool: [conn.read_response() for _ in batches[pool]] for pool, conn in taken}
+    except BaseException:
+        for _, conn in taken:
+            conn.disconnect()
+        raise
+    finally:
+        for pool, conn in taken:
+            pool.release(conn)

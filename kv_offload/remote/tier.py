@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kv_offload.remote.bulk import RespErrorReply, read_value_into
 from kv_offload.remote.health import RemoteHealth
-from kv_offload.remote.resp import Joined, RespPacker, pipeline_on_connection
-from kv_offload.remote.values import (
-    HEADER_BYTES,
-    ValueCheck,
-    check_value,
-    encode_header,
-    meta_key,
+from kv_offload.remote.resp import (
+    Joined,
+    RespPacker,
+    pipeline_on_connection,
+    pipelines_on_connections,
 )
+from kv_offload.remote.values import HEADER_BYTES, ValueCheck, encode_header, meta_key
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +102,25 @@ class RemoteTier:
     def lookup(self, chunk_keys: Sequence[bytes]) -> int:
         """How many of ``chunk_keys``, from the first, are present for every rank.
 
-        One round trip (per cluster node); 0 on any failure or while the server is
-        backing off. Read-only on the server. A standalone server counts the prefix
-        itself (one script call, one integer back); where scripts are refused (ACLs,
-        managed services) and on a cluster, one ``EXISTS`` per chunk is pipelined.
+        One round trip; 0 on any failure or while the server is backing off.
+        ``lookup_many`` of one request."""
+        return self.lookup_many([chunk_keys])[0]
+
+    def lookup_many(self, requests: Sequence[Sequence[bytes]]) -> list[int]:
+        """``lookup`` of several requests in one round trip (per cluster node).
+
+        Blocks for the round trip: call it off the scheduler thread (``RemoteLookups``).
+        Read-only on the server; all zeros on any failure or while backing off. A
+        standalone server counts each request's prefix itself (one read-only Lua script
+        call per request, all pipelined); where scripts are refused (ACLs, managed
+        services) one ``EXISTS`` per chunk is pipelined instead. On a cluster, the
+        ``EXISTS`` of every chunk goes to the node that holds it: one pipeline per
+        node, sent to every node before any reply is read.
         """
-        if not chunk_keys or not self.health.should_try():
-            return 0
-        names = [self.name(key, r) for key in chunk_keys for r in range(self.num_ranks)]
+        if not any(requests) or not self.health.should_try():
+            return [0] * len(requests)
+        names = [[self.name(key, r) for key in keys for r in range(self.num_ranks)]
+                 for keys in requests]
         try:
             client = self._get_client()
             if not self.target.is_cluster and self._use_script:
@@ -117,43 +128,59 @@ class RemoteTier:
                 if hits is not None:
                     self.health.record_success()
                     return hits
-            counts = self._exists_per_chunk(client, names)
+            counts = self._exists_per_chunk(client, [n for group in names for n in group])
         except Exception as exc:  # redis errors, timeouts, refused connections
+            if _is_redirect(exc):  # resharded: refresh the topology, no backoff
+                self.close()
+                return [0] * len(requests)
             self._failed(exc)
-            return 0
+            return [0] * len(requests)
         self.health.record_success()
-        hits = 0
-        for count in counts:
-            if count != self.num_ranks:
-                break
-            hits += 1
-        return hits
+        out, at = [], 0
+        for keys in requests:
+            hits = 0
+            for count in counts[at:at + len(keys)]:
+                if count != self.num_ranks:
+                    break
+                hits += 1
+            out.append(hits)
+            at += len(keys)
+        return out
 
-    def _lookup_by_script(self, client: Any, names: list[bytes]) -> int | None:
-        """The prefix length counted by the server; None (and never again) if the
-        server refuses scripts."""
+    def _lookup_by_script(self, client: Any, names: list[list[bytes]]) -> list[int] | None:
+        """Each request's prefix length, counted by the server; None (and never again)
+        if the server refuses scripts."""
         from redis.exceptions import ResponseError
 
-        command = (b"EVAL", _PREFIX_SCRIPT, b"%d" % len(names), *names, b"%d" % self.num_ranks)
+        per = b"%d" % self.num_ranks
+        commands = [(b"EVAL", _PREFIX_SCRIPT, b"%d" % len(group), *group, per)
+                    for group in names if group]
         try:
-            (hits,) = pipeline_on_connection(client.connection_pool, [command])
+            replies = pipeline_on_connection(client.connection_pool, commands)
         except ResponseError as exc:
             self._use_script = False
             logger.info("kv-offload: the remote server refuses Lua scripts (%s); lookups "
                         "use one EXISTS per chunk", exc)
             return None
-        return int(hits)
+        it = iter(replies)
+        return [int(next(it)) if group else 0 for group in names]
 
     def _exists_per_chunk(self, client: Any, names: list[bytes]) -> list[int]:
+        """EXISTS over every rank's key of each chunk; one count per chunk."""
         per = self.num_ranks
-        groups = [names[i:i + per] for i in range(0, len(names), per)]
-        if self.target.is_cluster:  # redis-py routes each command to its node
-            pipe = client.pipeline(transaction=False)
-            for group in groups:
-                pipe.exists(*group)
-            return pipe.execute()
-        return pipeline_on_connection(client.connection_pool,
-                                      [(b"EXISTS", *group) for group in groups])
+        commands = [(b"EXISTS", *names[i:i + per]) for i in range(0, len(names), per)]
+        if not self.target.is_cluster:
+            return pipeline_on_connection(client.connection_pool, commands)
+        by_pool: dict[Any, list[int]] = {}
+        for i, command in enumerate(commands):
+            by_pool.setdefault(_node_pool(client, command[1]), []).append(i)
+        replies = pipelines_on_connections(
+            {pool: [commands[i] for i in idx] for pool, idx in by_pool.items()})
+        counts = [0] * len(commands)
+        for pool, idx in by_pool.items():
+            for i, count in zip(idx, replies[pool]):
+                counts[i] = int(count)
+        return counts
 
     def publish_descriptor(self, descriptor: dict) -> bool:
         """Record what this namespace is (model, layout) for ``kv-offload inspect
@@ -173,22 +200,33 @@ class RemoteTier:
 
     def read_into(self, chunk_key: bytes, rank: int, out: memoryview,
                   *, verify_checksum: bool = True) -> ValueCheck | Exception:
-        """Fetch this rank's part of ``chunk_key`` into ``out`` (a host slot).
+        """Fetch this rank's part of ``chunk_key`` straight into ``out`` (a host slot).
 
-        ``out`` is written only when the value verified (ValueCheck.OK). Returns the
-        error itself when the call failed (server down, timeout)."""
+        The value is received into ``out`` itself (no intermediate bytes object) and its
+        checksum verified there. ``out`` is untouched unless the value's length and
+        header verified; with BAD_CHECKSUM it holds damaged bytes that the caller must
+        not use (a failed load: the scheduler discards the slot). Returns the error
+        itself when the call failed (server down, timeout). Worker I/O threads.
+        """
         if not self.health.should_try():
             return ConnectionError("remote tier is backing off")
         name = self.name(chunk_key, rank)
         try:
-            value = self._get_client().get(name)
+            client = self._get_client()
+            pool = (_node_pool(client, name) if self.target.is_cluster
+                    else client.connection_pool)
+            conn = pool.get_connection()
+            try:
+                result = read_value_into(conn, name, out, verify_checksum=verify_checksum)
+            finally:
+                pool.release(conn)
         except Exception as exc:
-            self._failed(exc)
+            if _is_redirect(exc):
+                self.close()  # resharded: the next call learns the new topology
+            else:
+                self._failed(exc)
             return exc
         self.health.record_success()
-        result = check_value(name, value, self.payload_bytes, verify_checksum=verify_checksum)
-        if result:
-            out[:] = memoryview(value)[HEADER_BYTES:]
         return result
 
     def write(self, chunk_key: bytes, rank: int, payload: memoryview) -> bool:
@@ -229,6 +267,21 @@ class RemoteTier:
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+
+
+def _node_pool(client: Any, name: bytes) -> Any:
+    """The connection pool of the cluster node that holds key ``name``."""
+    from redis.crc import key_slot
+
+    node = client.nodes_manager.get_node_from_slot(key_slot(name))
+    return client.get_redis_connection(node).connection_pool
+
+
+def _is_redirect(exc: Exception) -> bool:
+    """A cluster's MOVED/ASK answer: our topology is stale, the server is fine."""
+    from redis.exceptions import AskError
+
+    return isinstance(exc, AskError) or (isinstance(exc, RespErrorReply) and exc.moved)
 
 
 def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: float,

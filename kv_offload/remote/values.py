@@ -72,18 +72,31 @@ def check_value(name: bytes, value: bytes | memoryview | None, payload_bytes: in
     if value is None:
         return ValueCheck.MISSING
     view = memoryview(value)
-    if len(view) < HEADER_BYTES:
-        return ValueCheck.BAD_FORMAT
-    magic, version, header_bytes, length, expected, digest = _HEADER.unpack_from(view)
-    if magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
-        return ValueCheck.BAD_FORMAT
-    if digest != _key_digest(name):
-        return ValueCheck.WRONG_KEY
-    if length != payload_bytes or len(view) != HEADER_BYTES + payload_bytes:
-        return ValueCheck.BAD_LENGTH
+    result, expected = check_header(name, view[:HEADER_BYTES], len(view), payload_bytes)
+    if result is not ValueCheck.OK:
+        return result
     if verify_checksum and checksum(view[HEADER_BYTES:]) != expected:
         return ValueCheck.BAD_CHECKSUM
     return ValueCheck.OK
+
+
+def check_header(name: bytes, head: bytes | memoryview, value_bytes: int,
+                 payload_bytes: int) -> tuple[ValueCheck, int]:
+    """Verify the header ``head`` of a value of ``value_bytes`` bytes stored under
+    ``name`` before its payload is read; (outcome, the payload's expected checksum).
+
+    Lets a reader reject a foreign, truncated or misplaced value before it writes a
+    single payload byte into a host slot."""
+    if len(head) < HEADER_BYTES or value_bytes < HEADER_BYTES:
+        return ValueCheck.BAD_FORMAT, 0
+    magic, version, header_bytes, length, expected, digest = _HEADER.unpack_from(head)
+    if magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
+        return ValueCheck.BAD_FORMAT, 0
+    if digest != _key_digest(name):
+        return ValueCheck.WRONG_KEY, 0
+    if length != payload_bytes or value_bytes != HEADER_BYTES + payload_bytes:
+        return ValueCheck.BAD_LENGTH, 0
+    return ValueCheck.OK, expected
 
 
 def _key_digest(name: bytes) -> bytes:
