@@ -33,15 +33,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _engine import (
+from _engine import Turns, benchmark_env
+
+from kv_offload.testing.engine import (
+    EngineError,
     EngineProcess,
-    Turns,
-    benchmark_env,
     engine_kwargs,
-    ours_transfer_config,
+    offload_transfer,
     start_engines,
 )
-
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
 SUFFIX_TOKENS = 16
@@ -90,7 +90,8 @@ def run_rounds(args: argparse.Namespace, plain: EngineProcess, ours: EngineProce
             if workload == "reuse_50":
                 for _, engine in order:
                     turns.take(engine)
-                    engine.reset_prefix_cache()
+                    if not engine.reset():
+                        raise EngineError("vLLM refused reset_prefix_cache: blocks in use")
             for name, engine in order:
                 turns.take(engine)
                 row.setdefault(workload, {})[name] = run_batch(
@@ -182,11 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
                         vllm_default_binding=args.vllm_default_binding)
     started = time.perf_counter()
     plain, ours = start_engines([
-        EngineProcess(model=model, engine=engine, transfer=None,
-                      log_path=base / "logs" / "plain.log", env=env),
-        EngineProcess(model=model, engine=engine, transfer=ours_transfer_config(**ours_cfg),
-                      log_path=base / "logs" / "ours.log", env=env),
-    ])
+        EngineProcess(model, log_path=base / "logs" / f"{name}.log", engine=engine,
+                      transfer=transfer, in_process=args.in_process, env=env)
+        for name, transfer in (("plain", None), ("ours", offload_transfer(ours_cfg)))])
     ok = False
     try:
         turns = Turns(0.0) if args.quick else Turns()  # --quick: no figures to protect

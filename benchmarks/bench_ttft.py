@@ -41,17 +41,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _engine import (
+from _engine import Turns, benchmark_env, example_transfer_config
+
+from kv_offload.testing.engine import (
     EngineError,
     EngineProcess,
-    Turns,
-    benchmark_env,
     engine_kwargs,
-    example_transfer_config,
-    ours_transfer_config,
+    offload_transfer,
     start_engines,
 )
-
 from kv_offload.testing.tiny_model import BENCH_MODEL_KWARGS, make_prompt, make_tiny_model
 
 # The bench model (BENCH_MODEL_KWARGS) needs minutes per 8k-token cold prefill on two
@@ -98,7 +96,7 @@ class Recorder:
         """One short request per engine: first-request costs stay out of the figures."""
         for i, engine in enumerate(engines):
             self.turns.take(engine)
-            engine.generate([make_prompt(64, seed=7 + i)])
+            engine.generate([make_prompt(64, seed=7 + i)], max_tokens=1)
 
     def block(self, engine: EngineProcess, mode: str, prompts: list[tuple[int, str]]) -> None:
         """Run (length, text) requests one by one on ``engine``, recorded as ``mode``."""
@@ -110,7 +108,7 @@ class Recorder:
             return
         self.turns.take(engine)
         try:
-            out = engine.generate([text], max_tokens=1)
+            out = engine.generate([text], max_tokens=1, one_by_one=True)
         except EngineError as exc:
             self._dead.add(id(engine))
             first = str(exc).splitlines()[0]
@@ -130,7 +128,8 @@ class Recorder:
             if id(engine) not in self._dead:
                 self.turns.take(engine)
                 try:
-                    engine.reset_prefix_cache()
+                    if not engine.reset():
+                        raise EngineError("vLLM refused reset_prefix_cache: blocks in use")
                 except EngineError as exc:
                     self._dead.add(id(engine))
                     self.errors[f"reset {engine.log_path.stem}"] = str(exc).splitlines()[0]
@@ -148,20 +147,22 @@ class Recorder:
         return out
 
 
+def spawn(args: argparse.Namespace, model: Path, name: str, transfer: dict | None,
+          dirs: dict[str, Path]) -> EngineProcess:
+    """Start an engine of this benchmark (in the background), its log ``logs/<name>.log``."""
+    return EngineProcess(model, log_path=dirs["logs"] / f"{name}.log", engine=args.engine,
+                         transfer=transfer, in_process=args.in_process, env=args.env)
+
+
 def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
              model: Path) -> dict[str, float]:
     """Plain, ours and the peer side by side: cold, vLLM hit, CPU tier, peer in-process."""
-    engine = engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
     engines = [
-        EngineProcess(model=model, engine=engine, transfer=ours_transfer_config(**args.ours),
-                      log_path=dirs["logs"] / "ours-1.log", env=args.env),
-        EngineProcess(model=model, engine=engine, log_path=dirs["logs"] / "peer-1.log",
-                      transfer=example_transfer_config(dirs["peer"]), env=args.env),
+        spawn(args, model, "ours-1", offload_transfer(args.ours), dirs),
+        spawn(args, model, "peer-1", example_transfer_config(dirs["peer"]), dirs),
     ]
     if not args.no_plain:
-        engines.append(EngineProcess(model=model, engine=engine, transfer=None,
-                                     log_path=dirs["logs"] / "plain.log", env=args.env))
+        engines.append(spawn(args, model, "plain", None, dirs))
     start_engines(engines)
     ours, peer = engines[:2]
     plain = engines[2] if len(engines) > 2 else None
@@ -197,14 +198,8 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
 def spawn_wave_two(args: argparse.Namespace, dirs: dict[str, Path],
                    model: Path) -> list[EngineProcess]:
     """Spawn (without waiting) the fresh engines of wave two: ours and the peer."""
-    engine = engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
-    return [
-        EngineProcess(model=model, engine=engine, transfer=ours_transfer_config(**args.ours),
-                      log_path=dirs["logs"] / "ours-2.log", env=args.env),
-        EngineProcess(model=model, engine=engine, log_path=dirs["logs"] / "peer-2.log",
-                      transfer=example_transfer_config(dirs["peer"]), env=args.env),
-    ]
+    return [spawn(args, model, "ours-2", offload_transfer(args.ours), dirs),
+            spawn(args, model, "peer-2", example_transfer_config(dirs["peer"]), dirs)]
 
 
 def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProcess]
@@ -334,6 +329,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # Whole prompts in one step: vLLM's ExampleConnector stores only the first scheduled
     # part of a chunked prefill and then crashes its engine loading it (shape mismatch).
     args.max_num_batched_tokens = args.max_model_len
+    args.engine = engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
     return args
 
 
@@ -370,8 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
         "model": {"name": "test default" if args.quick else args.model,
                   "path": str(model), **model_kwargs},
-        "engine": engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
-                                max_num_batched_tokens=args.max_num_batched_tokens),
+        "engine": args.engine,
         "env": args.env,
         "ours_config": {k: v for k, v in args.ours.items() if k != "disk_path"},
         "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "reps": args.reps,

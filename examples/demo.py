@@ -25,8 +25,9 @@ from pathlib import Path
 
 from kv_offload.config import format_size
 from kv_offload.disk import list_namespaces
+from kv_offload.testing.engine import default_engine_kwargs
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
-from kv_offload.testing.workload import default_engine_kwargs, run_in_subprocess
+from kv_offload.testing.workload import run_in_subprocess
 
 NUM_QUESTIONS = 4
 TEXT_TOKENS = 16

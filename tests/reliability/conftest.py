@@ -1,4 +1,4 @@
-"""Session fixtures of the reliability tests (helpers live in reliability_support.py)."""
+"""Session fixtures of the reliability tests (helpers: reliability_support.py, engine_phases.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from reliability_support import (
-    CHUNK,
-    MAX_TOKENS,
-    PROMPTS,
-    REPO,
-    EngineProcess,
-    Reference,
-    engine_spec,
-)
+from reliability_support import CHUNK, PROMPTS, REPO, Reference
 
+from kv_offload.testing.engine import EngineProcess, offload_transfer
 from kv_offload.testing.tiny_model import make_tiny_model
 
 
@@ -27,46 +20,48 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def start_engine():
-    """Factory: start an EngineProcess; every process still running at the end is killed."""
+def start_engine(model, tmp_path_factory):
+    """Factory: spawn an in-process EngineProcess of the tiny model (start-up goes on in
+    the background), its log in a fresh directory named after it; ``offload`` is the
+    extra config (None: no connector), ``overrides`` top-level --kv-transfer-config keys,
+    ``env`` as for EngineProcess, ``engine`` LLM kwargs. Engines still running at the end
+    of the session are killed."""
     started: list[EngineProcess] = []
 
-    def start(spec: dict, workdir: Path, **kw) -> EngineProcess:
-        proc = EngineProcess(spec, workdir, **kw)
+    def start(name: str, offload: dict | None = None, *, overrides: dict | None = None,
+              env: dict | None = None, **engine) -> EngineProcess:
+        transfer = None if offload is None else offload_transfer(offload, **(overrides or {}))
+        proc = EngineProcess(model, log_path=tmp_path_factory.mktemp(name) / "log.txt",
+                             engine=engine, transfer=transfer, in_process=True, env=env,
+                             timeout_s=600)
         started.append(proc)
         return proc
 
     yield start
     for proc in started:
         if proc.proc.poll() is None:
-            proc.kill_group()
+            proc.kill()
 
 
 @pytest.fixture(scope="session")
-def reference(model, start_engine, tmp_path_factory) -> Reference:
+def reference(start_engine) -> Reference:
     """Starts the no-connector reference engine in the background; tokens() waits for it."""
     texts = list(dict.fromkeys(p for group in PROMPTS.values() for p in group))
-    spec = engine_spec(model, None, [{"name": "ref", "prompts": texts,
-                                      "max_tokens": MAX_TOKENS}])
-    return Reference(start_engine(spec, tmp_path_factory.mktemp("reference")), texts)
+    return Reference(start_engine("reference"), texts)
 
 
 @pytest.fixture(scope="session")
-def unseeded_engine(model, start_engine, tmp_path_factory) -> tuple[EngineProcess, Path]:
+def unseeded_engine(start_engine, tmp_path_factory) -> tuple[EngineProcess, Path]:
     """Starts (in the background) an engine with ``--prefix-caching-hash-algo xxhash``,
     no PYTHONHASHSEED, a disk_path, and ``"kv_load_failure_policy": "fail"``; returns the
-    process and its store path (test_unseeded_hash.py)."""
+    engine and its store path (test_unseeded_hash.py)."""
     store = tmp_path_factory.mktemp("unseeded") / "store"
     offload = {"cpu_size": "32MiB", "disk_path": str(store), "disk_size": "64MiB",
                "chunk_tokens": CHUNK}
-    phases = [{"name": "cold", "prompts": PROMPTS["convoy"], "max_tokens": MAX_TOKENS},
-              {"name": "cpu", "prompts": PROMPTS["convoy"], "max_tokens": MAX_TOKENS,
-               "reset": "prefix"}]
-    spec = engine_spec(model, offload, phases, prefix_caching_hash_algo="xxhash")
-    spec["transfer_overrides"] = {"kv_load_failure_policy": "fail"}
-    proc = start_engine(spec, tmp_path_factory.mktemp("unseeded-run"),
-                        drop_env=("PYTHONHASHSEED",))
-    return proc, store
+    engine = start_engine("unseeded-run", offload, env={"PYTHONHASHSEED": None},
+                          overrides={"kv_load_failure_policy": "fail"},
+                          prefix_caching_hash_algo="xxhash")
+    return engine, store
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,19 @@
-"""Helpers of the reliability tests: prompt sets, engine processes, mounts, idle checks.
+"""Helpers of the reliability tests: prompt sets, the reference tokens, mounts, idle checks,
+and a scheduler + worker rig without an engine.
 
-Engine tests run ``engine_script.py`` in fresh processes (``EngineProcess``). One
-no-connector reference engine (``Reference``, a session fixture in conftest.py)
+Engine tests drive ``kv_offload.testing.engine.EngineProcess`` (phases: engine_phases.py).
+One no-connector reference engine (``Reference``, a session fixture in conftest.py)
 computes the tokens of every prompt in ``PROMPTS``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from kv_offload.testing.engine import EngineProcess
 from kv_offload.testing.tiny_model import make_prompt
 
 HERE = Path(__file__).resolve().parent
@@ -42,81 +39,21 @@ def _prompt_sets() -> dict[str, list[str]]:
 PROMPTS = _prompt_sets()
 
 
-def engine_spec(model: Path, offload: dict | None, phases: list[dict], **engine) -> dict:
-    return {"model": str(model), "offload": offload, "engine": engine, "phases": phases}
-
-
-class EngineProcess:
-    """``engine_script.py`` running in its own process group (so a test can kill it)."""
-
-    def __init__(self, spec: dict, workdir: Path, *, env: dict[str, str] | None = None,
-                 in_process: bool = True, drop_env: tuple[str, ...] = ()) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.out_path = workdir / "out.json"
-        self.log_path = workdir / "log.txt"
-        (workdir / "spec.json").write_text(json.dumps(spec))
-        full_env = {k: v for k, v in os.environ.items() if k not in drop_env}
-        full_env.update(env or {})
-        full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in wait/kill_group)
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "engine_script.py"), str(workdir / "spec.json"),
-             str(self.out_path)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
-            start_new_session=True)
-        self._result: dict | None = None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait(self, timeout_s: float = 600) -> dict[str, Any]:
-        """The run's output (with its log under "log"); RuntimeError with the log tail."""
-        if self._result is not None:
-            return self._result
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill_group()
-            raise RuntimeError(f"engine hung past {timeout_s}s:\n{self.log()[-6000:]}") from None
-        finally:
-            self._log.close()
-        if code != 0 or not self.out_path.exists():
-            raise RuntimeError(f"engine run failed (exit {code}):\n{self.log()[-6000:]}")
-        self._result = json.loads(self.out_path.read_text())
-        self._result["log"] = self.log()
-        return self._result
-
-    def kill_group(self) -> None:
-        """SIGKILL the whole process group (engine core and workers included) and wait
-        until none of its processes is left."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=60)
-        deadline = time.monotonic() + 30
-        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        self._log.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 class Reference:
-    """Tokens of every prompt in PROMPTS, recomputed by vLLM without any connector."""
+    """Tokens of ``texts`` recomputed by vLLM without any connector, from an engine that
+    runs them as soon as it has started and then quits (so it overlaps other start-ups)."""
 
-    def __init__(self, proc: EngineProcess, texts: list[str]) -> None:
-        self._proc, self._texts = proc, texts
+    def __init__(self, engine: EngineProcess, texts: list[str]) -> None:
+        self._engine, self._texts = engine, texts
+        engine.submit({"op": "generate", "prompts": texts, "max_tokens": MAX_TOKENS})
+        engine.submit({"op": "quit"})
+        self._by_text: dict[str, list[int]] | None = None
 
     def tokens(self, prompts: list) -> list[list[int]]:
-        out = self._proc.wait()
-        by_text = dict(zip(self._texts, out["phases"][0]["tokens"]))
-        return [by_text[p["prompt"] if isinstance(p, dict) else p] for p in prompts]
+        if self._by_text is None:
+            self._by_text = dict(zip(self._texts, self._engine.answer()["tokens"]))
+            self._engine.close()
+        return [self._by_text[p["prompt"] if isinstance(p, dict) else p] for p in prompts]
 
 
 def mount_tmpfs(path: Path, size: str) -> str | None:
@@ -146,7 +83,8 @@ def unmount(path: Path) -> None:
 
 
 def idle_problems(state: dict | None) -> list[str]:
-    """Why a connector state (engine_script's ``connector``) is not idle; [] when idle."""
+    """Why a connector state (``EngineProcess.snapshot()["connector"]``) is not idle;
+    [] when idle."""
     if state is None:
         return ["no connector state (not an in-process engine?)"]
     problems = []

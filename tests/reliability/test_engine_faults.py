@@ -28,15 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from reliability_support import (
-    CHUNK,
-    MAX_TOKENS,
-    PROMPTS,
-    engine_spec,
-    idle_problems,
-    mount_tmpfs,
-    unmount,
-)
+from engine_phases import run_phases
+from reliability_support import CHUNK, MAX_TOKENS, PROMPTS, idle_problems, mount_tmpfs, unmount
 
 from kv_offload.disk import DiskIndex, SlabFile, iter_entries, list_namespaces
 
@@ -93,39 +86,35 @@ def committed_entries(root) -> int:
 
 
 @pytest.fixture(scope="module")
-def killed(model, store, start_engine, reference, tmp_path_factory) -> dict:
+def killed(store, start_engine, reference) -> dict:
     """Engine 1: stores the seed prompt, then is SIGKILLed during the heavy phase."""
     root, _ = store
-    phases = [{"name": "seed", "prompts": PROMPTS["seed"], "max_tokens": MAX_TOKENS},
-              {"name": "heavy", "prompts": H, "max_tokens": MAX_TOKENS}]
-    proc = start_engine(engine_spec(model, offload(root), phases, **ENGINE),
-                        tmp_path_factory.mktemp("killed"), env=ENV)
+    engine = start_engine("killed", offload(root), env=ENV, **ENGINE).wait_ready()
+    engine.generate(PROMPTS["seed"], max_tokens=MAX_TOKENS)
+    engine.drain()
+    baseline = slab_bytes(root)
+    engine.submit({"op": "generate", "prompts": H, "max_tokens": MAX_TOKENS})
     deadline = time.monotonic() + 400
-    baseline = None
     while time.monotonic() < deadline:
-        if proc.proc.poll() is not None:
-            pytest.fail(f"engine exited before it was killed:\n{proc.log()[-4000:]}")
-        if baseline is None and "phase heavy" in proc.log():
-            baseline = slab_bytes(root)
+        if engine.proc.poll() is not None or engine.has_answer():
+            pytest.fail(f"the heavy phase ended before the kill:\n{engine.log(4000)}")
         # Kill once a heavy job is committed (more entries than the seed's) and the next
         # one is being written: on a loaded machine the commit can trail the bytes.
-        if (baseline is not None and slab_bytes(root) >= baseline + KILL_AFTER_BYTES
+        if (slab_bytes(root) >= baseline + KILL_AFTER_BYTES
                 and committed_entries(root) > 320 // CHUNK):
             break
         time.sleep(0.05)
     else:
-        proc.kill_group()
+        engine.kill()
         pytest.fail(f"the heavy phase never wrote {KILL_AFTER_BYTES} bytes:\n"
-                    f"{proc.log()[-4000:]}")
+                    f"{engine.log(4000)}")
     written = slab_bytes(root) - baseline
-    proc.kill_group()
-    assert "phase heavy done" not in proc.log(), "killed too late: the phase had finished"
-    return {"written_in_heavy": written, "log": proc.log()}
+    engine.kill()
+    return {"written_in_heavy": written, "log": engine.log()}
 
 
 @pytest.fixture(scope="module")
-def restarted(model, store, killed, start_engine, unseeded_engine, quick_soak,
-              tmp_path_factory) -> dict:
+def restarted(store, killed, start_engine, unseeded_engine, quick_soak) -> dict:
     """Engine 2 on the same store; see the module docstring for its phases. (It asks for
     ``unseeded_engine`` and ``quick_soak`` only to start them now: vLLM start-ups, mostly
     imports, overlap well even on 2 cores.)"""
@@ -142,20 +131,17 @@ def restarted(model, store, killed, start_engine, unseeded_engine, quick_soak,
     ]
     if why_not is None:
         phases += [
-            run("fill", PROMPTS["fill"], before=[{"op": "fill_slab_fs"}], verify=True),
-            run("after_fill", PROMPTS["fill"], reset="all", before=[{"op": "free_slab_fs"}]),
+            run("fill", PROMPTS["fill"], before=["fill_slab_fs"], verify=True),
+            run("after_fill", PROMPTS["fill"], reset="all", before=["free_slab_fs"]),
         ]
     phases += [
         run("truncated", [SALT_A, H[3], H[4]], reset="all",
-            before=[{"op": "snapshot_files"}, {"op": "truncate_slabs"}]),
-        run("deleted", H[5:8], reset="all", before=[{"op": "delete_store"}]),
+            before=["snapshot_files", "truncate_slabs"]),
+        run("deleted", H[5:8], reset="all", before=["delete_store"]),
         run("disabled", H[8:10], reset="all"),
     ]
-    proc = start_engine(engine_spec(model, offload(root), phases, **ENGINE, **SMALL_KV),
-                        tmp_path_factory.mktemp("restarted"), env=ENV)
-    out = proc.wait()
-    out["by_name"] = {p["name"]: p for p in out["phases"]}
-    return out
+    engine = start_engine("restarted", offload(root), env=ENV, **ENGINE, **SMALL_KV)
+    return run_phases(engine, phases, store=root)
 
 
 def phase(run: dict, name: str) -> dict:

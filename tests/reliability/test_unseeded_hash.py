@@ -12,7 +12,8 @@ restart) is in test_engine_faults.py.
 from __future__ import annotations
 
 import pytest
-from reliability_support import PROMPTS
+from engine_phases import run_phases
+from reliability_support import MAX_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.engine
 
@@ -23,8 +24,11 @@ WARNING = "without PYTHONHASHSEED"
 def unseeded(unseeded_engine, reference) -> dict:
     """The engine of conftest.unseeded_engine: xxhash, no PYTHONHASHSEED, disk_path set,
     kv_load_failure_policy "fail"; phases "cold" and "cpu" (vLLM's cache reset)."""
-    proc, store = unseeded_engine
-    out = proc.wait()
+    engine, store = unseeded_engine
+    phases = [{"name": "cold", "prompts": PROMPTS["convoy"], "max_tokens": MAX_TOKENS},
+              {"name": "cpu", "prompts": PROMPTS["convoy"], "max_tokens": MAX_TOKENS,
+               "reset": "prefix"}]
+    out = run_phases(engine, phases)
     out["store"] = store
     return out
 

@@ -1,0 +1,159 @@
+"""The child side of ``EngineProcess``: one ``vllm.LLM`` serving JSON commands, one per line.
+
+    python -m kv_offload.testing.engine_server '{"model": ..., "engine": {LLM kwargs},
+                                                "transfer": {kv_transfer_config} | null}'
+
+Commands (stdin) and answers (one JSON line each, ``{"ok": true, ...}`` or
+``{"ok": false, "error": ...}``, in command order):
+
+    {"op": "generate", "prompts": [str | {"prompt", "cache_salt"}], "max_tokens": 16,
+     "one_by_one": false, "abort": {"after_steps": n, "indexes": [...]} | absent}
+        -> tokens, texts, seconds, latency_s (per request when one_by_one), ttft_s,
+           num_prompt_tokens, num_output_tokens, metrics and kv_offload (deltas of
+           engine_state.metric_totals / kv_offload_samples over this call)
+    {"op": "drain", "timeout_s": 60}   step until the connector has no job (in-process)
+    {"op": "reset", "connector": bool} reset_prefix_cache -> {"reset": vLLM's answer}
+    {"op": "snapshot"}                 -> metrics, kv_offload (totals), connector (or null)
+    {"op": "quit"}
+
+The first answer, once the engine has started, is ``{"ok": true, "startup_s": ...}``.
+vLLM logs to stdout, so stdout is moved to stderr (the parent's log file) before anything
+is imported, and answers go to a private copy of the original stdout. Commands are read
+by a thread from the start, so a parent may queue a whole workload while vLLM starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+from kv_offload.testing import engine_state
+
+
+def _generate_timed(llm: Any, prompts: list, params: Any, one_by_one: bool
+                    ) -> tuple[list, list[float]]:
+    if not one_by_one:
+        return llm.generate(prompts, params, use_tqdm=False), []
+    outputs, latencies = [], []
+    for prompt in prompts:
+        start = time.perf_counter()
+        outputs.extend(llm.generate([prompt], params, use_tqdm=False))
+        latencies.append(time.perf_counter() - start)
+    return outputs, latencies
+
+
+def _generate_with_abort(llm: Any, prompts: list, params: Any, abort: dict) -> list:
+    """Add every prompt, step ``after_steps`` times, abort ``indexes``, finish the rest.
+    Returns the outputs of the requests not aborted, in prompt order."""
+    engine = llm.llm_engine
+    ids = [f"abort-test-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    done: dict[str, Any] = {}
+
+    def step() -> None:
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+
+    for _ in range(abort["after_steps"]):
+        step()
+    doomed = [ids[i] for i in abort["indexes"]]
+    engine.abort_request(doomed)
+    while engine.has_unfinished_requests():
+        step()
+    return [done[rid] for rid in ids if rid not in doomed]
+
+
+def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=command.get("max_tokens", 16),
+                            ignore_eos=True)
+    prompts = command["prompts"]
+    before, ours_before = engine_state.metric_totals(llm), engine_state.kv_offload_samples()
+    start = time.perf_counter()
+    latencies: list[float] = []
+    if command.get("abort"):
+        outputs = _generate_with_abort(llm, prompts, params, command["abort"])
+    else:
+        outputs, latencies = _generate_timed(llm, prompts, params,
+                                             bool(command.get("one_by_one")))
+    seconds = time.perf_counter() - start
+    after, ours_after = engine_state.metric_totals(llm), engine_state.kv_offload_samples()
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return {
+        "tokens": tokens, "texts": [o.outputs[0].text for o in outputs],
+        "seconds": seconds, "latency_s": latencies,
+        "ttft_s": [o.metrics.first_token_latency for o in outputs
+                   if getattr(o, "metrics", None) is not None],
+        "num_output_tokens": sum(map(len, tokens)),
+        "num_prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
+        "metrics": {k: after[k] - before[k] for k in after},
+        "kv_offload": {k: v - ours_before.get(k, 0.0) for k, v in ours_after.items()},
+    }
+
+
+def handle(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
+    """Run one command (not quit); returns the answer's fields."""
+    op = command.get("op")
+    if op == "generate":
+        return generate(llm, command)
+    if op == "drain":
+        engine_state.drain(llm, float(command.get("timeout_s", 60.0)))
+        return {}
+    if op == "reset":
+        return {"reset": bool(llm.reset_prefix_cache(
+            reset_connector=bool(command.get("connector"))))}
+    if op == "snapshot":
+        return {"metrics": engine_state.metric_totals(llm),
+                "kv_offload": engine_state.kv_offload_samples(),
+                "connector": engine_state.connector_state(llm)}
+    raise ValueError(f"unknown op {op!r} (generate, drain, reset, snapshot, quit)")
+
+
+def serve(spec: dict[str, Any], commands: queue.Queue, reply: Any) -> None:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    def send(obj: dict[str, Any]) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    kwargs = dict(spec["engine"])
+    if spec.get("transfer"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["transfer"])
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], **kwargs)
+    send({"ok": True, "startup_s": time.perf_counter() - t0})
+    while (line := commands.get()) is not None:
+        command = json.loads(line)
+        if command.get("op") == "quit":
+            break
+        try:
+            send({"ok": True, **handle(llm, command)})
+        except Exception as exc:  # report, keep serving: the parent decides
+            send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    del llm
+
+
+def _read_lines(stream: Any, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)  # the parent closed our stdin: quit
+
+
+def main() -> None:
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(sys.stdin, commands), daemon=True).start()
+    serve(json.loads(sys.argv[1]), commands, reply)
+
+
+if __name__ == "__main__":
+    main()

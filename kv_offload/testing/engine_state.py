@@ -1,0 +1,104 @@
+"""What a running ``vllm.LLM`` can tell a test: its counters, ours, and the connector's state.
+
+Read inside the engine's process (``engine_server``). The connector's state is only
+reachable when vLLM's engine core runs in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+with the usual multi-process layout ``connector_state`` returns None.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+VLLM_COUNTERS = {  # short name -> vLLM metric
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "external_hits": "vllm:external_prefix_cache_hits",
+    "external_queries": "vllm:external_prefix_cache_queries",
+    "preemptions": "vllm:num_preemptions",
+}
+SOURCE_METRIC = "vllm:prompt_tokens_cached_by_source"
+SOURCES = ("host", "disk", "device", "external_unspecified")  # hits_<source>
+
+
+class EngineStateError(RuntimeError):
+    """A question the engine cannot answer in its layout (e.g. drain without in-process)."""
+
+
+def metric_totals(llm: Any) -> dict[str, float]:
+    """vLLM's counters by short name, totals since start summed over engines; prompt
+    tokens served from each cache source as ``hits_<source>``."""
+    out = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    out.update({f"hits_{s}": 0.0 for s in SOURCES})
+    for metric in llm.get_metrics():
+        if not hasattr(metric, "value"):
+            continue
+        for short, name in VLLM_COUNTERS.items():
+            if metric.name == name:
+                out[short] += float(metric.value)
+        if metric.name == SOURCE_METRIC and f"hits_{metric.labels.get('source')}" in out:
+            out[f"hits_{metric.labels['source']}"] += float(metric.value)
+    return out
+
+
+def kv_offload_samples() -> dict[str, float]:
+    """Every kv_offload_* Prometheus sample of this process, as 'name{tier/direction}'."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if not sample.name.startswith("kv_offload") or sample.name.endswith("_created"):
+                continue
+            label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                             if k in ("tier", "direction"))
+            key = f"{sample.name}{{{label}}}"
+            out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+def scheduler_connector(llm: Any) -> Any | None:
+    """The scheduler-side KVOffloadConnector of an in-process engine, else None."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return None if core is None else core.scheduler.connector
+
+
+def connector_state(llm: Any) -> dict[str, Any] | None:
+    """Both connector halves of an in-process engine (None otherwise): CPU-index counts,
+    pending jobs on either side, scheduler counters, disk-index stats, namespace."""
+    conn = scheduler_connector(llm)
+    if conn is None:
+        return None
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    sched = conn._scheduler  # the connector has no public accessor; read-only use
+    worker = get_kv_transfer_group()._worker
+    return {
+        "counters": sched.counters.snapshot(),
+        "cpu": sched.cpu.counts(),
+        "pending_jobs": sched.num_pending_jobs(),
+        "pending_work": sched.has_pending_work(),
+        "worker_pending_jobs": worker.has_pending_jobs() if worker is not None else None,
+        "persistent": conn.persistent,
+        "disk_enabled": sched.disk_enabled,
+        "disk": sched.disk.stats() if sched.disk is not None else None,
+        "namespace": conn.namespace,
+        "slot_bytes": conn.layout.slot_bytes,
+    }
+
+
+def drain(llm: Any, timeout_s: float) -> None:
+    """Step an in-process engine until the connector has no job in flight.
+
+    Raises EngineStateError for a multi-process engine (its core steps on its own and
+    its connector is out of reach) and TimeoutError after ``timeout_s``."""
+    if getattr(llm.llm_engine.engine_core, "engine_core", None) is None:
+        raise EngineStateError("drain needs vLLM's engine core in this process: start the "
+                               "engine with in_process=True")
+    conn = scheduler_connector(llm)
+    deadline = time.monotonic() + timeout_s
+    while conn is not None and conn.has_pending_push_work():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"connector jobs still pending {timeout_s:.0f} s after the "
+                               "requests finished")
+        llm.llm_engine.step()
+        time.sleep(0.005)
