@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from kv_offload.remote import RemoteTarget, RemoteTier, ValueCheck
+from kv_offload.remote import tier as tier_module
 
 NS = "ab" * 16
 SLOT = 64 * 1024
@@ -176,3 +177,75 @@ def test_lookup_without_script_permission_falls_back_to_exists(redis_server, cap
         assert tier.lookup([key(800), key(802)]) == 1
     assert tier.health.up and tier.health.num_failures == 0
     assert sum("refuses Lua scripts" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_lookup_many_answers_each_request_in_one_round_trip(redis_server, monkeypatch):
+    tier = tier_for(RemoteTarget(redis_server.url))
+    for i in (900, 901, 903):
+        assert tier.write(key(i), 0, memoryview(payload(i)))
+    sent = []
+    real = tier_module.pipeline_on_connection
+    monkeypatch.setattr(tier_module, "pipeline_on_connection",
+                        lambda pool, commands: sent.append(len(commands)) or real(pool, commands))
+    requests = [[key(900), key(901), key(902)], [], [key(903)], [key(902), key(903)]]
+    assert tier.lookup_many(requests) == [2, 0, 1, 0]
+    assert sent == [3], "one pipeline: a script call per request that has keys"
+    assert tier.lookup_many([[], []]) == [0, 0] and sent == [3], "nothing to ask: no call"
+
+
+def test_cluster_lookup_is_one_pipeline_per_node_sent_together(redis_cluster, monkeypatch):
+    tier = tier_for(RemoteTarget(cluster_nodes=tuple(redis_cluster.seeds)))
+    present = [key(1100 + i) for i in range(30)]
+    for k in present:
+        assert tier.write(k, 0, memoryview(payload(int.from_bytes(k[:4], "little"))))
+    batches = []
+    real = tier_module.pipelines_on_connections
+    monkeypatch.setattr(tier_module, "pipelines_on_connections",
+                        lambda b: batches.append(sorted(len(c) for c in b.values())) or real(b))
+    requests = [present[:20], present[20:] + [key(1199)] + present[:3], [key(1198)]]
+    assert tier.lookup_many(requests) == [20, 10, 0]
+    (per_node,) = batches
+    assert len(per_node) == 3 and sum(per_node) == 35, "every chunk once, grouped by node"
+    tier.close()
+
+
+def test_read_lands_in_the_slot_without_the_clients_get(redis_server):
+    """read_into receives on the pooled connection itself; redis-py's GET (which
+    returns a bytes copy of the value) is never called."""
+
+    class NoGet(redis.Redis):
+        def get(self, name):
+            raise AssertionError("read_into must not GET through redis-py")
+
+    def connect(target, timeout_s):
+        return NoGet.from_url(target.url, socket_timeout=timeout_s)
+
+    tier = RemoteTier(RemoteTarget(redis_server.url), namespace=NS, num_ranks=1,
+                      payload_bytes=SLOT, timeout_s=1.0, key_prefix="kvo-test",
+                      connect=connect)
+    for i in (1200, 1201):
+        assert tier.write(key(i), 0, memoryview(payload(i)))
+    out = np.zeros(SLOT, dtype=np.uint8)
+    for i in (1200, 1299, 1201, 1200):  # a miss in between leaves the connection usable
+        expected = ValueCheck.MISSING if i == 1299 else ValueCheck.OK
+        assert tier.read_into(key(i), 0, memoryview(out)) is expected
+        if expected:
+            assert out.tobytes() == payload(i)
+    assert tier.health.num_failures == 0
+
+
+def test_a_damaged_value_is_a_miss_and_the_next_read_is_clean(redis_server):
+    tier = tier_for(RemoteTarget(redis_server.url))
+    client = redis.Redis.from_url(redis_server.url)
+    assert tier.write(key(1300), 0, memoryview(payload(1300)))
+    assert tier.write(key(1301), 0, memoryview(payload(1301)))
+    name = tier.name(key(1300), 0)
+    damaged = bytearray(client.get(name))
+    damaged[-3] ^= 1
+    client.set(name, bytes(damaged))
+    out = bytearray(SLOT)
+    assert tier.read_into(key(1300), 0, memoryview(out)) is ValueCheck.BAD_CHECKSUM
+    assert tier.read_into(key(1300), 0, memoryview(out),
+                          verify_checksum=False) is ValueCheck.OK, "checked only on request"
+    assert tier.read_into(key(1301), 0, memoryview(out)) is ValueCheck.OK
+    assert bytes(out) == payload(1301)
