@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kv_offload.config import OffloadConfig, format_size
 from kv_offload.engine_info import UnsupportedEngineError, layer_names, layout_from_vllm
 from kv_offload.jobs import StepPlan, WorkerReport
-from kv_offload.layout import KVLayout
+from kv_offload.layout import num_cpu_slots
 from kv_offload.metrics import OffloadPromMetrics, OffloadStats, summarize
 
 if TYPE_CHECKING:
@@ -69,18 +69,6 @@ def _adopt_vllm_logging() -> None:
     ours.propagate = False
 
 
-def num_cpu_slots(config: OffloadConfig, layout: KVLayout) -> int:
-    """CPU-tier slots per rank; ValueError naming ``cpu_size`` when not even one fits."""
-    slots = config.cpu_size // layout.slot_bytes
-    if slots < 1:
-        raise ValueError(
-            f"cpu_size: {format_size(config.cpu_size)} holds no chunk of this model "
-            f"({format_size(layout.slot_bytes)} per chunk of {layout.chunk_tokens} tokens); "
-            f"raise cpu_size or lower chunk_tokens"
-        )
-    return slots
-
-
 class KVOffloadConnector(KVConnectorBase_V1):
     """Offloads prefix KV to host RAM, local disk and a shared Redis; loads it back asynchronously."""
 
@@ -117,6 +105,12 @@ class KVOffloadConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped store is only a future miss
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: refuse ``--enable-sleep-mode`` before the engine starts. Sleeping
+        releases the KV cache memory that kv-offload's copy and I/O threads use."""
+        return False
 
     def _check_hash_reproducible(self) -> bool:
         if self.layout.hashes_reproducible(os.environ.get("PYTHONHASHSEED")):
@@ -308,6 +302,19 @@ class KVOffloadConnector(KVConnectorBase_V1):
             tensors=[kv_caches[n] for n in names], layout=self.layout, config=self.config,
             num_blocks=int(self._kv_cache_config.num_blocks), namespace=self.namespace,
             persistent=self.persistent)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+ sleep hook (never reached: ``supports_sleep_mode`` is False). Should
+        it be called anyway, finish the copies in flight and stop offloading: nothing may
+        touch KV memory that is being released."""
+        if self._worker is not None:
+            logger.error("kv-offload: vLLM released its KV cache (sleep mode); offloading "
+                         "stops for this run")
+            self._worker.close()
+            self._worker = None
+
+    def restore_kv_caches(self) -> None:
+        return  # offloading stays off after unregister_kv_caches (see there)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()

@@ -11,7 +11,11 @@ import os
 from typing import Any
 
 from kv_offload.config import OffloadConfig
-from kv_offload.layout import KVLayout
+from kv_offload.layout import KVLayout, page_order
+
+SPEC_METHODS_WITHOUT_DRAFT_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
+"""Speculative decoding methods that propose tokens without a draft model, so the only KV
+is the target model's (the one kv-offload stores)."""
 
 
 class UnsupportedEngineError(ValueError):
@@ -37,12 +41,8 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any, config: OffloadConf
             f"kv-offload stores full-attention and MLA KV caches; this model uses {kind} "
             f"(sliding-window or state caches cannot be restored from a prefix)."
         )
+    _refuse_unsupported_features(vllm_config)
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise UnsupportedEngineError(
-            "kv-offload does not support pipeline parallelism yet; use tensor parallelism "
-            "(--tensor-parallel-size) or run without the connector."
-        )
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
@@ -64,7 +64,83 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any, config: OffloadConf
         pp_size=int(parallel.pipeline_parallel_size),
         hash_algo=str(cache_config.prefix_caching_hash_algo),
         salt=config.namespace_salt,
+        page_order=_expected_page_order(vllm_config, kv_cache_config, spec),
     )
+
+
+def _refuse_unsupported_features(vllm_config: Any) -> None:
+    """UnsupportedEngineError for vLLM features under which stored KV could be wrong."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise UnsupportedEngineError(
+            "kv-offload does not support pipeline parallelism yet; use tensor parallelism "
+            "(--tensor-parallel-size) or run without the connector."
+        )
+    for option, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                         ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        size = int(getattr(parallel, option, 1) or 1)
+        if size > 1:
+            raise UnsupportedEngineError(
+                f"kv-offload does not support context parallelism ({option}={size}): each "
+                f"rank then holds an interleaved part of a block's tokens, which kv-offload "
+                f"would store as whole blocks. Remove {flag} or run without the connector.")
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enable_sleep_mode", False):
+        raise UnsupportedEngineError(
+            "kv-offload does not support sleep mode (--enable-sleep-mode): sleeping releases "
+            "the KV cache memory that kv-offload's copy threads read and write. Remove "
+            "--enable-sleep-mode or run without the connector.")
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None) if spec is not None else None
+    if method is not None and method not in SPEC_METHODS_WITHOUT_DRAFT_KV:
+        raise UnsupportedEngineError(
+            f"kv-offload does not support speculative decoding with method {method!r}: its "
+            f"draft layers keep KV of their own, which kv-offload neither stores nor "
+            f"restores. Use a draft-free method ({', '.join(sorted(SPEC_METHODS_WITHOUT_DRAFT_KV))}) "
+            f"or run without the connector.")
+
+
+def resolved_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> Any:
+    """vLLM's physical KV cache layout (a ``KVCacheLayout``) for this engine, as the engine
+    core resolved it; UnsupportedEngineError when it was not resolved."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if name is None:
+        raise UnsupportedEngineError(
+            "kv-offload: vLLM has not resolved its physical KV cache layout "
+            "(kv_cache_config.kv_cache_layout and cache_config.kv_cache_layout are unset), "
+            "so the byte order of stored blocks is unknown. This happens only outside a "
+            "running engine: set cache_config.kv_cache_layout (e.g. 'LBHNC').")
+    try:
+        return KVCacheLayout[str(name)]
+    except KeyError:
+        raise UnsupportedEngineError(
+            f"kv-offload does not know vLLM's KV cache layout {name!r} (known: "
+            f"{', '.join(m.name for m in KVCacheLayout)}); run a vLLM version kv-offload "
+            f"supports (see the README) or without the connector.") from None
+
+
+def _expected_page_order(vllm_config: Any, kv_cache_config: Any, spec: Any) -> str:
+    """The page order (``kv_offload.layout.page_order``) of this engine's blocks, from the
+    resolved layout and the KV cache spec; kernel-block splitting, which only the worker
+    sees, is checked there against it."""
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+
+    layout = resolved_kv_cache_layout(vllm_config, kv_cache_config)
+    order = [("B", "H", "N", "C")[axis] for axis in layout.layer_view_order]
+    if order[0] != "B":
+        raise UnsupportedEngineError(
+            f"kv-offload cannot store KV cache layout {layout.name}: the bytes of one block "
+            f"of a layer are not contiguous there ({'/'.join(order)} in memory). Set "
+            f"VLLM_KV_CACHE_LAYOUT to a layout whose blocks are contiguous per layer (LBHNC, "
+            f"LBNHC, BLHNC or BLNHC) that your attention backend supports, or run without "
+            f"the connector.")
+    _, heads, tokens, content = compute_layer_kv_cache_shape_bytes(spec, 1)
+    sizes = {"H": heads, "N": tokens, "C": content}
+    return page_order([(dim, sizes[dim]) for dim in order[1:]])
 
 
 def layer_names(kv_cache_config: Any) -> list[str]:

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_PLANES_PER_TENSOR", "PlaneGeometry", "describe_planes", "planes_from_kv_tensor"]
+from kv_offload.layout import page_order
+
+__all__ = ["MAX_PLANES_PER_TENSOR", "PlaneGeometry", "describe_planes", "page_order_of",
+           "planes_from_kv_tensor"]
 
 MAX_PLANES_PER_TENSOR = 1024
 """More planes than this from one tensor means the block dim was guessed wrong."""
@@ -136,3 +139,24 @@ def describe_planes(planes: list[torch.Tensor]) -> PlaneGeometry:
                           for p in planes),
         device=first.device,
     )
+
+
+def page_order_of(t: torch.Tensor, num_blocks: int) -> str:
+    """The page order (``kv_offload.layout.page_order``) of one layer's KV tensor as vLLM
+    hands it to connectors: a logical ``[blocks * S, heads, tokens / S, content]`` view
+    (vLLM 0.32+), where S > 1 when vLLM splits each block into S kernel blocks. Reads only
+    shape and strides. Raises ValueError for any other shape."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        what = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"expected vLLM's 4-D [blocks, heads, tokens, content] KV view, "
+                         f"got {what}")
+    rows, heads, tokens, content = (int(n) for n in t.shape)
+    if num_blocks <= 0 or rows % num_blocks:
+        raise ValueError(f"dim 0 has {rows} rows, not a multiple of {num_blocks} blocks")
+    split = rows // num_blocks
+    itemsize = t.element_size()
+    dims = [("S", split, t.stride(0)), ("H", heads, t.stride(1)), ("N", tokens, t.stride(2)),
+            ("C", content * itemsize, t.stride(3))]
+    dims = [d for d in dims if d[1] > 1]
+    dims.sort(key=lambda d: -d[2])
+    return page_order([(name, size) for name, size, _ in dims])

@@ -8,20 +8,65 @@ from typing import Any
 
 from kv_offload.config import OffloadConfig
 from kv_offload.engine_info import UnsupportedEngineError
-from kv_offload.layout import KVLayout
+from kv_offload.layout import KVLayout, num_cpu_slots
 from kv_offload.worker.runner import OffloadWorker
 
 logger = logging.getLogger(__name__)
 
 
-def tensor_parallel_rank() -> int:
-    """This worker's tensor-parallel rank (0 outside a distributed run)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def tensor_parallel_rank(tp_size: int) -> int:
+    """This worker's tensor-parallel rank, checked against ``tp_size``.
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # not initialised (unit tests, single process)
-        return 0
+    0 only when ``tp_size`` is 1 and vLLM's parallel state is not initialised (a single
+    process). Anything else that cannot be told raises UnsupportedEngineError: a wrong rank
+    would make ranks write each other's slab files and remote keys."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        initialised = bool(ps.model_parallel_is_initialized())
+        rank = int(ps.get_tensor_model_parallel_rank()) if initialised else None
+        world = int(ps.get_tensor_model_parallel_world_size()) if initialised else None
+    except Exception as exc:
+        raise UnsupportedEngineError(
+            f"kv-offload cannot read this worker's tensor-parallel rank from vLLM "
+            f"({type(exc).__name__}: {exc}); run a vLLM version kv-offload supports (see "
+            f"the README)") from exc
+    if rank is None:
+        if tp_size == 1:
+            return 0
+        raise UnsupportedEngineError(
+            f"kv-offload: vLLM's parallel state is not initialised in this worker, so its "
+            f"rank among tensor_parallel_size={tp_size} is unknown; the connector must be "
+            f"built by a vLLM worker after distributed start-up")
+    if world != tp_size or not 0 <= rank < tp_size:
+        raise UnsupportedEngineError(
+            f"kv-offload: this worker is rank {rank} of a tensor-parallel group of {world}, "
+            f"but the engine config says tensor_parallel_size={tp_size}")
+    return rank
+
+
+def check_page_order(tensors: Sequence[Any], layout: KVLayout, num_blocks: int) -> None:
+    """UnsupportedEngineError unless every KV tensor stores its blocks in the byte order
+    that ``layout`` (and so the namespace) names."""
+    from kv_offload.copy.planes import page_order_of
+
+    for index, tensor in enumerate(tensors):
+        try:
+            actual = page_order_of(tensor, num_blocks)
+        except ValueError as exc:
+            raise UnsupportedEngineError(
+                f"kv-offload cannot tell the byte order of layer {index}'s KV tensor "
+                f"(shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}): {exc}; "
+                f"run a vLLM version kv-offload supports (see the README)") from None
+        if actual != layout.page_order:
+            raise UnsupportedEngineError(
+                f"kv-offload: layer {index}'s KV blocks hold their bytes in the order "
+                f"{actual} (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}), "
+                f"but the namespace was computed for {layout.page_order} (vLLM's resolved "
+                f"KV cache layout). Chunks would be loaded scrambled, so the connector "
+                f"refuses to start. When vLLM splits blocks into kernel blocks under a "
+                f"heads-outer layout (S before H), set --block-size to the kernel block "
+                f"size or VLLM_KV_CACHE_LAYOUT=LBNHC.")
 
 
 def build_worker(
@@ -35,14 +80,15 @@ def build_worker(
 ) -> OffloadWorker:
     """Check the engine's tensors against ``layout`` and wire host slots, copy engine
     and slab. Raises UnsupportedEngineError with the observed shapes on a mismatch."""
-    from kv_offload.connector import num_cpu_slots
     from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
     from kv_offload.host_buffer import allocate_host_slots
 
+    check_page_order(tensors, layout, num_blocks)
+    rank = tensor_parallel_rank(layout.tp_size)
     planes = []
     for index, tensor in enumerate(tensors):
         try:
-            layer_planes = planes_from_kv_tensor(tensor, num_blocks)
+            layer_planes = planes_from_kv_tensor(tensor, num_blocks, block_dim=0)
         except ValueError as exc:
             raise UnsupportedEngineError(
                 f"kv-offload cannot read the KV tensor of layer {index} "
@@ -55,7 +101,6 @@ def build_worker(
                 f"KV cache spec says {layout.page_bytes}; unsupported KV cache layout "
                 f"(shape {tuple(tensor.shape)})")
         planes.extend(layer_planes)
-    rank = tensor_parallel_rank()
     on_cuda = planes[0].device.type == "cuda"
     host = allocate_host_slots(num_cpu_slots(config, layout), layout.slot_bytes, pinned=on_cuda)
     engine = make_copy_engine(planes, host, layout.blocks_per_chunk)

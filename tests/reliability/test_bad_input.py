@@ -100,14 +100,20 @@ def test_truncated_index_file_is_a_clear_error_not_a_crash(tmp_path, keep_pages)
     assert "StoreCorruptError:" in out.stdout and "kv-offload clear" in out.stdout
 
 
-def fake_engine(spec_kind: str, *, groups: int = 1, pp: int = 1):
+def fake_engine(spec_kind: str = "FullAttentionSpec", *, groups: int = 1, pp: int = 1,
+                dcp: int = 1, pcp: int = 1, sleep: bool = False, spec_method: str | None = None):
     """(vllm_config, kv_cache_config) stand-ins with what layout_from_vllm reads first."""
     from types import SimpleNamespace
 
     spec = type(spec_kind, (), {})()
     kv_cache_config = SimpleNamespace(kv_cache_groups=[
         SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.attn"])] * groups)
-    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp,
+                                        decode_context_parallel_size=dcp,
+                                        prefill_context_parallel_size=pcp),
+        model_config=SimpleNamespace(enable_sleep_mode=sleep),
+        speculative_config=None if spec_method is None else SimpleNamespace(method=spec_method))
     return vllm_config, kv_cache_config
 
 
@@ -117,9 +123,32 @@ def fake_engine(spec_kind: str, *, groups: int = 1, pp: int = 1):
     ({"spec_kind": "SlidingWindowSpec"}, "this model uses SlidingWindowSpec"),
     ({"spec_kind": "MambaSpec"}, "this model uses MambaSpec"),
     ({"spec_kind": "FullAttentionSpec", "pp": 2}, "does not support pipeline parallelism"),
-], ids=["two-groups", "sliding-window", "mamba", "pipeline-parallel"])
+    ({"dcp": 2}, "context parallelism (decode_context_parallel_size=2)"),
+    ({"pcp": 2}, "context parallelism (prefill_context_parallel_size=2)"),
+    ({"sleep": True}, "does not support sleep mode (--enable-sleep-mode)"),
+    ({"spec_method": "eagle3"}, "speculative decoding with method 'eagle3'"),
+    ({"spec_method": "mtp"}, "speculative decoding with method 'mtp'"),
+    ({"spec_method": "draft_model"}, "Use a draft-free method (ngram, ngram_gpu, suffix)"),
+], ids=["two-groups", "sliding-window", "mamba", "pipeline-parallel", "decode-cp",
+        "prefill-cp", "sleep-mode", "eagle3", "mtp", "draft-model"])
 def test_unsupported_models_are_refused_at_start_up_with_the_reason(engine, message):
     from kv_offload.engine_info import UnsupportedEngineError, layout_from_vllm
 
     with pytest.raises(UnsupportedEngineError, match=re.escape(message)):
         layout_from_vllm(*fake_engine(**engine), OffloadConfig())
+
+
+def test_draft_free_speculation_is_not_refused():
+    """n-gram speculation keeps no draft KV; tests/e2e/test_spec_decode.py shows its tokens
+    equal recompute through kv-offload."""
+    from kv_offload.engine_info import _refuse_unsupported_features
+
+    for method in ("ngram", "suffix", None):
+        _refuse_unsupported_features(fake_engine(spec_method=method)[0])
+
+
+def test_sleep_mode_is_refused_before_vllm_starts_it():
+    """vLLM 0.33 asks the connector class before it builds anything."""
+    from kv_offload.connector import KVOffloadConnector
+
+    assert KVOffloadConnector.supports_sleep_mode(None) is False
