@@ -4,17 +4,21 @@ Uses the ``redis-server`` binary (Debian package ``redis-server``; Valkey's
 ``valkey-server`` works too). Servers keep nothing on disk, listen on 127.0.0.1 only,
 and evict with ``allkeys-lru`` like a production cache. ``RedisServer`` can be killed
 and started again on the same port (a server restart); ``RedisCluster`` starts three
-masters and joins them with ``redis-cli --cluster create``.
+masters and joins them with ``redis-cli --cluster create``; ``SlowProxy`` makes a
+healthy server slow (every reply held back for a while).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -166,3 +170,106 @@ class RedisCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+class SlowProxy:
+    """A loopback TCP proxy in front of a server that holds every reply for
+    ``delay_s`` (a (low, high) range: each reply draws its delay uniformly) before
+    passing it on, in order: a healthy server on a slow path. Requests go through at
+    once. ``delay_s`` may be changed while it runs; threads only, in this process.
+    """
+
+    def __init__(self, port: int, *, delay_s: tuple[float, float] = (0.05, 0.2),
+                 seed: int = 0) -> None:
+        self.upstream = ("127.0.0.1", port)
+        self.delay_s = delay_s
+        self._random = random.Random(seed)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> SlowProxy:
+        threading.Thread(target=self._accept, name="slow-proxy", daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                return
+            with self._lock:
+                self._sockets += [client, server]
+            _spawn(self._forward, client, server)
+            _spawn(self._delayed, server, client)
+
+    def _forward(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        self._close_pair(src, dst)
+
+    def _delayed(self, src: socket.socket, dst: socket.socket) -> None:
+        """Receive replies; a sender thread passes each on once its delay is over."""
+        queue: collections.deque = collections.deque()
+        ready = threading.Condition()
+        _spawn(self._send_due, queue, ready, dst)
+        last_due = 0.0
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 20):
+                low, high = self.delay_s
+                last_due = max(last_due, time.monotonic() + self._random.uniform(low, high))
+                with ready:
+                    queue.append((last_due, data))
+                    ready.notify()
+        with ready:
+            queue.append((0.0, b""))  # end of stream
+            ready.notify()
+
+    def _send_due(self, queue: collections.deque, ready: threading.Condition,
+                  dst: socket.socket) -> None:
+        while True:
+            with ready:
+                while not queue:
+                    ready.wait()
+                due, data = queue.popleft()
+            if not data:
+                break
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        self._close_pair(dst)
+
+    def _close_pair(self, *socks: socket.socket) -> None:
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            socks, self._sockets = self._sockets, []
+        self._close_pair(*socks)
+        for sock in socks:
+            sock.close()
+
+    def __enter__(self) -> SlowProxy:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _spawn(target, *args) -> None:
+    threading.Thread(target=target, args=args, daemon=True).start()
