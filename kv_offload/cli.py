@@ -11,26 +11,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from kv_offload.config import OffloadConfig, format_size, parse_size
-from kv_offload.disk import (
-    DiskIndex,
-    ReadResult,
-    SlabFile,
-    StoreError,
-    clear,
-    iter_entries,
-    list_namespaces,
+from kv_offload.disk import StoreError, StorePathError, clear
+from kv_offload.disk.admin import (
+    chunk_bytes,
+    disk_bytes,
+    is_store,
+    read_namespaces,
+    repair_and_check,
+    require_store,
+    scan_namespace,
+    store_users,
 )
-from kv_offload.disk.slab import slab_dir, slab_path
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_BUSY = 0, 1, 2, 3
 
@@ -54,46 +54,19 @@ def open_store(path: str, *, broken_ok: bool = False) -> tuple[Path, list[dict] 
     """(root, namespaces) of an existing store; CliError naming the problem if it is not
     one. With ``broken_ok``, a store whose index cannot be read gives (root, None)."""
     root = Path(path).expanduser()
-    if not root.exists():
-        raise CliError(f"no disk store at {root}: the path does not exist")
-    if not root.is_dir():
-        raise CliError(f"{root} is a file, not a disk store directory")
-    if not (root / "index" / "data.mdb").is_file():
-        if broken_ok and ((root / "index").is_dir() or (root / "slabs").is_dir()):
-            return root, None
-        raise CliError(f"{root} is not a kv-offload disk store (no index/data.mdb); pass the "
-                       "directory given as disk_path")
-    crashed = _probe_index(root)
-    if crashed:
-        reason = (f"the disk-tier index {root / 'index'} cannot be read (a process reading it "
-                  f"was killed by {crashed}: is index/data.mdb cut short?)")
-        if broken_ok:
-            _err(f"warning: clearing a store whose index cannot be read: {reason}")
-            return root, None
-        raise CliError(f"{reason}; it is only a cache: run `kv-offload clear {root}` or delete "
-                       "that directory", EXIT_FAILURE)
     try:
-        return root, list_namespaces(root)
+        require_store(root)
+    except StorePathError as exc:
+        if broken_ok and root.is_dir() and is_store(root):
+            return root, None
+        raise CliError(str(exc)) from None
+    try:
+        return root, read_namespaces(root)
     except StoreError as exc:
         if broken_ok:
             _err(f"warning: clearing a store whose index cannot be read: {exc}")
             return root, None
         raise CliError(str(exc), EXIT_FAILURE) from None
-
-
-def _probe_index(root: Path) -> str | None:
-    """None if a child process can open the index (or fails with an ordinary error that
-    this process reports itself); else the signal that killed it. LMDB maps the index, so
-    reading a file that is cut short kills the reader with SIGBUS: look in a child first."""
-    probe = "import sys; from kv_offload.disk import list_namespaces; list_namespaces(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", probe, str(root)], capture_output=True,
-                          timeout=120)
-    if proc.returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-proc.returncode).name
-    except ValueError:
-        return f"signal {-proc.returncode}"
 
 
 def resolve_namespaces(namespaces: list[dict], wanted: str | None) -> list[dict]:
@@ -113,82 +86,23 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _chunk_bytes(ns: dict) -> int:
-    return ns["slot_bytes"] * ns["num_ranks"]
-
-
-def _disk_bytes(root: Path, namespace_id: str) -> int:
-    """Bytes the namespace's (sparse) slab files occupy on disk."""
-    files = slab_dir(root, namespace_id).glob("*.slab")
-    return sum(f.stat().st_blocks * 512 for f in files if f.is_file())
-
-
 def _when(epoch: float | None) -> str | None:
     return None if epoch is None else datetime.fromtimestamp(epoch).isoformat(sep=" ",
                                                                               timespec="seconds")
-
-
-def store_users(root: Path, namespace_id: str | None = None) -> dict[int, str]:
-    """pid -> command name of other processes using the store: holding its slab files open,
-    mapping its LMDB files (/proc, Linux) or listed in LMDB's reader table. With a
-    namespace, only holders of that namespace's slab files count."""
-    slabs = (slab_dir(root, namespace_id) if namespace_id else root / "slabs").resolve()
-    index = {str((root / "index" / n).resolve()) for n in ("data.mdb", "lock.mdb")}
-    users: dict[int, str] = {}
-    proc = Path("/proc")
-    for pid_dir in proc.glob("[0-9]*") if proc.is_dir() else ():
-        pid = int(pid_dir.name)
-        if pid == os.getpid():
-            continue
-        try:
-            maps = set() if namespace_id else {  # the last field of a line is the path
-                line.split(maxsplit=5)[-1] for line in (pid_dir / "maps").read_text().splitlines()}
-            fds = [os.readlink(fd) for fd in (pid_dir / "fd").iterdir()]
-        except OSError:  # gone, or another user's process
-            continue
-        if maps & index or any(f.startswith(f"{slabs}/") for f in fds):
-            users[pid] = _comm(pid)
-    if namespace_id is None:
-        users.update({pid: _comm(pid) for pid in _lmdb_readers(root / "index")})
-    return users
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def _lmdb_readers(index: Path) -> set[int]:
-    """pids in the LMDB reader table (stale slots of dead processes cleared first)."""
-    import lmdb
-
-    try:
-        env = lmdb.open(str(index), readonly=True, lock=True, max_dbs=0)
-    except lmdb.Error:
-        return set()
-    try:
-        env.reader_check()
-        rows = env.readers().splitlines()[1:]
-    finally:
-        env.close()
-    pids = {int(r.split()[0]) for r in rows if r.split() and r.split()[0].isdigit()}
-    return pids - {os.getpid()}
 
 
 # -- inspect -----------------------------------------------------------------------------------
 
 
 def _namespace_report(root: Path, ns: dict) -> dict:
-    c, chunk = ns["counters"], _chunk_bytes(ns)
+    c, chunk = ns["counters"], chunk_bytes(ns)
     return {
         "namespace_id": ns["namespace_id"], "descriptor": ns["descriptor"],
         "created": ns.get("created"), "chunk_tokens": ns["descriptor"].get("chunk_tokens"),
         "slot_bytes": ns["slot_bytes"], "num_ranks": ns["num_ranks"], "chunk_bytes": chunk,
         "chunks": c["entries"], "reserved": c["reserved"], "num_slots": ns["num_slots"],
         "used_bytes": c["entries"] * chunk, "capacity_bytes": ns["num_slots"] * chunk,
-        "disk_bytes": _disk_bytes(root, ns["namespace_id"]),
+        "disk_bytes": disk_bytes(root, ns["namespace_id"]),
         "oldest_access": _when(ns["oldest_access"]), "newest_access": _when(ns["newest_access"]),
         "counters": {k: c[k] for k in ("hits", "misses", "checksum_failures", "commits",
                                        "evictions", "reclaimed") if k in c},
@@ -257,50 +171,20 @@ def _inspect_remote(args: argparse.Namespace) -> int:
 # -- verify ------------------------------------------------------------------------------------
 
 
-def _scan_namespace(root: Path, ns: dict) -> tuple[int, list[tuple]]:
-    """Read and check every chunk of every rank; return (chunks checked, bad entries as
-    (entry, rank, reason)). Read-only: a missing slab file is not created."""
-    nid, ranks, slot_bytes = ns["namespace_id"], ns["num_ranks"], ns["slot_bytes"]
-    slabs: list[SlabFile | None] = []
-    for rank in range(ranks):
-        exists = slab_path(root, nid, rank, ranks).is_file()
-        slabs.append(SlabFile(root, namespace_id=nid, rank=rank, num_ranks=ranks,
-                              slot_bytes=slot_bytes) if exists else None)
-    buf, bad, done = bytearray(slot_bytes), [], 0
-    total, start, last, tty = ns["counters"]["entries"], time.monotonic(), 0.0, sys.stderr.isatty()
-
-    def status(n: int) -> str:
-        rate = n * _chunk_bytes(ns) / max(time.monotonic() - start, 1e-9)
-        return f"verify {nid[:12]}: {n}/{total} chunks, {format_size(int(rate))}/s, {len(bad)} bad"
-
-    try:
-        for entry, _ in iter_entries(root, nid):
-            for rank, slab in enumerate(slabs):
-                result = ReadResult.MISSING if slab is None else slab.read(
-                    entry.slot, buf, entry.checksums[rank])
-                if not result:
-                    bad.append((entry, rank, result.value))
-            done += 1
-            if tty and time.monotonic() - last >= 0.5:
-                last = time.monotonic()
-                sys.stderr.write("\r\033[K" + status(done))
-    finally:
-        for slab in slabs:
-            if slab is not None:
-                slab.close()
-    _err(("\r\033[K" if tty else "") + status(done))
+def _verify_namespace(root: Path, ns: dict) -> tuple[int, list[tuple]]:
+    """scan_namespace with a progress bar on stderr (a line at the end off a terminal)."""
+    nid, total = ns["namespace_id"], ns["counters"]["entries"]
+    bar = tqdm(total=total * chunk_bytes(ns), desc=f"verify {nid[:12]}", unit="B",
+               unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=True,
+               disable=not sys.stderr.isatty())
+    start = time.monotonic()
+    with bar:
+        done, bad = scan_namespace(root, ns, on_chunk=lambda num_bad: (
+            bar.update(chunk_bytes(ns)), bar.set_postfix(bad=num_bad, refresh=False)))
+    rate = done * chunk_bytes(ns) / max(time.monotonic() - start, 1e-9)
+    _err(f"verify {nid[:12]}: {done}/{total} chunks, {format_size(int(rate))}/s, "
+         f"{len(bad)} bad")
     return done, bad
-
-
-def _check_index(root: Path, ns: dict, drop: list) -> list[str]:
-    """Drop ``drop`` (DiskEntry list) from the namespace, then return DiskIndex.check()'s
-    problems. Opening the index reclaims reservations of dead processes."""
-    with DiskIndex.open(root, namespace_id=ns["namespace_id"], descriptor=ns["descriptor"],
-                        slot_bytes=ns["slot_bytes"], num_ranks=ns["num_ranks"], create=False,
-                        capacity_bytes=ns["num_slots"] * _chunk_bytes(ns)) as index:
-        for entry in drop:
-            index.drop(entry.key, entry.slot)
-        return index.check()
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -310,9 +194,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for ns in chosen:
         nid = ns["namespace_id"]
         try:
-            done, bad = _scan_namespace(root, ns)
+            done, bad = _verify_namespace(root, ns)
             entries = list({entry.key: entry for entry, _, _ in bad}.values())
-            problems = _check_index(root, ns, entries if args.repair else [])
+            problems = repair_and_check(root, ns, entries if args.repair else [])
         except StoreError as exc:
             raise CliError(str(exc), EXIT_FAILURE) from None
         for entry, rank, reason in bad:
@@ -356,7 +240,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
                            "misses, never wrong data)", EXIT_BUSY)
         _err(f"warning: clearing while in use by {who} (--force)")
     chunks = sum(n["counters"]["entries"] for n in chosen)
-    size = sum(n["counters"]["entries"] * _chunk_bytes(n) for n in chosen)
+    size = sum(n["counters"]["entries"] * chunk_bytes(n) for n in chosen)
     try:
         clear(root, nid)
     except StoreError as exc:

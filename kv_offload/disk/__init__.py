@@ -1,9 +1,14 @@
 """Disk tier: an LMDB index (scheduler side) over per-rank slab files (worker side).
 
-``DiskIndex`` decides which key lives in which slot; ``SlabFile`` moves a slot's bytes.
+``DiskIndex`` decides which key lives in which slot; ``SlabFile`` moves a slot's bytes;
+the administration helpers list, verify and clear stores. Modules: ``records`` (the
+codec of each on-disk record), ``env`` (this process's LMDB environments and their
+transactions), ``namespace`` (the record changes of one namespace in a transaction),
+``owners`` (who holds a reservation), ``index``, ``slab``, ``admin``, ``errors``.
 See docs/disk-tier.md for the store layout, crash safety and sharing rules.
 """
 
+from kv_offload.disk.admin import clear, iter_entries, list_namespaces
 from kv_offload.disk.errors import (
     NamespaceMismatchError,
     StoreCorruptError,
@@ -11,7 +16,8 @@ from kv_offload.disk.errors import (
     StorePathError,
     StoreVersionError,
 )
-from kv_offload.disk.index import DiskEntry, DiskIndex, clear, iter_entries, list_namespaces
+from kv_offload.disk.index import DiskIndex
+from kv_offload.disk.records import DiskEntry
 from kv_offload.disk.slab import ReadResult, SlabFile
 
 __all__ = [

@@ -4,53 +4,43 @@ Maps chunk keys to slots (the same slot in every rank's slab) with per-rank chec
 keeps the LRU order, free slots, reservations of slots being written and persistent
 counters. Imports lmdb, never torch or vLLM. See docs/disk-tier.md.
 
-The LMDB layout and the transaction-level operations live in store.py.
+Records and their codecs: records.py; the shared LMDB environment: env.py; the record
+changes of one namespace inside a transaction: namespace.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import logging
 import os
 import secrets
-import shutil
-import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 
-from kv_offload.disk.errors import (
-    StoreError,
-    StorePathError,
-)
-from kv_offload.disk.slab import slab_dir, validate_namespace_id
-from kv_offload.disk.store import (
-    _COMMITTED,
-    _HEAD,
-    _LRU_KEY,
-    _MAP_BYTES_PER_SLOT,
-    _RECLAIM_EVERY_S,
-    _STORES,
+from kv_offload.disk.env import StoreEnv, acquire_env, release_env
+from kv_offload.disk.namespace import COMMITTED, NamespaceTxn, open_namespace
+from kv_offload.disk.owners import alive_owner, process_identity
+from kv_offload.disk.records import (
     PERSISTENT_COUNTERS,
     DiskEntry,
+    EntryRecord,
     Owner,
-    _acquire_store,
-    _alive_owner,
-    _check_key,
-    _NsTxn,
-    _open_namespace,
-    _process_identity,
-    _release_store,
-    _Store,
+    check_key,
+    namespace_prefix,
 )
+from kv_offload.disk.slab import validate_namespace_id
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAP_BYTES_PER_SLOT = 1024  # generous index bytes per entry, to pre-size the map
+RECLAIM_EVERY_S = 5.0  # at most one dead-reservation scan per index this often when full
 
 
 class DiskIndex:
@@ -62,22 +52,22 @@ class DiskIndex:
     per-rank checksums turn that into a failed read (a miss), never wrong data.
     """
 
-    def __init__(self, store: _Store, *, record: dict, clock: Callable[[], float]) -> None:
+    def __init__(self, env: StoreEnv, *, record: dict, clock: Callable[[], float]) -> None:
         """Use DiskIndex.open()."""
-        self._store, self._dbs, self._record = store, store.dbs, record
+        self._env, self._dbs, self._record = env, env.dbs, record
         self._namespace_id = record["namespace_id"]
-        self._prefix = self._namespace_id.encode() + b"/"
+        self._prefix = namespace_prefix(self._namespace_id)
         self._num_ranks = record["num_ranks"]
-        self._committed = struct.Struct(f"<xQ8x{self._num_ranks}Q")  # slot, checksums
+        self._committed = EntryRecord.committed(self._num_ranks)  # slot, checksums
         self._clock, self._last_tick = clock, 0
         self._token = secrets.randbits(63)
-        self._owner: Owner = (os.getpid(), _process_identity(os.getpid())[1], self._token)
+        self._owner: Owner = (os.getpid(), process_identity(os.getpid())[1], self._token)
         self._pins: dict[int, int] = {}
         self._pending: dict[bytes, int] = {}  # key -> tick of its latest unflushed access
         self._counts = {"hits": 0, "misses": 0}  # unflushed
         self._next_reclaim = 0.0  # monotonic time of the next reclaim attempt when full
         self._closed = False
-        store.live_tokens.add(self._token)
+        env.live_tokens.add(self._token)
 
     @classmethod
     def open(
@@ -119,27 +109,22 @@ class DiskIndex:
         record = {"namespace_id": namespace_id, "descriptor": json.loads(json.dumps(descriptor)),
                   "slot_bytes": slot_bytes, "num_ranks": num_ranks, "num_slots": num_slots,
                   "created": datetime.now(timezone.utc).isoformat()}
-        store = _acquire_store(Path(root), create=create, map_size=map_size, sync=sync,
-                               allow_unsafe_permissions=allow_unsafe_permissions)
+        env = acquire_env(Path(root), create=create, map_size=map_size, sync=sync,
+                          allow_unsafe_permissions=allow_unsafe_permissions)
         try:
-            store.grow_map(map_size or num_slots * _MAP_BYTES_PER_SLOT)
-            record = store.write(lambda txn: _open_namespace(
-                _NsTxn(txn, store.dbs, namespace_id), record, create=create, store=store))
+            env.grow_map(map_size or num_slots * MAP_BYTES_PER_SLOT)
+            record = env.write(lambda txn: open_namespace(
+                NamespaceTxn(txn, env.dbs, namespace_id), record, create=create,
+                root=env.root, keep=alive_owner(env.live_tokens)))
         except BaseException:
-            _release_store(store)
+            release_env(env)
             raise
-        return cls(store, record=record, clock=clock)
-
-    def lookup_prefix(self, keys: Sequence[bytes]) -> list[DiskEntry]:
-        """``find_prefix``, counted in the persistent hits and misses."""
-        found = self.find_prefix(keys)
-        self.count_lookup(hits=len(found), misses=len(keys) - len(found))
-        return found
+        return cls(env, record=record, clock=clock)
 
     def count_lookup(self, *, hits: int, misses: int) -> None:
         """Add one lookup's outcome to the persistent counters (in memory until the next
         write transaction)."""
-        with self._store.lock:
+        with self._env.lock:
             self._counts["hits"] += hits
             self._counts["misses"] += misses
 
@@ -154,7 +139,7 @@ class DiskIndex:
         found: list[DiskEntry] = []
         prefix, size, unpack = self._prefix, self._committed.size, self._committed.unpack_from
         entries, new = self._dbs["entries"], tuple.__new__  # DiskEntry(...) minus a frame
-        with self._store.read() as txn:
+        with self._env.read() as txn:
             get = txn.get
             for key in keys:
                 value = get(prefix + key, db=entries)
@@ -171,20 +156,20 @@ class DiskIndex:
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is committed. A pure query: records no access."""
         self._check_open()
-        with self._store.read() as txn:
+        with self._env.read() as txn:
             value = txn.get(self._prefix + key, db=self._dbs["entries"])
-        return value is not None and value[0] == _COMMITTED
+        return value is not None and value[0] == COMMITTED
 
     def pin(self, slots: Sequence[int]) -> None:
         """Increment in-memory pin counts; this process never reuses a pinned slot
         (never evicts it, never takes it from the free list)."""
-        with self._store.lock:
+        with self._env.lock:
             for slot in slots:
                 self._pins[slot] = self._pins.get(slot, 0) + 1
 
     def unpin(self, slots: Sequence[int]) -> None:
         """Decrement pin counts. Atomic: ValueError, and no change, if one is not pinned."""
-        with self._store.lock:
+        with self._env.lock:
             need = Counter(slots)
             bad = sorted(s for s, n in need.items() if self._pins.get(s, 0) < n)
             if bad:
@@ -204,9 +189,9 @@ class DiskIndex:
         (unpublished in the same transaction). One write transaction; atomic per call.
         """
         for key in keys:
-            _check_key(key)
+            check_key(key)
 
-        def fn(op: _NsTxn) -> list[int | None]:
+        def fn(op: NamespaceTxn) -> list[int | None]:
             record = op.record()
             if record is None:  # cleared under us: start the namespace over
                 logger.warning("disk tier: namespace %s vanished; recreating", op.namespace_id)
@@ -218,8 +203,8 @@ class DiskIndex:
                     continue
                 slot = op.take_slot(record["num_slots"], self._pins)
                 if slot is None and not tried_reclaim and time.monotonic() > self._next_reclaim:
-                    tried_reclaim, self._next_reclaim = True, time.monotonic() + _RECLAIM_EVERY_S
-                    if op.reclaim(_alive_owner(self._store)):
+                    tried_reclaim, self._next_reclaim = True, time.monotonic() + RECLAIM_EVERY_S
+                    if op.reclaim(alive_owner(self._env.live_tokens)):
                         slot = op.take_slot(record["num_slots"], self._pins)
                 if slot is not None:
                     op.reserve(key, slot, self._owner, tick)
@@ -236,11 +221,11 @@ class DiskIndex:
         is logged; the result tells per item whether it was published. One write txn.
         """
         for key, _slot, checksums in items:
-            _check_key(key)
+            check_key(key)
             if len(checksums) != self._num_ranks:
                 raise ValueError(f"need {self._num_ranks} checksums, got {len(checksums)}")
 
-        def fn(op: _NsTxn) -> list[bool]:
+        def fn(op: NamespaceTxn) -> list[bool]:
             tick = self._tick()
             return [op.publish(key, slot, cs, tick, self._owner) for key, slot, cs in items]
 
@@ -255,7 +240,7 @@ class DiskIndex:
         """Give back slots this index reserved and will not commit (a failed write); they
         go to the free list. Slots not reserved by this index are ignored. One write txn."""
 
-        def fn(op: _NsTxn) -> None:
+        def fn(op: NamespaceTxn) -> None:
             for slot in slots:
                 if op.owner_of(slot) == self._owner:
                     op.unreserve(slot)
@@ -265,9 +250,9 @@ class DiskIndex:
     def drop(self, key: bytes, slot: int) -> bool:
         """Unpublish ``key`` if it still maps to ``slot`` (after a failed read) and free
         the slot; True if dropped. Counts one checksum failure either way. One write txn."""
-        _check_key(key)
+        check_key(key)
 
-        def fn(op: _NsTxn) -> bool:
+        def fn(op: NamespaceTxn) -> bool:
             op.deltas["checksum_failures"] += 1
             dropped = op.unpublish(key, slot)
             if dropped:
@@ -285,13 +270,13 @@ class DiskIndex:
 
     def reclaim_reservations(self) -> int:
         """Free the reservations of dead processes; return how many. One write txn."""
-        return self._write(lambda op: op.reclaim(_alive_owner(self._store)))
+        return self._write(lambda op: op.reclaim(alive_owner(self._env.live_tokens)))
 
     def stats(self) -> dict:
         """Counts of this namespace: persistent counters plus this process's unflushed ones."""
         self._check_open()
-        with self._store.read() as txn:
-            op = _NsTxn(txn, self._dbs, self._namespace_id)
+        with self._env.read() as txn:
+            op = NamespaceTxn(txn, self._dbs, self._namespace_id)
             n = {name: op.counter(name) for name in ("entries", "reserved", "free", "hwm")}
             counters = {name: op.counter(name) for name in PERSISTENT_COUNTERS}
             num_slots = (op.record() or self._record)["num_slots"]
@@ -308,8 +293,8 @@ class DiskIndex:
         missing LRU or reservation records, counter drift), [] when sound. Read-only, one
         read transaction, O(entries): for tests and `kv-offload inspect`."""
         self._check_open()
-        with self._store.read() as txn:
-            return _NsTxn(txn, self._dbs, self._namespace_id).check()
+        with self._env.read() as txn:
+            return NamespaceTxn(txn, self._dbs, self._namespace_id).check()
 
     def close(self) -> None:
         """Flush accesses, release this index's uncommitted reservations, and close the
@@ -321,8 +306,8 @@ class DiskIndex:
             self._write(lambda op: op.reclaim(lambda owner: owner != self._owner))
         finally:
             self._closed = True
-            self._store.live_tokens.discard(self._token)
-            _release_store(self._store)
+            self._env.live_tokens.discard(self._token)
+            release_env(self._env)
 
     def __enter__(self) -> DiskIndex:
         return self
@@ -339,116 +324,20 @@ class DiskIndex:
         self._last_tick = max(int(self._clock() * 1e6), self._last_tick + 1)
         return self._last_tick
 
-    def _write(self, fn: Callable[[_NsTxn], object]):
+    def _write(self, fn: Callable[[NamespaceTxn], T]) -> T:
         """Run ``fn`` in one write transaction after applying the pending accesses, which
         are cleared once it committed."""
         self._check_open()
 
-        def run(txn: lmdb.Transaction):
-            op = _NsTxn(txn, self._dbs, self._namespace_id)
+        def run(txn: lmdb.Transaction) -> T:
+            op = NamespaceTxn(txn, self._dbs, self._namespace_id)
             op.apply_accesses(self._pending, self._counts)
             result = fn(op)
             op.finish()
             return result
 
-        with self._store.lock:
-            result = self._store.write(run)
+        with self._env.lock:
+            result = self._env.write(run)
             self._pending = {}
             self._counts = dict.fromkeys(self._counts, 0)
         return result
-
-
-@contextlib.contextmanager
-def _existing_store(root: str | os.PathLike) -> Iterator[_Store | None]:
-    """The store at ``root`` for a CLI helper, or None when there is none; never creates."""
-    root = Path(root)
-    if not (root / "index" / "data.mdb").exists():
-        yield None
-        return
-    # Inspecting or clearing is what an operator does to an unsafe store: no check.
-    store = _acquire_store(root, create=False, map_size=None, sync=False,
-                           allow_unsafe_permissions=True)
-    try:
-        yield store
-    finally:
-        _release_store(store)
-
-
-def list_namespaces(root: str | os.PathLike) -> list[dict]:
-    """Every namespace of the store: its record, counters, and oldest/newest access in
-    seconds since the epoch (None when empty). Read-only; [] when there is no store."""
-    out = []
-    with _existing_store(root) as store:
-        if store is None:
-            return []
-        with store.read() as txn:
-            for ns, raw in txn.cursor(db=store.dbs["namespaces"]):
-                op, info = _NsTxn(txn, store.dbs, ns.decode()), json.loads(raw)
-                names = ("entries", "reserved", "free", *PERSISTENT_COUNTERS)
-                info["counters"] = {name: op.counter(name) for name in names}
-                cursor = txn.cursor(db=store.dbs["lru"])  # "/" + 1 == "0": past the prefix
-                ok = cursor.prev() if cursor.set_range(op.p[:-1] + b"0") else cursor.last()
-                newest, oldest = cursor.key() if ok else b"", next(op.scan("lru"), None)
-                info["oldest_access"] = _LRU_KEY.unpack(oldest[0])[0] / 1e6 if oldest else None
-                info["newest_access"] = (_LRU_KEY.unpack_from(newest, len(op.p))[0] / 1e6
-                                         if newest.startswith(op.p) else None)
-                out.append(info)
-    return out
-
-
-def iter_entries(root: str | os.PathLike, namespace_id: str) -> Iterator[tuple[DiskEntry, float]]:
-    """Yield (entry, last access in seconds since the epoch) for every committed entry in
-    key order, reading 1024 entries per short read transaction."""
-    validate_namespace_id(namespace_id)
-    with _existing_store(root) as store:
-        start = b""
-        while store is not None:
-            with store.read() as txn:
-                scan = _NsTxn(txn, store.dbs, namespace_id).scan("entries", start)
-                batch = list(itertools.islice(scan, 1025))
-            for key, value in batch[:1024]:
-                if value[0] == _COMMITTED:
-                    _, slot, tick = _HEAD.unpack_from(value)
-                    sums = struct.unpack_from(f"<{(len(value) - _HEAD.size) // 8}Q", value, 17)
-                    yield DiskEntry(key, slot, sums), tick / 1e6
-            if len(batch) <= 1024:
-                return
-            start = batch[1024][0]
-
-
-def clear(root: str | os.PathLike, namespace_id: str | None = None) -> None:
-    """Remove one namespace (index records, then slab files) or, with None, the store.
-
-    Removes only what a store consists of (``index/``, ``slabs/``) and refuses a directory
-    that is not a store. Stop the processes using it first; if not, they see misses, never
-    wrong data. Namespace records are deleted in batches of 10k records per transaction.
-    """
-    root = Path(root)
-    if namespace_id is None:
-        if not (root / "index").is_dir() and not (root / "slabs").is_dir():
-            raise StorePathError(f"{root} is not a kv-offload disk store (no index/ or slabs/)")
-        if any(s.root.resolve() == root.resolve() for s in list(_STORES.values())):
-            raise StoreError(f"the disk store {root} is open in this process; close it first")
-        shutil.rmtree(root / "index")
-        shutil.rmtree(root / "slabs", ignore_errors=True)
-        with contextlib.suppress(OSError):
-            root.rmdir()
-        return
-    validate_namespace_id(namespace_id)
-
-    def delete_batch(txn: lmdb.Transaction) -> bool:
-        prefix, left = namespace_id.encode() + b"/", 10_000
-        for db in ("entries", "slots", "lru", "free", "reservations", "counters"):
-            cursor = txn.cursor(db=store.dbs[db])
-            while left and cursor.set_range(prefix) and cursor.key().startswith(prefix):
-                cursor.delete()
-                left -= 1
-        if left:
-            txn.delete(namespace_id.encode(), db=store.dbs["namespaces"])
-        return left > 0
-
-    with _existing_store(root) as store:
-        while store is not None and not store.write(delete_batch):
-            pass
-    shutil.rmtree(slab_dir(root, namespace_id), ignore_errors=True)
-

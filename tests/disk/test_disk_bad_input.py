@@ -120,9 +120,9 @@ def test_disk_full_write_is_released_and_tier_keeps_working(tmp_path, monkeypatc
     assert info.value.errno == errno.ENOSPC
     index.release([slot])
     monkeypatch.undo()
-    assert index.lookup_prefix([key(1)]) == [] and index.stats()["reserved"] == 0
+    assert index.find_prefix([key(1)]) == [] and index.stats()["reserved"] == 0
     assert store_one(index, slab, 1) == slot
-    (entry,) = index.lookup_prefix([key(1)])
+    (entry,) = index.find_prefix([key(1)])
     out = np.empty(SLOT, np.uint8)
     assert slab.read(entry.slot, out, entry.checksums[0]) and np.array_equal(out, chunk(1))
     assert index.check() == []
@@ -135,7 +135,7 @@ def test_slab_truncated_deleted_or_replaced_under_a_running_store(tmp_path):
     failed entries are dropped and new writes recreate the file."""
     index, slab = open_index(tmp_path), open_slab(tmp_path)
     slots = [store_one(index, slab, i) for i in range(4)]
-    entries = index.lookup_prefix([key(i) for i in range(4)])
+    entries = index.find_prefix([key(i) for i in range(4)])
     out = np.empty(SLOT, np.uint8)
 
     os.truncate(slab.path, 2 * SLOT)
@@ -154,7 +154,7 @@ def test_slab_truncated_deleted_or_replaced_under_a_running_store(tmp_path):
     assert other.read(slots[1], out, entries[1].checksums[0]) is ReadResult.CHECKSUM_MISMATCH
 
     new_slot = store_one(index, slab, 9)  # the writer reopens the path it now names
-    (entry,) = index.lookup_prefix([key(9)])
+    (entry,) = index.find_prefix([key(9)])
     assert other.read(new_slot, out, entry.checksums[0]) and np.array_equal(out, chunk(9))
     assert index.stats()["counters"]["checksum_failures"] == 4
     for handle in (index, slab, other):
@@ -171,7 +171,7 @@ def test_lmdb_map_full_grows_instead_of_crashing(tmp_path):
     assert index.stats()["num_entries"] == 5000 and index.check() == []
     index.close()
     index = open_index(tmp_path, num_slots=6000, map_size=64 * 1024)
-    assert len(index.lookup_prefix([key(i) for i in range(5000)])) == 5000
+    assert len(index.find_prefix([key(i) for i in range(5000)])) == 5000
     index.close()
 
 

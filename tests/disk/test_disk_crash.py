@@ -62,7 +62,7 @@ def writer(root: str, seed: int) -> None:
                 sums = [slab.write(slot, expected_bytes(key, r)) for r, slab in enumerate(slabs)]
                 items.append((key, slot, tuple(sums)))
         index.commit(items)
-        for entry in index.lookup_prefix([keys[0]]):
+        for entry in index.find_prefix([keys[0]]):
             index.pin([entry.slot])
             if not slabs[1].read(entry.slot, buf, entry.checksums[1]):
                 index.drop(entry.key, entry.slot)

@@ -63,19 +63,19 @@ def test_key_visible_only_after_commit(index):
     """Invariant 1: a reserved key is invisible to lookups until commit."""
     (slot,) = index.allocate([key(1)])
     assert slot is not None
-    assert index.lookup_prefix([key(1)]) == []
+    assert index.find_prefix([key(1)]) == []
     assert not index.contains(key(1))
     assert index.commit([(key(1), slot, (123,))]) == [True]
-    (entry,) = index.lookup_prefix([key(1)])
+    (entry,) = index.find_prefix([key(1)])
     assert (entry.key, entry.slot, entry.checksums) == (key(1), slot, (123,))
     assert index.contains(key(1))
 
 
 def test_lookup_returns_longest_present_prefix(index):
     store(index, [key(1), key(2), key(4)])
-    found = index.lookup_prefix([key(1), key(2), key(3), key(4)])
+    found = index.find_prefix([key(1), key(2), key(3), key(4)])
     assert [e.key for e in found] == [key(1), key(2)]
-    assert index.lookup_prefix([]) == []
+    assert index.find_prefix([]) == []
 
 
 def test_allocate_skips_present_and_reserved_keys(index):
@@ -114,11 +114,11 @@ def test_random_operations_keep_slots_unique(index, tmp_path):
             del reserved[slot]
             index.release([slot])
         elif op < 0.9:
-            for entry in index.lookup_prefix([key(rng.randrange(40))]):
+            for entry in index.find_prefix([key(rng.randrange(40))]):
                 assert entry.slot not in reserved
                 index.drop(entry.key, entry.slot)
         else:
-            index.lookup_prefix([key(rng.randrange(40)) for _ in range(3)])
+            index.find_prefix([key(rng.randrange(40)) for _ in range(3)])
         assert index.check() == []
     held = [e.slot for e, _ in iter_entries(tmp_path / "store", "ab")] + list(reserved)
     assert len(held) == len(set(held))
@@ -131,7 +131,7 @@ def test_pinned_slot_never_evicted(index):
     new = index.allocate([key(100 + i) for i in range(6)])
     assert new[:5] == slots[3:] and new[5] is None
     first_three = [key(0), key(1), key(2)]
-    assert [e.key for e in index.lookup_prefix(first_three)] == first_three
+    assert [e.key for e in index.find_prefix(first_three)] == first_three
     index.unpin(slots[:3])
     assert index.allocate([key(200)]) == [slots[0]]
 
@@ -147,8 +147,8 @@ def test_unpin_is_atomic_and_checked(index):
 def test_lru_eviction_follows_access_ticks(index):
     """Victims go in order of last access; a lookup refreshes an entry's position."""
     slots = store(index, [key(i) for i in range(8)])
-    index.lookup_prefix([key(0)])
-    index.lookup_prefix([key(3), key(4)])
+    index.find_prefix([key(0)])
+    index.find_prefix([key(3), key(4)])
     victims = index.allocate([key(100 + i) for i in range(8)])
     assert victims == [slots[i] for i in (1, 2, 5, 6, 7, 0, 3, 4)]
 
@@ -158,13 +158,14 @@ def test_access_ticks_batched_until_flush(tmp_path):
     clock = FakeClock()
     ix = make_index(tmp_path, num_slots=4, clock=clock)
     slots = store(ix, [key(i) for i in range(4)])
-    ix.lookup_prefix([key(0)])
-    ix.lookup_prefix([key(1)])
+    ix.find_prefix([key(0)])
+    ix.find_prefix([key(1)])
+    ix.count_lookup(hits=2, misses=0)
     assert ix.stats()["pending_accesses"] == 2
     ix.flush_access()
     stats = ix.stats()
     assert stats["pending_accesses"] == 0 and stats["counters"]["hits"] == 2
-    ix.lookup_prefix([key(2)])
+    ix.find_prefix([key(2)])
     ix.close()
     ix = make_index(tmp_path, num_slots=4, clock=clock)
     assert ix.allocate([key(9)]) == [slots[3]]
@@ -177,11 +178,11 @@ def test_namespaces_never_see_each_others_keys(tmp_path):
     a = make_index(tmp_path, namespace_id="aa")
     b = make_index(tmp_path, namespace_id="bb", num_slots=4)
     (slot_a,) = store(a, [key(1)])
-    assert b.lookup_prefix([key(1)]) == [] and not b.contains(key(1))
+    assert b.find_prefix([key(1)]) == [] and not b.contains(key(1))
     (slot_b,) = store(b, [key(1)])
     assert slot_a == slot_b == 0
     clear(tmp_path, "aa")
-    assert a.lookup_prefix([key(1)]) == [] and len(b.lookup_prefix([key(1)])) == 1
+    assert a.find_prefix([key(1)]) == [] and len(b.find_prefix([key(1)])) == 1
     by_id = {ns["namespace_id"]: ns for ns in list_namespaces(tmp_path)}
     assert set(by_id) == {"bb"} and by_id["bb"]["counters"]["entries"] == 1
     assert by_id["bb"]["descriptor"] == {"model": "toy", "ns": "bb"}
@@ -213,10 +214,12 @@ def test_capacity_grows_but_never_shrinks(tmp_path, caplog):
 def test_entries_and_counters_survive_reopen(tmp_path):
     ix = make_index(tmp_path)
     store(ix, [key(1), key(2)])
-    ix.lookup_prefix([key(1), key(3)])
+    assert len(ix.find_prefix([key(1), key(3)])) == 1
+    ix.count_lookup(hits=1, misses=1)
     ix.close()
     ix = make_index(tmp_path)
-    assert [e.key for e in ix.lookup_prefix([key(1), key(2)])] == [key(1), key(2)]
+    assert [e.key for e in ix.find_prefix([key(1), key(2)])] == [key(1), key(2)]
+    ix.count_lookup(hits=2, misses=0)
     counters = ix.stats()["counters"]
     assert (counters["hits"], counters["misses"], counters["commits"]) == (3, 1, 2)
     ix.close()
@@ -228,7 +231,8 @@ def test_list_namespaces_reports_oldest_and_newest_access(tmp_path):
     store(ix, [key(1)])
     first = clock.now
     store(ix, [key(2)])
-    ix.lookup_prefix([key(2)])
+    ix.find_prefix([key(2)])
+    ix.count_lookup(hits=1, misses=0)
     ix.close()
     (info,) = list_namespaces(tmp_path)
     assert info["oldest_access"] == pytest.approx(first, abs=1e-3)
@@ -240,7 +244,7 @@ def test_release_and_lost_reservation(index):
     (slot,) = index.allocate([key(1)])
     index.release([slot])
     assert index.commit([(key(1), slot, (0,))]) == [False]
-    assert index.lookup_prefix([key(1)]) == []
+    assert index.find_prefix([key(1)]) == []
     assert index.allocate([key(2)]) == [slot]  # back on the free list
 
 
@@ -273,7 +277,7 @@ def test_concurrent_threads_share_one_index(index):
             pairs = [(k, s) for k, s in zip(keys, slots) if s is not None]
             index.commit([(k, s, (s,)) for k, s in pairs])
             won.extend(pairs)
-            index.lookup_prefix(keys)
+            index.find_prefix(keys)
 
     threads = [threading.Thread(target=worker, args=(n * 7,)) for n in range(4)]
     for t in threads:

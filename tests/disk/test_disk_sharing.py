@@ -55,7 +55,7 @@ def read_all(index: DiskIndex, slab: SlabFile, keys: list[bytes]) -> tuple[int, 
     """(verified, failed) reads of the keys found; a verified read must hold right bytes."""
     buf, verified, failed = np.empty(SLOT, np.uint8), 0, 0
     for key in keys:
-        for entry in index.lookup_prefix([key]):
+        for entry in index.find_prefix([key]):
             index.pin([entry.slot])
             if slab.read(entry.slot, buf, entry.checksums[0]):
                 if not np.array_equal(buf, chunk_bytes(key)):

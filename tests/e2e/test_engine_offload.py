@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_offload.disk.index import list_namespaces
+from kv_offload.disk import list_namespaces
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 from kv_offload.testing.workload import run_in_subprocess
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_offload.disk.index import iter_entries, list_namespaces
+from kv_offload.disk import iter_entries, list_namespaces
 from kv_offload.testing.redis_server import RedisServer
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 from kv_offload.testing.workload import run_in_subprocess

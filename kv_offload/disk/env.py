@@ -1,0 +1,266 @@
+"""This process's LMDB environment of each disk store, and its transactions.
+
+LMDB forbids opening one environment twice in a process, so every DiskIndex (and every
+administration helper) of a store in this process shares one ``StoreEnv`` from the
+registry (``acquire_env`` / ``release_env``). Every transaction runs under the
+environment's lock, through ``StoreEnv.transaction``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+
+from kv_offload.checksum import CHECKSUM_ALGORITHM
+from kv_offload.disk.errors import (
+    StoreCorruptError,
+    StoreError,
+    StorePathError,
+    StoreVersionError,
+)
+from kv_offload.disk.records import DB_NAMES, FORMAT_VERSION
+from kv_offload.disk.slab import DIR_MODE, check_private, make_private_dirs
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MIN_MAP_SIZE = 64 << 10
+DEFAULT_MAP_SIZE = 64 << 20
+_CORRUPT = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
+            lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadChecksumError, lmdb.IncompatibleError)
+_LMDB_MAGIC = 0xBEEFC0DE
+# An LMDB meta page (64-bit): 16-byte page header, magic, version, address, map size,
+# two MDB_db records (the first's md_pad is the page size), last used page, txn id.
+_META_PAGE = struct.Struct("<16xII16xI92xQQ")  # magic, version, page size, last page, txnid
+
+
+def clear_hint(root: Path) -> str:
+    return f"it is only a cache: run `kv-offload clear {root}` or delete that directory"
+
+
+def lmdb_failure(store_root: Path, exc: Exception) -> StoreError:
+    """Translate an LMDB error into the StoreError that tells the user what to do."""
+    index_dir = store_root / "index"
+    if isinstance(exc, _CORRUPT):
+        return StoreCorruptError(
+            f"the disk-tier index {index_dir} is unreadable or corrupt ({exc}); "
+            + clear_hint(store_root)
+        )
+    if isinstance(exc, lmdb.ReadonlyError):
+        return StorePathError(
+            f"the disk-tier index {index_dir} is not writable ({exc}); fix its permissions "
+            "or choose another disk path"
+        )
+    return StoreError(f"the disk-tier index {index_dir} failed: {exc}")
+
+
+def check_data_file(root: Path) -> None:
+    """Raise StoreCorruptError when ``index/data.mdb`` is shorter than its newest meta page
+    says. LMDB maps the file, so reading past its end (a copy cut short, an OS crash with
+    ``sync=False``) would kill the process with SIGBUS instead of raising."""
+    path = root / "index" / "data.mdb"
+    try:
+        with open(path, "rb") as f:
+            first = f.read(_META_PAGE.size)
+            if len(first) < _META_PAGE.size:
+                return  # a new store, or too short to be LMDB (lmdb.open says so)
+            page_size = _META_PAGE.unpack(first)[2]
+            if _META_PAGE.unpack(first)[0] != _LMDB_MAGIC or not 512 <= page_size <= 1 << 16:
+                return  # not an LMDB file: lmdb.open says so
+            f.seek(page_size)
+            second = f.read(_META_PAGE.size)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return
+    metas = [_META_PAGE.unpack(first)]
+    if len(second) == _META_PAGE.size and _META_PAGE.unpack(second)[0] == _LMDB_MAGIC:
+        metas.append(_META_PAGE.unpack(second))
+    needed = (max(metas, key=lambda m: m[4])[3] + 1) * page_size
+    if size < needed:
+        raise StoreCorruptError(
+            f"the disk-tier index {path} is cut short ({size} of {needed} bytes); "
+            + clear_hint(root))
+
+
+class StoreEnv:
+    """This process's LMDB environment of one store.
+
+    Every transaction of every DiskIndex on the store in this process runs under
+    ``lock``, which also makes resizing the map safe (it needs no live transaction).
+    ``live_tokens`` holds the instance tokens of the open DiskIndex objects.
+    """
+
+    def __init__(self, root: Path, *, map_size: int, sync: bool) -> None:
+        self.root, self.lock, self.refs = root, threading.RLock(), 0
+        self.live_tokens: set[int] = set()
+        check_data_file(root)
+        try:
+            self.env = lmdb.open(
+                str(root / "index"), map_size=map_size, subdir=True, max_dbs=len(DB_NAMES),
+                sync=sync, metasync=sync, readahead=False, meminit=False, mode=DIR_MODE,
+                max_spare_txns=4,
+            )
+        except lmdb.Error as exc:
+            raise lmdb_failure(root, exc) from exc
+        try:
+            self.dbs = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
+            self.write(self._check_format)
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _check_format(self, txn: lmdb.Transaction) -> None:
+        raw = txn.get(b"format_version", db=self.dbs["meta"])
+        if raw is None and not txn.stat(self.dbs["namespaces"])["entries"]:
+            for name, value in ((b"format_version", str(FORMAT_VERSION)),
+                                (b"created", datetime.now(timezone.utc).isoformat()),
+                                (b"checksum", CHECKSUM_ALGORITHM)):
+                txn.put(name, value.encode(), db=self.dbs["meta"])
+            return
+        if raw is None or not raw.isdigit():
+            raise StoreCorruptError(
+                f"the disk-tier index {self.root / 'index'} has no readable format version; "
+                + clear_hint(self.root)
+            )
+        if int(raw) > FORMAT_VERSION:
+            raise StoreVersionError(
+                f"the disk store {self.root} was written by a newer kv-offload (format version "
+                f"{int(raw)}; this one reads up to {FORMAT_VERSION}); upgrade kv-offload, choose "
+                f"another disk path, or run `kv-offload clear {self.root}`"
+            )
+
+    @contextlib.contextmanager
+    def transaction(self, *, write: bool = False) -> Iterator[lmdb.Transaction]:
+        """One LMDB transaction under the store lock: committed when the block ends
+        normally (``write``), aborted when it raises.
+
+        LMDB errors become StoreError subclasses, except ``lmdb.MapFullError``, which
+        ``write`` handles. Keep read transactions short: a long one pins old pages.
+        """
+        with self.lock:
+            try:
+                try:
+                    txn = self.env.begin(write=write)
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                    self.env.set_mapsize(0)
+                    txn = self.env.begin(write=write)
+                with txn:
+                    yield txn
+            except lmdb.MapFullError:
+                raise
+            except lmdb.Error as exc:
+                raise lmdb_failure(self.root, exc) from exc
+
+    def read(self) -> contextlib.AbstractContextManager[lmdb.Transaction]:
+        """A short read transaction (``transaction()``)."""
+        return self.transaction()
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn(txn)`` in one write transaction and commit; return its result.
+
+        Atomic: if ``fn`` raises, nothing is written. A callback rather than a ``with``
+        block because on a full map the map is grown and ``fn`` runs again from scratch
+        (so ``fn`` must not mutate in-memory state).
+        """
+        with self.lock:
+            while True:
+                try:
+                    with self.transaction(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self.grow_map(2 * self.env.info()["map_size"])
+
+    def grow_map(self, new_size: int) -> None:
+        """Grow the memory map to at least ``new_size`` bytes; never shrinks it."""
+        with self.lock:
+            old = self.env.info()["map_size"]
+            if new_size > old:
+                self.env.set_mapsize(new_size)
+                logger.info("disk tier: index map grown from %d to %d KiB", old >> 10,
+                            new_size >> 10)
+
+
+_ENVS: dict[tuple[int, int, int], StoreEnv] = {}  # (pid, st_dev, st_ino) of index/ -> env
+_ENVS_LOCK = threading.Lock()
+
+
+def acquire_env(root: Path, *, create: bool, map_size: int | None, sync: bool,
+                allow_unsafe_permissions: bool = False) -> StoreEnv:
+    """Open, or share, this process's environment of the store at ``root``. Unless
+    ``allow_unsafe_permissions``, refuses (StorePathError) a store directory or index
+    file owned by another user or writable by group or others. Pair with release_env."""
+    try:
+        if root.exists() and not root.is_dir():
+            raise StorePathError(
+                f"disk store path {root} is a file, not a directory; point the disk tier at "
+                "a directory (or remove the file)"
+            )
+        if not create and not (root / "index" / "data.mdb").exists():
+            raise StorePathError(f"no disk store at {root} (missing index/data.mdb)")
+        make_private_dirs(root, "index", allow_unsafe_permissions=allow_unsafe_permissions)
+        for name in ("data.mdb", "lock.mdb"):
+            with contextlib.suppress(FileNotFoundError):
+                path = root / "index" / name
+                check_private(path, os.stat(path), allow_unsafe=allow_unsafe_permissions)
+        st = os.stat(root / "index")
+    except PermissionError as exc:
+        raise StorePathError(
+            f"cannot access the disk store {root}: {exc.strerror}; fix its permissions or "
+            "choose another disk path"
+        ) from exc
+    ident = (os.getpid(), st.st_dev, st.st_ino)
+    with _ENVS_LOCK:
+        env = _ENVS.get(ident)
+        if env is None:
+            size = max(map_size or DEFAULT_MAP_SIZE, MIN_MAP_SIZE)
+            env = _ENVS[ident] = StoreEnv(root, map_size=size, sync=sync)
+        env.refs += 1
+    return env
+
+
+def release_env(env: StoreEnv) -> None:
+    """Drop one reference; the last one syncs and closes the environment."""
+    # The environment is closed while _ENVS_LOCK is held: a concurrent acquire_env of
+    # the same files must not open a second environment before this one is closed
+    # (LMDB forbids two in one process).
+    with _ENVS_LOCK:
+        env.refs -= 1
+        if env.refs > 0:
+            return
+        for ident in [i for i, e in _ENVS.items() if e is env]:
+            del _ENVS[ident]
+        with env.lock:
+            with contextlib.suppress(lmdb.Error):
+                env.env.sync(True)
+            env.env.close()
+
+
+def is_open_here(root: Path) -> bool:
+    """Whether this process holds an environment of the store at ``root``."""
+    return any(e.root.resolve() == root.resolve() for e in list(_ENVS.values()))
+
+
+@contextlib.contextmanager
+def existing_env(root: str | os.PathLike) -> Iterator[StoreEnv | None]:
+    """The environment of the store at ``root`` for an administration helper, or None
+    when there is no store; never creates one."""
+    root = Path(root)
+    if not (root / "index" / "data.mdb").exists():
+        yield None
+        return
+    # Inspecting or clearing is what an operator does to an unsafe store: no check.
+    env = acquire_env(root, create=False, map_size=None, sync=False,
+                      allow_unsafe_permissions=True)
+    try:
+        yield env
+    finally:
+        release_env(env)

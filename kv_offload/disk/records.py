@@ -1,0 +1,174 @@
+"""The on-disk records of the disk-tier index: one codec per LMDB record.
+
+Pure byte packing: no lmdb, no I/O. ``P`` below is ``<namespace_id>/`` in ASCII; ``be64``
+is 8-byte big-endian, so that cursors walk slots and ticks in order.
+
+  meta          format_version -> b"1", created -> ISO time, checksum -> b"xxh3_64"
+  namespaces    namespace_id -> pretty JSON (NamespaceRecord)
+  entries       P + key -> EntryRecord <state u8, slot u64, tick u64, checksum u64 * ranks>
+  slots         P + be64(slot) -> key                (every reserved or committed slot)
+  lru           P + LruKey <be64(tick), be64(slot)> -> key  (committed, oldest first)
+  free          P + be64(slot) -> b""                (released slots below the hwm)
+  reservations  P + be64(slot) -> OwnerRecord <pid, process start, instance token, time>
+  counters      P + name -> CounterRecord u64 (hwm, entries, reserved, free, hits, ...)
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import struct
+from typing import NamedTuple
+
+FORMAT_VERSION = 1
+MAX_KEY_BYTES = 64
+DB_NAMES = ("meta", "namespaces", "entries", "slots", "lru", "free", "reservations", "counters")
+PERSISTENT_COUNTERS = ("hits", "misses", "checksum_failures", "commits", "evictions", "reclaimed")
+
+Owner = tuple[int, int, int]  # pid, process start time (0: unknown), instance token
+
+
+class EntryState(enum.IntEnum):
+    """First byte of an entries record."""
+
+    RESERVED = 0  # a slot being written: no checksums, invisible to lookups
+    COMMITTED = 1  # visible to lookups
+
+
+class DiskEntry(NamedTuple):
+    """A committed chunk: its key, its slot (same in every rank's slab), per-rank checksums.
+
+    Immutable and slotted. A NamedTuple rather than a frozen dataclass because lookups
+    build one per hit and the tuple is twice as cheap to construct (the 5 us/key budget).
+    """
+
+    key: bytes
+    slot: int
+    checksums: tuple[int, ...]
+
+
+class EntryRecord:
+    """Codec of an ``entries`` value: <state u8, slot u64, tick u64, checksum u64 * ranks>.
+
+    A reserved record is the 17-byte head alone; a committed one carries one checksum per
+    rank, so its length alone tells a committed record of ``num_ranks`` ranks apart.
+    """
+
+    HEAD = struct.Struct("<BQQ")  # state, slot, tick
+
+    @classmethod
+    def pack(cls, state: EntryState, slot: int, tick: int,
+             checksums: tuple[int, ...] | list[int] = ()) -> bytes:
+        return cls.HEAD.pack(state, slot, tick) + _u64s(len(checksums)).pack(*checksums)
+
+    @classmethod
+    def head(cls, value: bytes) -> tuple[int, int, int]:
+        """(state, slot, tick) of a record; compare the state with EntryState."""
+        return cls.HEAD.unpack_from(value)
+
+    @classmethod
+    def checksums(cls, value: bytes) -> tuple[int, ...]:
+        return _u64s((len(value) - cls.HEAD.size) // 8).unpack_from(value, cls.HEAD.size)
+
+    @classmethod
+    def with_tick(cls, value: bytes, tick: int) -> bytes:
+        """The same record with a new access tick."""
+        state, slot, _ = cls.HEAD.unpack_from(value)
+        return cls.HEAD.pack(state, slot, tick) + value[cls.HEAD.size:]
+
+    @staticmethod
+    @functools.cache
+    def committed(num_ranks: int) -> struct.Struct:
+        """Lookup fast path: a Struct whose ``size`` is that of a committed record of
+        ``num_ranks`` ranks and whose ``unpack_from`` gives (slot, *checksums)."""
+        return struct.Struct(f"<xQ8x{num_ranks}Q")
+
+
+class LruKey:
+    """Codec of an ``lru`` key (without the namespace prefix): be64 tick, be64 slot."""
+
+    STRUCT = struct.Struct(">QQ")
+
+    @classmethod
+    def pack(cls, tick: int, slot: int) -> bytes:
+        return cls.STRUCT.pack(tick, slot)
+
+    @classmethod
+    def tick(cls, key: bytes, offset: int = 0) -> int:
+        return cls.STRUCT.unpack_from(key, offset)[0]
+
+
+class SlotKey:
+    """Codec of a slot number in ``slots``, ``free`` and ``reservations`` keys: be64."""
+
+    STRUCT = struct.Struct(">Q")
+
+    @classmethod
+    def pack(cls, slot: int) -> bytes:
+        return cls.STRUCT.pack(slot)
+
+    @classmethod
+    def unpack(cls, key: bytes) -> int:
+        """The slot of a key that ends with it (a ``free`` key, or an ``lru`` key)."""
+        return cls.STRUCT.unpack_from(key, len(key) - 8)[0]
+
+
+class OwnerRecord:
+    """Codec of a ``reservations`` value: pid, process start time, instance token, time."""
+
+    STRUCT = struct.Struct("<QQQd")
+
+    @classmethod
+    def pack(cls, owner: Owner, reserved_at: float) -> bytes:
+        return cls.STRUCT.pack(*owner, reserved_at)
+
+    @classmethod
+    def owner(cls, value: bytes) -> Owner:
+        pid, start, token, _ = cls.STRUCT.unpack(value)
+        return pid, start, token
+
+
+class CounterRecord:
+    """Codec of a ``counters`` value: u64 little-endian."""
+
+    STRUCT = struct.Struct("<Q")
+
+    @classmethod
+    def pack(cls, value: int) -> bytes:
+        return cls.STRUCT.pack(value)
+
+    @classmethod
+    def unpack(cls, value: bytes | None) -> int:
+        return 0 if value is None else cls.STRUCT.unpack(value)[0]
+
+
+class NamespaceRecord:
+    """Codec of a ``namespaces`` value: pretty JSON with namespace_id, descriptor,
+    slot_bytes, num_ranks, num_slots and created."""
+
+    @staticmethod
+    def pack(record: dict) -> bytes:
+        return json.dumps(record, indent=2, sort_keys=True).encode()
+
+    @staticmethod
+    def unpack(value: bytes | None) -> dict | None:
+        return None if value is None else json.loads(value)
+
+
+def namespace_prefix(namespace_id: str) -> bytes:
+    """``P``: the prefix of every key of the namespace in the shared sub-databases."""
+    return namespace_id.encode("ascii") + b"/"
+
+
+def check_key(key: bytes) -> None:
+    """TypeError/ValueError unless ``key`` is a chunk key that fits a record."""
+    if not isinstance(key, bytes):
+        raise TypeError(f"chunk keys must be bytes, got {type(key).__name__}")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"chunk keys must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+@functools.cache
+def _u64s(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}Q")
