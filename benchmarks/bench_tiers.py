@@ -155,7 +155,7 @@ def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, threads: 
 
     def load() -> None:
         for b in range(0, len(keys), BATCH):
-            entries = index.lookup_prefix(keys[b : b + BATCH])
+            entries = index.find_prefix(keys[b : b + BATCH])
             index.pin([e.slot for e in entries])
             ok = list(mapper(read, entries, range(b, b + len(entries))))
             index.unpin([e.slot for e in entries])
@@ -362,7 +362,7 @@ def bench_checksums(quick: bool) -> list[dict]:
 
 
 def bench_lookup(args: argparse.Namespace, base: Path) -> list[dict]:
-    """Per-key cost of lookup_prefix(64 keys) as the index grows; insert cost alongside."""
+    """Per-key cost of find_prefix(64 keys) as the index grows; insert cost alongside."""
     root = Path(tempfile.mkdtemp(dir=base))
     largest = max(args.lookup_keys)
     index = DiskIndex.open(root, namespace_id="100c", descriptor={"bench": "lookup"},
@@ -385,13 +385,13 @@ def bench_lookup(args: argparse.Namespace, base: Path) -> list[dict]:
             start_at = rng.randrange(len(keys) - 64)
             batch = keys[start_at : start_at + 64]
             start = time.perf_counter()
-            found = index.lookup_prefix(batch)
+            found = index.find_prefix(batch)
             lookup_s += time.perf_counter() - start
             if len(found) != 64:
                 raise RuntimeError("lookup bench: keys went missing")
             if n % 100 == 99:  # the scheduler flushes accesses periodically
                 flush_s += timed(index.flush_access)
-        miss = min(timed(partial(index.lookup_prefix, [os.urandom(32)] + keys[:63]))
+        miss = min(timed(partial(index.find_prefix, [os.urandom(32)] + keys[:63]))
                    for _ in range(200))
         rows.append({
             "keys": target,
@@ -430,7 +430,7 @@ def print_tables(result: dict) -> None:
     print("\nChecksums (GB/s)")
     for r in result["checksums"]:
         print(f"{r['chunk'] // KiB:>5} KiB {r['algorithm']:<18} {r['gbps']:>7.2f}")
-    print("\nIndex lookup_prefix(64 keys)")
+    print("\nIndex find_prefix(64 keys)")
     for r in result["lookup"]:
         print(f"{r['keys']:>9} keys: {r['lookup_us_per_key']:.2f} us/key lookup, "
               f"{r['flush_us_per_key']:.2f} us/key access flush, {r['miss_us_per_call']:.1f} us "
