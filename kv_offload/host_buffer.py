@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kv_offload.copy.base import InsufficientHostMemoryError
+
 __all__ = [
     "HostSlots",
     "InsufficientHostMemoryError",
@@ -18,8 +20,6 @@ __all__ = [
 ]
 
 
-class InsufficientHostMemoryError(ValueError):
-    """The requested host buffer does not fit in the memory the system has available."""
 
 
 class HostSlots:

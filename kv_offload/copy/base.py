@@ -12,11 +12,16 @@ import numpy as np
 
 from kv_offload.copy.plan import Direction
 
-__all__ = ["CopyEngine", "CopyEngineClosedError", "CopyHandle", "CudaUnavailableError"]
+__all__ = ["CopyEngine", "CopyEngineClosedError", "CopyHandle", "CudaUnavailableError",
+           "InsufficientHostMemoryError"]
 
 
 class CudaUnavailableError(RuntimeError):
     """CuPy or a CUDA device is needed (pinned memory, the CuPy engine) but missing."""
+
+
+class InsufficientHostMemoryError(ValueError):
+    """The requested host buffer does not fit in the memory the system has available."""
 
 
 class CopyEngineClosedError(RuntimeError):
@@ -59,6 +64,12 @@ class CopyEngine(abc.ABC):
     @abc.abstractmethod
     def wait(self, handle: CopyHandle) -> None:
         """Block the calling thread until the copy has completed."""
+
+    def current_stream(self) -> object | None:
+        """A token naming the calling thread's compute stream, to order a copy issued
+        later from another thread after it (``after=`` of engines that take it). None
+        for engines without streams."""
+        return None
 
     def order_before_compute(self) -> None:
         """Make later compute wait (device-side, no host sync) for the copies issued so

@@ -10,10 +10,13 @@ Ordering (per call, all GPU-side, no host synchronisation):
   other and the model;
 - ``store``/``load`` first record an event on the *compute stream* and make the copy
   stream wait on it, so a store sees every kernel enqueued before the call (the
-  finished forward pass) and a load does not overtake earlier work on its blocks;
-- ``order_before_compute()`` makes the compute stream wait for the latest store and
-  load, so the next forward can neither overwrite blocks still being copied out nor
-  read blocks still being loaded;
+  finished forward pass) and a load does not overtake earlier work on its blocks. The
+  compute stream is resolved per call: the ``after`` stream the caller captured with
+  ``current_stream()`` on vLLM's thread, else the stream current on the calling thread
+  (never one captured at construction: vLLM may run forwards on another stream later);
+- ``order_before_compute()`` makes the calling thread's current stream wait for the
+  latest store and load, so the next forward can neither overwrite blocks still being
+  copied out nor read blocks still being loaded;
 - completion is an event per call: ``is_done`` queries it, ``wait`` blocks on it.
 
 Copies are issued either as one ``cudaMemcpyAsync`` per coalesced byte range (DMA
@@ -38,6 +41,7 @@ from kv_offload.copy.base import (
     CopyEngineClosedError,
     CopyHandle,
     CudaUnavailableError,
+    InsufficientHostMemoryError,
 )
 from kv_offload.copy.plan import (
     ByteRanges,
@@ -50,7 +54,6 @@ from kv_offload.copy.plan import (
     split_byte_ranges,
 )
 from kv_offload.copy.planes import describe_planes
-from kv_offload.host_buffer import HostSlots, InsufficientHostMemoryError
 
 __all__ = ["CupyCopyEngine", "alloc_pinned_host", "cuda_available"]
 
@@ -203,16 +206,16 @@ class CupyCopyEngine(CopyEngine):
     """Copies chunks between CUDA planes and pinned host slots on two CUDA streams.
 
     Planes and ``host`` are owned by the caller and must outlive the engine. Methods
-    are thread-safe. ``compute_stream``: raw ``cudaStream_t`` of the stream that runs
-    the model; default: ``torch.cuda.current_stream(device)`` at construction (call
-    it from the model's thread). ``store``/``load`` return after *issuing* the copies;
+    are thread-safe. ``compute_stream``: raw ``cudaStream_t`` that every copy is ordered
+    against (tests); default None: the stream passed as ``after`` or current on the
+    calling thread, per call. ``store``/``load`` return after *issuing* the copies;
     the host buffer (store) or the planes (load) are valid once the handle is done.
     """
 
     def __init__(
         self,
         planes: list[torch.Tensor],
-        host: HostSlots,
+        host: Any,
         blocks_per_chunk: int,
         device: int,
         *,
@@ -225,7 +228,7 @@ class CupyCopyEngine(CopyEngine):
         geometry = describe_planes(planes)
         if geometry.device.type != "cuda" or (geometry.device.index or 0) != device:
             raise ValueError(f"CupyCopyEngine(device={device}) got planes on {geometry.device}")
-        if not isinstance(host, HostSlots) or not host.pinned:
+        if not getattr(host, "pinned", False):
             raise ValueError("CupyCopyEngine needs pinned host slots "
                              "(allocate_host_slots(..., pinned=True))")
         if mode not in ("auto", "memcpy", "kernel"):
@@ -242,9 +245,7 @@ class CupyCopyEngine(CopyEngine):
         self._host_ptr = int(host.tensor.data_ptr())
         with self._device:
             self._host_dev_ptr = _device_address(cp, self._host_ptr)
-            if compute_stream is None:
-                compute_stream = torch.cuda.current_stream(device).cuda_stream
-            self._compute = cp.cuda.ExternalStream(int(compute_stream), device)
+            self._fixed_stream = None if compute_stream is None else int(compute_stream)
             self._streams = {d: cp.cuda.Stream(non_blocking=True) for d in Direction}
             self._kernel = (None if mode == "memcpy"
                             else _compile_kernel(cp, required=mode == "kernel"))
@@ -258,13 +259,28 @@ class CupyCopyEngine(CopyEngine):
 
     # -- CopyEngine --------------------------------------------------------------------
 
-    def store(self, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
-        """Issue engine -> host copies ordered after the compute stream's work so far."""
-        return self._submit(Direction.STORE, block_ids, slots)
+    def store(self, block_ids: np.ndarray, slots: np.ndarray, *, after: Any = None
+              ) -> CopyHandle:
+        """Issue engine -> host copies ordered after the work queued so far on ``after``
+        (a ``current_stream()`` token), default the calling thread's current stream."""
+        return self._submit(Direction.STORE, block_ids, slots, after)
 
-    def load(self, slots: np.ndarray, block_ids: np.ndarray) -> CopyHandle:
-        """Issue host -> engine copies (ordered after the compute stream's work so far)."""
-        return self._submit(Direction.LOAD, block_ids, slots)
+    def load(self, slots: np.ndarray, block_ids: np.ndarray, *, after: Any = None
+             ) -> CopyHandle:
+        """Issue host -> engine copies, ordered like ``store``."""
+        return self._submit(Direction.LOAD, block_ids, slots, after)
+
+    def current_stream(self) -> int:
+        """The raw handle of the calling thread's current CUDA stream (or the fixed
+        ``compute_stream``): capture it on vLLM's thread, pass it as ``after`` from
+        another thread."""
+        if self._fixed_stream is not None:
+            return self._fixed_stream
+        return int(torch.cuda.current_stream(self._device.id).cuda_stream)
+
+    def _compute_stream(self, after: Any) -> Any:
+        handle = self.current_stream() if after is None else int(after)
+        return self._cp.cuda.ExternalStream(handle, self._device.id)
 
     def is_done(self, handle: CopyHandle) -> bool:
         """Query the call's event (never blocks). Unknown or retired handles are done."""
@@ -302,20 +318,23 @@ class CupyCopyEngine(CopyEngine):
     # -- ordering ----------------------------------------------------------------------
 
     def order_before_compute(self) -> None:
-        """Make the compute stream wait (GPU-side) for the latest store and load.
+        """Make the calling thread's current stream wait (GPU-side) for the latest store
+        and load.
 
         Call before enqueuing the next forward pass when it may write blocks that are
         still being stored or read blocks that are still being loaded. Never blocks
-        the host. Mutates only the compute stream's queue."""
+        the host. Mutates only that stream's queue."""
         with self._lock:
             events = list(self._last.values())
         with self._device:
+            compute = self._compute_stream(None)
             for event in events:
-                self._compute.wait_event(event)
+                compute.wait_event(event)
 
     # -- internals ---------------------------------------------------------------------
 
-    def _submit(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
+    def _submit(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray,
+                after: Any) -> CopyHandle:
         bpc = self.layout.blocks_per_chunk
         bm = expand_chunks(block_ids, slots, blocks_per_chunk=bpc)
         check_block_map(bm, direction, num_engine_blocks=self.num_blocks,
@@ -331,7 +350,7 @@ class CupyCopyEngine(CopyEngine):
                     raise CopyEngineClosedError("CupyCopyEngine is closed")
             stream = self._streams[direction]
             ready = cp.cuda.Event(block=False, disable_timing=True)
-            ready.record(self._compute)
+            ready.record(self._compute_stream(after))
             stream.wait_event(ready)
             table = None
             if ranges.num_ranges:

@@ -174,6 +174,53 @@ def test_store_sees_work_enqueued_on_the_compute_stream_just_before(mode):
 
 @pytest.mark.cuda
 @cuda
+def test_copies_follow_the_stream_current_when_issued(mode):
+    """Regression: the engine captured the compute stream once, at construction. vLLM
+    running a forward on another stream afterwards made stores copy blocks before that
+    forward wrote them (corrupt chunks with valid checksums). Built on the default stream,
+    then the "forward" and the store run on a side stream; a load handed out on that
+    stream and issued from another thread (as the worker's copy thread does) is ordered
+    after it too."""
+    import threading
+
+    bpc = 4
+    _, planes = flash_attention_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], bpc)
+    host = pinned_host(4, layout.slot_bytes)
+    engine = CupyCopyEngine(planes, host, bpc, device=0, mode=mode)  # default stream now
+    ids = np.arange(40, 40 + bpc)[None, :]
+    engine.wait(engine.store(ids, np.array([1])))
+    side = torch.cuda.Stream()
+    for round_ in range(2):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            for p in planes:
+                p[40:40 + bpc].fill_(round_ + 5)
+            handle = engine.store(ids, np.array([1]))
+            token = engine.current_stream()
+        engine.wait(handle)
+        for p in range(len(planes)):
+            for i in range(bpc):
+                assert bool((slot_rows(layout, host.tensor, 1, p, i) == round_ + 5).all())
+    host.tensor[2].fill_(9)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        for p in planes:
+            p[60:60 + bpc].fill_(1)  # the previous owner's last write to the blocks
+        token = engine.current_stream()
+    issued = []
+    thread = threading.Thread(target=lambda: issued.append(
+        engine.load(np.array([2]), np.arange(60, 60 + bpc)[None, :], after=token)))
+    thread.start()
+    thread.join()
+    engine.wait(issued[0])
+    side.synchronize()
+    assert all(bool((p[60:60 + bpc] == 9).all()) for p in planes)
+    engine.close()
+
+
+@pytest.mark.cuda
+@cuda
 def test_order_before_compute_makes_the_next_forward_see_loaded_blocks(mode):
     bpc = 2
     t = torch.zeros((NUM_BLOCKS, 1 << 20), dtype=torch.uint8, device="cuda")
