@@ -36,13 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kv_offload.copy import cpu_kernel  # noqa: E402
 from kv_offload.copy.plan import (  # noqa: E402
     Direction,
     SlotLayout,
     expand_chunks,
     plan_runs,
 )
-from kv_offload.copy import cpu_kernel  # noqa: E402
 from kv_offload.copy.planes import planes_from_kv_tensor  # noqa: E402
 from kv_offload.copy.torch_engine import TorchCopyEngine  # noqa: E402
 from kv_offload.host_buffer import allocate_host_slots  # noqa: E402

@@ -46,6 +46,10 @@ STRATEGIES = ("compiled", "numpy")
 PARALLEL_MIN_BYTES = 1 << 20
 """Bytes per thread below which a request is copied by the calling thread alone (a
 hand-off to the pool costs ~20-50 us, 1 MiB takes ~80 us on one core)."""
+STREAM_MIN_BYTES = 4 << 20
+"""Requests at least this large are written with non-temporal stores (``cpu_kernel``):
+they would not stay in cache anyway, and skipping the destination's reads is ~1.4x
+faster; smaller ones use ``memmove`` and leave the bytes in cache for what reads them."""
 MAX_DEFAULT_THREADS = 4  # memory bandwidth, not cores, bounds a copy beyond a few threads
 
 
@@ -145,13 +149,14 @@ class TorchCopyEngine(CopyEngine):
         items = ids.shape[0] * self.layout.num_planes
         nbytes = num_blocks * sum(self.layout.plane_bytes)
         parts = max(1, min(self.num_threads, items, nbytes // PARALLEL_MIN_BYTES))
+        stream = nbytes >= STREAM_MIN_BYTES
         bounds = [items * k // parts for k in range(parts + 1)]
         futures = [
-            self._pool.submit(cpu_kernel.copy_pieces, store, ids, slot_addr,
+            self._pool.submit(cpu_kernel.copy_pieces, store, stream, ids, slot_addr,
                               self._plane_table, lo, hi)
             for lo, hi in zip(bounds[1:-1], bounds[2:])
         ] if parts > 1 and self._pool is not None else []
-        cpu_kernel.copy_pieces(store, ids, slot_addr, self._plane_table, bounds[0],
+        cpu_kernel.copy_pieces(store, stream, ids, slot_addr, self._plane_table, bounds[0],
                                bounds[1] if futures else items)
         for future in futures:
             future.result()

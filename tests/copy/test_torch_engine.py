@@ -1,7 +1,9 @@
 """TorchCopyEngine: byte-exact round trips between CPU KV planes and host slots.
 
 Every test fills planes and host slots with random bytes and compares against the slot
-layout formula, so a wrong offset, a missed block or a stray write fails."""
+layout formula, so a wrong offset, a missed block or a stray write fails. Tests taking
+``new_engine`` run over every strategy: numpy, compiled on one thread, and compiled with
+the thread split and non-temporal stores forced on for every request size."""
 
 from __future__ import annotations
 
@@ -15,13 +17,42 @@ from kv_offload.copy import (
     SKIP_BLOCK,
     CopyEngineClosedError,
     TorchCopyEngine,
+    cpu_kernel,
     make_copy_engine,
     planes_from_kv_tensor,
+    torch_engine,
 )
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.host_buffer import HostSlots, allocate_host_slots
 
 NUM_BLOCKS = 61
+
+VARIANTS = {
+    "numpy": {"strategy": "numpy"},
+    "compiled-1-thread": {"strategy": "compiled", "num_threads": 1},
+    "compiled-3-threads-streamed": {"strategy": "compiled", "num_threads": 3},
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def new_engine(request, monkeypatch):
+    """Builds a TorchCopyEngine of one strategy; the last variant splits every request
+    over threads and streams every piece of 1 KiB and more (thresholds forced to 1)."""
+    kwargs = VARIANTS[request.param]
+    if kwargs["strategy"] == "compiled" and not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    if request.param.endswith("streamed"):
+        monkeypatch.setattr(torch_engine, "PARALLEL_MIN_BYTES", 1)
+        monkeypatch.setattr(torch_engine, "STREAM_MIN_BYTES", 1)
+    engines = []
+
+    def build(planes, host, bpc):
+        engines.append(TorchCopyEngine(planes, host, bpc, **kwargs))
+        return engines[-1]
+
+    yield build
+    for engine in engines:
+        engine.close()
 
 
 def cpu_kv_planes(*, num_layers=3, num_blocks=NUM_BLOCKS, heads=2, block_size=4, head=8, seed=0):
@@ -58,12 +89,12 @@ def request(rng, *, n_chunks, bpc, num_slots, pattern, num_blocks=NUM_BLOCKS):
 
 @pytest.mark.parametrize("pattern", ["contiguous", "shuffled"])
 @pytest.mark.parametrize("bpc", [1, 4])
-def test_store_then_load_round_trip(pattern, bpc):
+def test_store_then_load_round_trip(pattern, bpc, new_engine):
     rng = np.random.default_rng(bpc)
     _, planes = cpu_kv_planes()
     layout = SlotLayout.packed([p.shape[1] for p in planes], bpc)
     host = make_host(10, layout.slot_bytes)
-    engine = TorchCopyEngine(planes, host, bpc)
+    engine = new_engine(planes, host, bpc)
     original = [p.clone() for p in planes]
     host_before = host.tensor.clone()
 
@@ -108,11 +139,11 @@ def test_store_reaches_the_kv_tensor_bytes_and_slot_views():
     assert bytes(host.slot_view(2)) == want
 
 
-def test_skip_block_positions_stay_untouched_both_ways():
+def test_skip_block_positions_stay_untouched_both_ways(new_engine):
     _, planes = cpu_kv_planes(num_layers=2)
     layout = SlotLayout.packed([p.shape[1] for p in planes], 4)
     host = make_host(3, layout.slot_bytes)
-    engine = TorchCopyEngine(planes, host, 4)
+    engine = new_engine(planes, host, 4)
     before = host.tensor.clone()
     engine.store(np.array([[SKIP_BLOCK, SKIP_BLOCK, 5, 6]]), np.array([1]))
     for p in range(2):
@@ -130,7 +161,7 @@ def test_skip_block_positions_stay_untouched_both_ways():
         assert torch.equal(plane[others], engine_before[p][others])
 
 
-def test_strided_planes_unequal_sizes_and_padded_slots():
+def test_strided_planes_unequal_sizes_and_padded_slots(new_engine):
     """K/V planes that are views into one (nb, 2, X) tensor (row stride 2X) next to a
     smaller packed plane, in slots with padding after the chunk."""
     g = torch.Generator().manual_seed(5)
@@ -140,7 +171,7 @@ def test_strided_planes_unequal_sizes_and_padded_slots():
     bpc = 3
     layout = SlotLayout((96, 96, 40), bpc, bpc * 232 + 24)
     host = make_host(6, layout.slot_bytes)
-    engine = TorchCopyEngine(planes, host, bpc)
+    engine = new_engine(planes, host, bpc)
     ids = np.array([[7, 8, 9], [50, 3, 22]])
     engine.store(ids, np.array([4, 0]))
     for c, slot in enumerate((4, 0)):
@@ -155,12 +186,12 @@ def test_strided_planes_unequal_sizes_and_padded_slots():
     assert torch.equal(kv[:11], kv_before[:11]) and torch.equal(kv[14:], kv_before[14:])
 
 
-def test_partial_batches_and_many_calls_accumulate():
+def test_partial_batches_and_many_calls_accumulate(new_engine):
     rng = np.random.default_rng(3)
     _, planes = cpu_kv_planes(num_layers=2)
     layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
     host = make_host(12, layout.slot_bytes)
-    engine = TorchCopyEngine(planes, host, 2)
+    engine = new_engine(planes, host, 2)
     ids, slots = request(rng, n_chunks=12, bpc=2, num_slots=12, pattern="shuffled")
     for lo, hi in ((0, 5), (5, 6), (6, 12)):
         engine.store(ids[lo:hi], slots[lo:hi])
@@ -177,11 +208,11 @@ def test_partial_batches_and_many_calls_accumulate():
         assert torch.count_nonzero(p[others]) == 0
 
 
-def test_loading_one_slot_into_two_block_sets():
+def test_loading_one_slot_into_two_block_sets(new_engine):
     _, planes = cpu_kv_planes(num_layers=1)
     layout = SlotLayout.packed([planes[0].shape[1]], 2)
     host = make_host(2, layout.slot_bytes)
-    engine = TorchCopyEngine(planes, host, 2)
+    engine = new_engine(planes, host, 2)
     engine.load(np.array([1, 1]), np.array([[3, 4], [20, 10]]))
     assert torch.equal(planes[0][3], planes[0][20]) and torch.equal(planes[0][4], planes[0][10])
 
@@ -192,29 +223,29 @@ def test_loading_one_slot_into_two_block_sets():
     (np.array([[0, 1], [2, 3]]), np.array([1, 1])),  # same slot twice
     (np.array([[0, 1, 2]]), np.array([0])),  # wrong chunk width
 ])
-def test_invalid_requests_raise_before_copying(ids, slots):
+def test_invalid_requests_raise_before_copying(ids, slots, new_engine):
     _, planes = cpu_kv_planes(num_layers=1)
     layout = SlotLayout.packed([planes[0].shape[1]], 2)
     host = make_host(4, layout.slot_bytes)
-    engine = TorchCopyEngine(planes, host, 2)
+    engine = new_engine(planes, host, 2)
     before = host.tensor.clone()
     with pytest.raises(ValueError):
         engine.store(ids, slots)
     assert torch.equal(host.tensor, before)
 
 
-def test_load_rejects_duplicate_engine_blocks():
+def test_load_rejects_duplicate_engine_blocks(new_engine):
     _, planes = cpu_kv_planes(num_layers=1)
     host = make_host(4, 2 * planes[0].shape[1])
-    engine = TorchCopyEngine(planes, host, 2)
+    engine = new_engine(planes, host, 2)
     with pytest.raises(ValueError, match="twice"):
         engine.load(np.array([0, 1]), np.array([[5, 6], [6, 7]]))
 
 
-def test_empty_batches_are_no_ops():
+def test_empty_batches_are_no_ops(new_engine):
     _, planes = cpu_kv_planes(num_layers=1)
     host = make_host(2, 2 * planes[0].shape[1])
-    engine = TorchCopyEngine(planes, host, 2)
+    engine = new_engine(planes, host, 2)
     before = host.tensor.clone()
     for ids, slots in (([], []), (np.empty((0, 2), np.int64), np.empty(0, np.int64))):
         assert engine.is_done(engine.store(ids, slots))
@@ -244,7 +275,7 @@ def test_construction_errors():
         make_copy_engine(meta, make_host(2, 64), 1)
 
 
-def test_concurrent_store_and_load_from_two_threads():
+def test_concurrent_store_and_load_from_two_threads(new_engine):
     """The runner stores from vLLM's thread while its copy thread loads; disjoint slots
     and blocks must not disturb each other."""
     rng = np.random.default_rng(9)
@@ -252,7 +283,7 @@ def test_concurrent_store_and_load_from_two_threads():
     bpc = 4
     layout = SlotLayout.packed([p.shape[1] for p in planes], bpc)
     host = make_host(40, layout.slot_bytes)
-    engine = TorchCopyEngine(planes, host, bpc)
+    engine = new_engine(planes, host, bpc)
     blocks = rng.permutation(400)
     store_ids = blocks[:80].reshape(20, bpc)
     load_ids = blocks[80:160].reshape(20, bpc)
@@ -282,3 +313,119 @@ def test_concurrent_store_and_load_from_two_threads():
                                    planes_before[p][store_ids[c, i]])
                 assert torch.equal(plane[load_ids[c, i]],
                                    expected_slot_rows(layout, host_before[load_slots[c]], p, i))
+
+
+def reference_store(planes, host, layout, ids, slots):
+    """The slot layout formula, one block row at a time (the spec)."""
+    for c, slot in enumerate(slots):
+        for i, b in enumerate(ids[c]):
+            if b != SKIP_BLOCK:
+                for p, plane in enumerate(planes):
+                    off = layout.plane_offsets[p] + i * layout.plane_bytes[p]
+                    host[slot, off:off + layout.plane_bytes[p]] = plane[b]
+
+
+def reference_load(planes, host, layout, ids, slots):
+    for c, slot in enumerate(slots):
+        for i, b in enumerate(ids[c]):
+            if b != SKIP_BLOCK:
+                for p, plane in enumerate(planes):
+                    off = layout.plane_offsets[p] + i * layout.plane_bytes[p]
+                    plane[b] = host[slot, off:off + layout.plane_bytes[p]]
+
+
+def kv_layouts(num_blocks):
+    """Planes of three backends' layouts, with pieces of odd sizes (not multiples of 64,
+    so streamed copies have heads and tails): FlashAttention's (2, nb, bs, heads, hd)
+    split into K and V planes per layer; K/V halves of one (nb, 2, X) tensor, whose rows
+    are twice their plane bytes apart; the CPU backend's one packed plane per layer."""
+    g = torch.Generator().manual_seed(11)
+    fa = [torch.randint(0, 256, (2, num_blocks, 5, 3, 70), dtype=torch.uint8, generator=g)
+          for _ in range(2)]
+    halves = torch.randint(0, 256, (num_blocks, 2, 1100), dtype=torch.uint8, generator=g)
+    cpu = torch.randint(0, 256, (num_blocks, 2, 9, 2 * 33), dtype=torch.uint8, generator=g)
+    return {
+        "flash_attention_kv_split": [p for t in fa for p in planes_from_kv_tensor(t, num_blocks)],
+        "strided_rows": [halves[:, 0], halves[:, 1]],
+        "cpu_packed": planes_from_kv_tensor(cpu, num_blocks),
+    }
+
+
+@pytest.mark.parametrize("kind", ["flash_attention_kv_split", "strided_rows", "cpu_packed"])
+def test_random_requests_match_the_reference_copy(new_engine, kind):
+    """Random chunks (contiguous runs, shuffled ids, SKIP_BLOCK holes, padded slots) in
+    both directions, against the per-block reference on copies of the same bytes."""
+    rng = np.random.default_rng(7)
+    num_blocks, bpc, num_slots = 90, 4, 12
+    planes = kv_layouts(num_blocks)[kind]
+    layout = SlotLayout(tuple(p.shape[1] for p in planes), bpc,
+                        bpc * sum(p.shape[1] for p in planes) + 72)
+    host = make_host(num_slots, layout.slot_bytes)
+    engine = new_engine(planes, host, bpc)
+    for round_ in range(6):
+        n = int(rng.integers(1, 6))
+        if round_ % 2:
+            ids = rng.choice(num_blocks, n * bpc, replace=False).reshape(n, bpc)
+        else:
+            start = int(rng.integers(0, num_blocks - n * bpc + 1))
+            ids = np.arange(start, start + n * bpc).reshape(n, bpc)
+        ids = np.where(rng.random(ids.shape) < 0.2, SKIP_BLOCK, ids)
+        slots = rng.choice(num_slots, n, replace=False)
+        want_host = host.tensor.clone()
+        reference_store(planes, want_host, layout, ids, slots)
+        engine.store(ids, slots)
+        assert torch.equal(host.tensor, want_host)
+
+        targets = np.where(ids == SKIP_BLOCK, SKIP_BLOCK,
+                           rng.permutation(num_blocks)[:ids.size].reshape(ids.shape))
+        want_planes = [p.clone() for p in planes]
+        reference_load(want_planes, host.tensor, layout, targets, slots)
+        engine.load(slots, targets)
+        for got, want in zip(planes, want_planes):
+            assert torch.equal(got, want)
+
+
+def test_large_request_is_split_over_threads_and_streamed():
+    """A request above both thresholds (default values) copies the same bytes."""
+    if not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(2)
+    num_blocks, bpc = 64, 8
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(0, 256, (num_blocks, 16 << 10), dtype=torch.uint8, generator=g)
+               for _ in range(8)]
+    planes = [p for t in tensors for p in planes_from_kv_tensor(t, num_blocks)]
+    layout = SlotLayout.packed([p.shape[1] for p in planes], bpc)
+    host = make_host(6, layout.slot_bytes)
+    ids = rng.permutation(num_blocks)[:6 * bpc].reshape(6, bpc)
+    slots = rng.permutation(6)
+    assert ids.size * sum(layout.plane_bytes) >= max(torch_engine.STREAM_MIN_BYTES,
+                                                     2 * torch_engine.PARALLEL_MIN_BYTES)
+    engine = TorchCopyEngine(planes, host, bpc, strategy="compiled", num_threads=2)
+    want = host.tensor.clone()
+    reference_store(planes, want, layout, ids, slots)
+    engine.store(ids, slots)
+    assert torch.equal(host.tensor, want)
+    before = [p.clone() for p in planes]
+    for p in planes:
+        p.zero_()
+    engine.load(slots, ids)
+    for got, want_plane in zip(planes, before):
+        assert torch.equal(got[torch.from_numpy(ids.reshape(-1))],
+                           want_plane[torch.from_numpy(ids.reshape(-1))])
+    engine.close()
+
+
+def test_strategy_and_thread_arguments():
+    _, planes = cpu_kv_planes(num_layers=1)
+    host = make_host(2, 2 * planes[0].shape[1])
+    with pytest.raises(ValueError, match="strategy"):
+        TorchCopyEngine(planes, host, 2, strategy="memcpy")
+    with pytest.raises(ValueError, match="num_threads"):
+        TorchCopyEngine(planes, host, 2, num_threads=0)
+    engine = TorchCopyEngine(planes, host, 2, strategy="numpy", num_threads=4)
+    assert engine.num_threads == 1  # the numpy loop is single-threaded
+    default = TorchCopyEngine(planes, host, 2)
+    assert default.strategy == ("compiled" if cpu_kernel.AVAILABLE else "numpy")
+    default.close()
+    default.close()
