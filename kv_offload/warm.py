@@ -5,11 +5,12 @@ every full chunk of every prompt is stored; waits until the stores are committed
 LMDB index (durable); reports new, already present and missing chunks. Chunks already in
 the store are not written again: the connector skips them.
 
-To know which chunks a prompt has, the chunk keys are recomputed here with vLLM's own
-block-hash functions (the same tokens, hash algorithm and ``cache_salt`` as the engine)
-and looked up in the store before and after the run. If they cannot be recomputed, the
-counts fall back to the namespace's commit counter. vLLM is imported only inside
-``run_warm`` and ``chunk_keys_of``: validating the input needs no vLLM.
+The namespace is the one the engine opened (``engine_namespace``). To know which chunks
+a prompt has, its chunk keys are computed with vLLM's own request block hasher (the same
+tokens, hash algorithm and ``cache_salt`` as the engine) and looked up in the store
+before and after the run. If they cannot be computed, the counts fall back to the
+namespace's commit counter. vLLM is imported only inside ``run_warm`` and
+``chunk_keys_of``: validating the input needs no vLLM.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
+from tqdm import tqdm
+
 from kv_offload.config import OffloadConfig, format_size
 from kv_offload.disk import iter_entries, list_namespaces
+from kv_offload.disk.admin import namespaces_held_by
+from kv_offload.keys import chunk_keys
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (92% of RAM) fails on small hosts
 POLL_S = 0.5
@@ -200,27 +206,29 @@ def load_prompts(path: str | os.PathLike) -> list[WarmPrompt]:
 
 def chunk_keys_of(token_ids: Sequence[Sequence[int]], salts: Sequence[str | None],
                   descriptor: dict) -> list[list[bytes]] | None:
-    """The chunk keys vLLM + kv-offload give each prompt, or None if vLLM's hashing
-    functions are unavailable. Mirrors vLLM's request block hasher for text prompts."""
+    """The chunk keys the engine gives each prompt, or None if vLLM is unavailable.
+
+    Builds each prompt's vLLM ``Request`` with the engine's own block hasher (the
+    namespace's hash algorithm and hash block size), then picks the chunk keys as the
+    connector does (``kv_offload.keys.chunk_keys``).
+    """
     try:
+        from vllm import SamplingParams
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
     except ImportError:
         return None
     hash_fn = get_hash_fn_by_name(descriptor["hash_algo"])
-    kv_cache_utils.init_none_hash(hash_fn)
-    per_hash = int(descriptor["tokens_per_hash"])
-    per_chunk = int(descriptor["chunk_tokens"]) // per_hash
+    init_none_hash(hash_fn)
+    per_hash, per_chunk = int(descriptor["tokens_per_hash"]), int(descriptor["chunk_tokens"])
+    hasher, params = get_request_block_hasher(per_hash, hash_fn), SamplingParams(max_tokens=1)
     out = []
-    for ids, salt in zip(token_ids, salts):
-        parent, keys = None, []
-        for b in range(len(ids) // per_hash):
-            extra = (("cache_salt", salt),) if b == 0 and salt else None
-            parent = kv_cache_utils.hash_block_tokens(
-                hash_fn, parent, ids[b * per_hash:(b + 1) * per_hash], extra)
-            if (b + 1) % per_chunk == 0:
-                keys.append(bytes(parent))
-        out.append(keys)
+    for i, (ids, salt) in enumerate(zip(token_ids, salts)):
+        request = Request(f"warm-{i}", list(ids), params, None, cache_salt=salt or None,
+                          block_hasher=hasher)
+        out.append(chunk_keys(request.block_hashes, tokens_per_hash=per_hash,
+                              chunk_tokens=per_chunk))
     return out
 
 
@@ -231,32 +239,25 @@ def namespace_state(root: str, namespace_id: str) -> dict:
     return next((n for n in namespaces if n["namespace_id"] == namespace_id), {})
 
 
-def _find_namespace(root: str, vllm_config: Any, offload: OffloadConfig, since: float) -> dict:
-    """The namespace the engine opened: its descriptor matches the engine's config;
-    among several, the newest (one created by this engine start wins)."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    want = {"model": str(model.model), "dtype": str(model.dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(cache.cache_dtype), "salt": offload.namespace_salt,
-            "tp_size": int(vllm_config.parallel_config.tensor_parallel_size),
-            "hash_algo": str(cache.prefix_caching_hash_algo)}
+def engine_namespace(root: str) -> dict:
+    """The namespace the engine started by this process opened in the store at ``root``:
+    the one whose slab files this process or its children (the engine's workers) hold
+    open. Asking the engine, rather than recomputing the namespace id here, gives the
+    connector's own answer (``layout_from_vllm(...).fingerprint()``, which needs the
+    engine's KV cache config: it lives in the engine core process)."""
+    me = psutil.Process()
+    pids = [me.pid] + [child.pid for child in me.children(recursive=True)]
+    held = namespaces_held_by(Path(root), pids)
     with _STORE_READ_LOCK:
-        namespaces = list_namespaces(root)
-    found = [n for n in namespaces
-             if all(n["descriptor"].get(k) == v for k, v in want.items())
-             and n["descriptor"].get("chunk_tokens")
-             == offload.resolve_chunk_tokens(int(n["descriptor"]["block_size"]))]
-    if not found:
+        namespaces = [n for n in list_namespaces(root) if n["namespace_id"] in held]
+    if len(namespaces) != 1:
+        found = ", ".join(sorted(held)) or "none"
         raise WarmError(
-            f"the engine did not open a disk-tier namespace for {want['model']} in {root}; "
-            "look for a kv-offload warning above (e.g. the disk tier is off when block hashes "
-            "are not reproducible: set PYTHONHASHSEED or use --prefix-caching-hash-algo sha256)")
-    return max(found, key=lambda n: (n.get("created", "") >= _iso(since), n.get("created", "")))
-
-
-def _iso(epoch: float) -> str:
-    from datetime import datetime, timezone
-
-    return datetime.fromtimestamp(epoch, timezone.utc).isoformat()
+            f"the engine did not open exactly one disk-tier namespace in {root} (found: "
+            f"{found}); look for a kv-offload warning above (e.g. the disk tier is off when "
+            "block hashes are not reproducible: set PYTHONHASHSEED or use "
+            "--prefix-caching-hash-algo sha256)")
+    return namespaces[0]
 
 
 def _present(root: str, namespace_id: str, wanted: set[bytes]) -> set[bytes]:
@@ -268,46 +269,42 @@ def _present(root: str, namespace_id: str, wanted: set[bytes]) -> set[bytes]:
 
 
 class Progress:
-    """One status line on ``stream``: redrawn in place on a terminal, else printed at most
-    every 10 s and on every prompt-count change. Thread-safe."""
+    """The warm progress bar on ``stream`` (tqdm): prompts done, chunks and bytes stored,
+    a status. Redrawn at most twice a second on a terminal, every 10 s elsewhere; the
+    final state is always drawn. Thread-safe (the main thread and the commit poller)."""
 
     def __init__(self, stream: TextIO, total: int, *, enabled: bool = True) -> None:
-        self.stream, self.total, self.enabled = stream, total, enabled
-        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
-        self.start, self.fields = time.monotonic(), {"done": 0, "chunks": 0, "bytes": 0}
-        self.status, self._lock, self._last = "", threading.Lock(), (0.0, -1)
+        tty = hasattr(stream, "isatty") and stream.isatty()
+        self._bar = tqdm(total=total, file=stream, disable=not enabled, desc="warm",
+                         bar_format="{desc} {n_fmt}/{total_fmt} prompts | {postfix} | "
+                         "{elapsed}", mininterval=0.5 if tty else 10.0, dynamic_ncols=tty)
+        self.fields, self.status = {"done": 0, "chunks": 0, "bytes": 0}, ""
+        self._start, self._lock = time.monotonic(), threading.Lock()
+        self._bar.set_postfix_str(self._postfix(), refresh=False)
 
     def update(self, **fields: Any) -> None:
+        """Set ``done`` (prompts), ``chunks``, ``bytes`` and/or ``status``; redraw if due."""
         with self._lock:
             self.status = fields.pop("status", self.status)
             self.fields.update(fields)
-            self._render()
-
-    def _render(self) -> None:
-        if not self.enabled:
-            return
-        f, elapsed = self.fields, time.monotonic() - self.start
-        line = (f"warm {f['done']}/{self.total} prompts | {f['chunks']} chunks stored | "
-                f"{format_size(f['bytes'])} | {format_size(int(f['bytes'] / max(elapsed, 1e-9)))}"
-                f"/s | {elapsed:.0f} s{' | ' + self.status if self.status else ''}")
-        if self.tty:
-            self.stream.write("\r\033[K" + line)
-        elif elapsed - self._last[0] >= 10 or f["done"] != self._last[1]:
-            self.stream.write(line + "\n")
-        else:
-            return
-        self._last = (elapsed, f["done"])
-        self.stream.flush()
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.update(self.fields["done"] - self._bar.n)
 
     def close(self, **fields: Any) -> None:
-        """Draw the final state (always, also off a terminal) and end the line."""
+        """Draw the final state and end the line."""
         with self._lock:
             self.fields.update(fields)
-            self.status, self._last = "done", (-1e9, -1)
-            self._render()
-            if self.tty:
-                self.stream.write("\n")
-                self.stream.flush()
+            self.status = "done"
+            self._bar.n = self.fields["done"]
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.refresh()
+            self._bar.close()
+
+    def _postfix(self) -> str:
+        f, elapsed = self.fields, time.monotonic() - self._start
+        rate = format_size(int(f["bytes"] / max(elapsed, 1e-9)))
+        return (f"{f['chunks']} chunks stored | {format_size(f['bytes'])} | {rate}/s"
+                + (f" | {self.status}" if self.status else ""))
 
 
 def _poll_commits(root: str, ns: dict, progress: Progress, stop: threading.Event) -> None:
@@ -402,7 +399,7 @@ def _warm(llm: Any, params: Any, prompts: list[WarmPrompt], options: WarmOptions
     root, t0, stream = where
     startup = time.time() - t0
     vllm_config = llm.llm_engine.vllm_config
-    ns = _find_namespace(root, vllm_config, options.offload, t0)
+    ns = engine_namespace(root)
     desc, chunk_bytes = ns["descriptor"], ns["slot_bytes"] * ns["num_ranks"]
     tokenizer, max_len = llm.get_tokenizer(), vllm_config.model_config.max_model_len
     work, notes = [], []

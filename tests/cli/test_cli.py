@@ -286,6 +286,23 @@ def test_clear_namespace_refuses_while_its_slab_is_open(store, holder, capsys):
     assert [n["namespace_id"] for n in list_namespaces(store)] == [NS_B]
 
 
+def test_warm_finds_the_namespace_whose_slabs_its_engine_holds(store, holder, tmp_path,
+                                                               monkeypatch):
+    """warm asks the engine (its child processes) which namespace it opened, also through
+    a relative, symlinked store path; none open is a clear error."""
+    from kv_offload.warm import WarmError, engine_namespace
+
+    (tmp_path / "link").symlink_to(store, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(WarmError, match="did not open exactly one.*found: none"):
+        engine_namespace("link")
+    holder(NS_B, "slab")
+    assert engine_namespace("link")["namespace_id"] == NS_B
+    holder(NS_A, "slab")
+    with pytest.raises(WarmError, match=f"found: {NS_A}, {NS_B}"):
+        engine_namespace(str(store))
+
+
 # -- warm: input errors, all caught before an engine starts ------------------------------------
 
 

@@ -104,6 +104,25 @@ def test_second_warm_finds_every_chunk_already_present(second_warm, first_warm):
     assert "durable    yes" in second_warm.stdout
 
 
+def test_warm_through_a_relative_symlinked_model_dir_finds_the_same_namespace(
+        tmp_path, model, workload, store, first_warm):
+    """Regression: `--model ./link` (relative, a symlink to the model directory) names the
+    same namespace as the model's real path; warm used to compare the model string with
+    the stored realpath and failed to find the namespace the engine had opened."""
+    _, first = first_warm
+    (tmp_path / "link").symlink_to(model, target_is_directory=True)
+    proc = subprocess.run(
+        [str(c) for c in (*kv_offload_cmd(), "warm", "--model", "./link", "--prompts", workload,
+                          "--disk-path", store, "--disk-size", "256MiB", "--cpu-size", "64MiB",
+                          "--kv-cache-memory", "512MiB", "--enforce-eager", "--json", *ENGINE)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    assert summary["namespace"] == first["namespace"]
+    assert summary["already_present"] == first["chunks"] and summary["new_chunks"] == 0
+
+
 def test_inspect_and_verify_after_warming(second_warm, first_warm, store, model):
     _, summary = first_warm
     proc = run([*kv_offload_cmd(), "inspect", store, "--json"])
