@@ -222,10 +222,9 @@ class OffloadWorker:
             if move.cpu_slot is None:
                 load.failed.add(i)
             elif i in reads:
-                if not reads[i].result():
+                if not _succeeded(reads[i]):
                     load.failed.add(i)
-                    if move.disk_slot is not None:
-                        load.bad_reads.add(i)
+                    load.bad_reads.add(i)  # disk or remote: the staged slot is invalid
                 else:
                     ok_rows.append(i)
             elif move.after_job is not None:
@@ -474,6 +473,14 @@ def _when_all_done(futures: Sequence[Future], fn: Callable[[], None]) -> None:
 
     for future in pending:
         future.add_done_callback(one_done)
+
+
+def _succeeded(read: Future) -> bool:
+    """Whether a done read future returned success (an exception is a failed read)."""
+    try:
+        return bool(read.result())
+    except Exception:
+        return False
 
 
 def _all_done(futures: Sequence[Future | None]) -> bool:
