@@ -143,13 +143,9 @@ class OffloadConfig:
                 raise ValueError(
                     f"disk_path: expected a directory path or None, got {self.disk_path!r}"
                 )
-            path = os.path.abspath(os.path.expanduser(str(self.disk_path)))
-            if os.path.exists(path) and not os.path.isdir(path):
-                raise ValueError(
-                    f"disk_path: {path} is a file, not a directory; point disk_path at a "
-                    f"directory (it is created if missing)"
-                )
-            set_(self, "disk_path", path)
+            # Only the string is checked here: the directory is checked where the store is
+            # opened (DiskIndex.open, SlabFile, `kv-offload warm` before its engine starts).
+            set_(self, "disk_path", os.path.abspath(os.path.expanduser(str(self.disk_path))))
             if self.disk_size == 0:
                 raise ValueError("disk_size: must be > 0 when disk_path is set")
         if self.chunk_tokens is not None:

@@ -29,8 +29,9 @@ import psutil
 from tqdm import tqdm
 
 from kv_offload.config import OffloadConfig, format_size
-from kv_offload.disk import iter_entries, list_namespaces
+from kv_offload.disk import StorePathError, iter_entries, list_namespaces
 from kv_offload.disk.admin import namespaces_held_by
+from kv_offload.disk.env import check_store_path
 from kv_offload.keys import chunk_keys
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (92% of RAM) fails on small hosts
@@ -353,6 +354,10 @@ def validate(options: WarmOptions) -> list[WarmPrompt]:
     if not options.offload.disk_enabled:
         raise ValueError("warm needs a disk path (--disk-path or disk_path in --config): the "
                          "CPU tier lives in this process and is gone when warm exits")
+    try:
+        check_store_path(Path(options.offload.disk_path))
+    except StorePathError as exc:
+        raise ValueError(str(exc)) from None
     check_model(options.model)
     if options.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {options.batch_size}")

@@ -1,11 +1,13 @@
 """OffloadConfig: round trips and every bad input, each with a message that says the fix."""
 
 import json
+import os
 
 import pytest
 
 from kv_offload import OffloadConfig
 from kv_offload.config import parse_size
+from kv_offload.disk import DiskIndex, StorePathError
 
 
 def test_sizes_accept_units_and_integers():
@@ -64,11 +66,24 @@ def test_bad_values_name_the_field(kwargs, message):
         OffloadConfig(**kwargs)
 
 
-def test_disk_path_that_is_a_file_is_refused(tmp_path):
+def test_validation_touches_no_file_system(tmp_path, monkeypatch):
+    """A config is a value: a disk_path that is a file is accepted here and refused where
+    the store is opened, with the same message."""
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(ValueError, match="is a file, not a directory"):
-        OffloadConfig(disk_path=str(f))
+
+    def no_fs(*args, **kwargs):
+        raise AssertionError("OffloadConfig touched the file system")
+
+    for name in ("exists", "isdir", "isfile"):
+        monkeypatch.setattr(os.path, name, no_fs)
+    monkeypatch.setattr(os, "stat", no_fs)
+    cfg = OffloadConfig(disk_path=str(f))
+    monkeypatch.undo()
+    assert cfg.disk_path == str(f)
+    with pytest.raises(StorePathError, match="disk_path: .* is a file, not a directory"):
+        DiskIndex.open(cfg.disk_path, namespace_id="ab", descriptor={}, slot_bytes=64,
+                       num_ranks=1, capacity_bytes=cfg.disk_size)
 
 
 def test_unknown_key_names_key_valid_keys_and_closest_match():

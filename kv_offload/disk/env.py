@@ -189,6 +189,15 @@ class StoreEnv:
                             new_size >> 10)
 
 
+def check_store_path(root: Path) -> None:
+    """StorePathError unless ``root`` is a directory or does not exist yet."""
+    if root.exists() and not root.is_dir():
+        raise StorePathError(
+            f"disk_path: {root} is a file, not a directory; point disk_path at a directory "
+            "(it is created if missing) or remove the file"
+        )
+
+
 _ENVS: dict[tuple[int, int, int], StoreEnv] = {}  # (pid, st_dev, st_ino) of index/ -> env
 _ENVS_LOCK = threading.Lock()
 
@@ -199,11 +208,7 @@ def acquire_env(root: Path, *, create: bool, map_size: int | None, sync: bool,
     ``allow_unsafe_permissions``, refuses (StorePathError) a store directory or index
     file owned by another user or writable by group or others. Pair with release_env."""
     try:
-        if root.exists() and not root.is_dir():
-            raise StorePathError(
-                f"disk store path {root} is a file, not a directory; point the disk tier at "
-                "a directory (or remove the file)"
-            )
+        check_store_path(root)
         if not create and not (root / "index" / "data.mdb").exists():
             raise StorePathError(f"no disk store at {root} (missing index/data.mdb)")
         make_private_dirs(root, "index", allow_unsafe_permissions=allow_unsafe_permissions)
