@@ -128,6 +128,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def _init_scheduler(self) -> None:
         from kv_offload.scheduler import OffloadScheduler, PlannerConfig
+        from kv_offload.scheduler.hook_guard import HookGuard
 
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -162,6 +163,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self._scheduler = OffloadScheduler(
             planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
             remote=remote)
+        self._guard = HookGuard(self._scheduler.counters)
         self._last_summary = time.monotonic()
         self._last_counters = self._scheduler.counters.snapshot()
         self._summary_totals: dict[str, float] = {}
@@ -173,18 +175,23 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        hit = self._scheduler.num_matched_tokens(request, num_computed_tokens)
-        return hit, hit > 0
+        hit = self._guard.call("get_num_new_matched_tokens", lambda: 0,
+                               self._scheduler.num_matched_tokens, request, num_computed_tokens)
+        return (None, False) if hit is None else (hit, hit > 0)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
-        self._scheduler.plan_load(request, block_ids, num_external_tokens)
+        # Past a failure the request already waits for its load: fail it, never hang.
+        self._guard.call("update_state_after_alloc", lambda: self._scheduler.fail_load(
+            request.request_id, block_ids, num_external_tokens),
+            self._scheduler.plan_load, request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
-        tiers = self._scheduler.hit_tokens_by_tier(request.request_id)
+        tiers = self._guard.call("get_external_cache_hit_sources", dict,
+                                 self._scheduler.hit_tokens_by_tier, request.request_id)
         out = {CacheHitSource.HOST: tiers.get("cpu", 0), CacheHitSource.DISK: tiers.get("disk", 0),
                CacheHitSource.EXTERNAL_UNSPECIFIED: tiers.get("remote", 0)}
         return {k: v for k, v in out.items() if v}
@@ -201,14 +208,17 @@ class KVOffloadConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += [(rid, computed_after(rid, n))
                       for rid, n in zip(cached.req_ids, cached.num_computed_tokens)]
-        plan = self._scheduler.plan_step(scheduled)
-        self._maybe_log_summary()
+        plan = self._guard.call("build_connector_meta", lambda: StepPlan(
+            self._scheduler.take_pending_loads()), self._scheduler.plan_step, scheduled)
+        self._guard.call("build_connector_meta (summary)", lambda: None,
+                         self._maybe_log_summary)
         return OffloadConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata):
-            self._scheduler.on_report(meta.report)
+            self._guard.call("update_connector_output", lambda: None,
+                             self._scheduler.on_report, meta.report)
         stats = connector_output.kv_connector_stats
         if isinstance(stats, OffloadStats):  # worker-side deltas, for the log summary
             _add(self._summary_totals, stats.data)
@@ -217,17 +227,20 @@ class KVOffloadConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         # Engine -> host copies finish inside the step that planned them (see
         # OffloadWorker.run_stores), so the blocks can be freed at once (invariant 3).
-        self._scheduler.request_finished(request.request_id)
+        self._guard.call("request_finished", lambda: None,
+                         self._scheduler.request_finished, request.request_id)
         return False, None
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping until workers report their disk writes.
-        return self._scheduler is not None and self._scheduler.has_pending_work()
+        return self._scheduler is not None and bool(self._guard.call(
+            "has_pending_push_work", lambda: False, self._scheduler.has_pending_work))
 
     def reset_cache(self) -> bool | None:
-        if self._scheduler is not None:
-            self._scheduler.reset_cpu_tier()
-        return True
+        if self._scheduler is None:
+            return True
+        return self._guard.call("reset_cache", lambda: None, self._scheduler.reset_cpu_tier
+                                ) is not None
 
     # ==== metrics (both sides) ===============================================================
 

@@ -76,8 +76,10 @@ class WorkerReport:
     ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed);
     for a load job, the checksums of its ``fill_disk_slot`` writes.
     ``remote_stored``: store job -> rank -> per chunk, whether its remote write succeeded.
-    ``bad_reads``: load job -> rank -> chunks whose disk read failed verification or
-    I/O (their entries are dropped; a load that merely timed out keeps them).
+    ``bad_reads``: load job -> rank -> staged chunks whose read (disk or remote) failed
+    verification or I/O: their host slot does not hold the chunk (the CPU entry is
+    discarded, a disk entry dropped). A staged chunk not listed was read intact, also when
+    its job failed it (engine copy error, timeout): the scheduler then keeps it.
     ``loaded``: load job -> rank -> indexes of chunks that failed on that rank.
     ``disk_broken``: a rank's store directory keeps failing (deleted, read-only, I/O
     errors); the scheduler then stops using the disk tier.

@@ -26,6 +26,8 @@ class SchedulerCounters:
     skipped_stores: int = 0  # chunks not stored: no CPU slot could be had
     evictions_cpu: int = 0
     load_errors: int = 0  # chunks whose load failed or vanished (recomputed)
+    loads_given_up: int = 0  # loads vLLM dropped as a whole (answered a miss on retry)
+    hook_errors: int = 0  # exceptions caught in connector hooks (degraded to a miss)
     remote_lookups: int = 0  # existence checks sent to the remote tier (one per request)
     remote_lookup_errors: int = 0  # ... that failed or ran past the budget (answered miss)
     seconds_remote_lookup: float = 0.0

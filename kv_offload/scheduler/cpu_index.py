@@ -18,10 +18,12 @@ class SlotState(enum.Enum):
 
 @dataclass(slots=True)
 class _Entry:
+    key: ChunkKey
     slot: int
     state: SlotState
     pins: int = 0
     staging_job: int | None = None  # job that fills a STAGING slot
+    listed: bool = True  # False once discarded: invisible, slot freed at the last unpin
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +38,12 @@ class CpuHit:
 class CpuIndex:
     """Key -> slot map of the CPU tier with LRU (or FIFO) order, states and pins.
 
-    Scheduler thread only (not thread-safe). Never touches bytes. A slot is reused only
-    when its entry is READY, unpinned and chosen as victim (invariant 2); STORING and
-    STAGING entries are never victims.
+    Scheduler thread only (not thread-safe). Never touches bytes. Pins belong to a slot
+    (the entry that holds it), not to a key, so releasing a pin never touches a newer
+    entry of the same key. A slot is reused only when no pin holds it: a READY unpinned
+    entry may be evicted; a discarded entry that is still pinned keeps its slot, invisible,
+    until its last pin is released (invariant 2). STORING and STAGING entries are never
+    victims.
     """
 
     def __init__(self, num_slots: int, *, policy: str = "lru") -> None:
@@ -47,7 +52,9 @@ class CpuIndex:
         self.num_slots = num_slots
         self._touch_on_hit = policy == "lru"
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # oldest first
+        self._by_slot: dict[int, _Entry] = {}  # every slot in use, listed or discarded
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._num_evictable = 0  # listed READY entries without pins
         self.num_evictions = 0
 
     # -- queries (no side effects) -------------------------------------------------------
@@ -58,30 +65,46 @@ class CpuIndex:
     def __contains__(self, key: ChunkKey) -> bool:
         return key in self._entries
 
+    def hit(self, key: ChunkKey) -> CpuHit | None:
+        """The entry of ``key`` if a load may use it (READY or STAGING), else None."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is SlotState.STORING:
+            return None
+        staging = entry.staging_job if entry.state is SlotState.STAGING else None
+        return CpuHit(key, entry.slot, staging)
+
     def lookup_prefix(self, keys: Sequence[ChunkKey]) -> list[CpuHit]:
         """Hits for the longest prefix of ``keys`` that is READY or STAGING. Read-only."""
         hits: list[CpuHit] = []
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is None or entry.state is SlotState.STORING:
+            found = self.hit(key)
+            if found is None:
                 break
-            staging = entry.staging_job if entry.state is SlotState.STAGING else None
-            hits.append(CpuHit(key, entry.slot, staging))
+            hits.append(found)
         return hits
 
     def state(self, key: ChunkKey) -> SlotState | None:
         entry = self._entries.get(key)
         return None if entry is None else entry.state
 
+    def num_reservable(self, keep: Iterable[CpuHit] = ()) -> int:
+        """Slots ``reserve`` could hand out now if the entries of ``keep`` were pinned
+        first (free slots plus READY unpinned entries, less those in ``keep``)."""
+        kept = {h.slot for h in keep}
+        lost = sum(1 for s in kept if self._evictable(self._by_slot.get(s)))
+        return len(self._free) + self._num_evictable - lost
+
     def counts(self) -> dict[str, int]:
-        """Entries per state, pinned entries and free slots (for tests and metrics)."""
+        """Entries per state, pinned entries, free slots and discarded slots still
+        pinned (for tests and metrics)."""
         out = {s.value: 0 for s in SlotState}
         pinned = 0
         for entry in self._entries.values():
             out[entry.state.value] += 1
             pinned += entry.pins > 0
-        out["pinned"] = pinned
+        out["pinned"] = pinned + len(self._by_slot) - len(self._entries)
         out["free"] = len(self._free)
+        out["discarded"] = len(self._by_slot) - len(self._entries)
         return out
 
     # -- mutations -------------------------------------------------------------------------
@@ -94,23 +117,32 @@ class CpuIndex:
             if key in self._entries:
                 self._entries.move_to_end(key)
 
-    def pin(self, keys: Iterable[ChunkKey]) -> None:
-        """Protect the slots of ``keys`` from eviction; every pin needs one ``unpin``."""
-        for key in keys:
-            self._entries[key].pins += 1
+    def pin(self, slots: Iterable[int]) -> None:
+        """Protect ``slots`` (and their entries) from reuse; every pin needs one ``unpin``.
+        KeyError for a slot that holds no entry (a bug of the caller)."""
+        for slot in slots:
+            entry = self._by_slot[slot]
+            self._num_evictable -= self._evictable(entry)
+            entry.pins += 1
 
-    def unpin(self, keys: Iterable[ChunkKey]) -> None:
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is not None and entry.pins > 0:
-                entry.pins -= 1
+    def unpin(self, slots: Iterable[int]) -> None:
+        """Release one pin of each slot; a discarded entry frees its slot at its last pin."""
+        for slot in slots:
+            entry = self._by_slot.get(slot)
+            if entry is None or entry.pins == 0:
+                continue
+            entry.pins -= 1
+            if entry.pins == 0 and not entry.listed:
+                del self._by_slot[slot]
+                self._free.append(slot)
+            self._num_evictable += self._evictable(entry)
 
     def reserve(self, key: ChunkKey, state: SlotState, *, staging_job: int | None = None
                 ) -> int | None:
         """Give ``key`` a slot in state STORING or STAGING, pinned once; None if no room.
 
         Takes a free slot, else evicts the least recently used READY unpinned entry.
-        Atomic: on None nothing changed. ``key`` must not be present.
+        Atomic: on None nothing changed. ``key`` must not be present (KeyError).
         """
         if key in self._entries:
             raise KeyError("chunk already present in the CPU index")
@@ -119,25 +151,42 @@ class CpuIndex:
         slot = self._take_slot()
         if slot is None:
             return None
-        self._entries[key] = _Entry(slot, state, pins=1, staging_job=staging_job)
+        entry = _Entry(key, slot, state, pins=1, staging_job=staging_job)
+        self._entries[key] = entry
+        self._by_slot[slot] = entry
         return slot
 
-    def publish(self, key: ChunkKey) -> None:
-        """Make a reserved entry READY (its bytes are complete on every rank)."""
-        entry = self._entries[key]
+    def publish(self, slot: int) -> None:
+        """Make the reserved entry holding ``slot`` READY (its bytes are complete on
+        every rank). No-op when that entry was discarded meanwhile."""
+        entry = self._by_slot[slot]
+        if not entry.listed or entry.state is SlotState.READY:
+            return
         entry.state = SlotState.READY
         entry.staging_job = None
+        self._num_evictable += self._evictable(entry)
 
     def discard(self, key: ChunkKey) -> None:
-        """Remove an entry whatever its state and free its slot (failed store or load)."""
+        """Remove the entry of ``key`` whatever its state (failed store or load): it is
+        invisible at once; its slot is freed now, or at its last unpin if pinned."""
         entry = self._entries.pop(key, None)
-        if entry is not None:
+        if entry is None:
+            return
+        self._num_evictable -= self._evictable(entry)
+        entry.listed = False
+        if entry.pins == 0:
+            del self._by_slot[entry.slot]
             self._free.append(entry.slot)
+
+    def discard_slot(self, slot: int) -> None:
+        """``discard`` the entry holding ``slot``, if it is still listed."""
+        entry = self._by_slot.get(slot)
+        if entry is not None and entry.listed:
+            self.discard(entry.key)
 
     def clear_unpinned(self) -> int:
         """Drop every READY unpinned entry; returns how many were dropped."""
-        victims = [k for k, e in self._entries.items()
-                   if e.state is SlotState.READY and e.pins == 0]
+        victims = [k for k, e in self._entries.items() if self._evictable(e)]
         for key in victims:
             self.discard(key)
         return len(victims)
@@ -146,8 +195,13 @@ class CpuIndex:
         if self._free:
             return self._free.pop()
         for key, entry in self._entries.items():
-            if entry.state is SlotState.READY and entry.pins == 0:
-                del self._entries[key]
+            if self._evictable(entry):
+                self.discard(key)
                 self.num_evictions += 1
-                return entry.slot
+                return self._free.pop()
         return None
+
+    @staticmethod
+    def _evictable(entry: _Entry | None) -> bool:
+        return (entry is not None and entry.listed and entry.state is SlotState.READY
+                and entry.pins == 0)

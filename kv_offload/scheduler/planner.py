@@ -24,7 +24,7 @@ from kv_offload.disk.errors import StoreError
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StepPlan, StoreJob, WorkerReport
 from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.counters import SchedulerCounters
-from kv_offload.scheduler.cpu_index import CpuIndex, SlotState
+from kv_offload.scheduler.cpu_index import CpuHit, CpuIndex, SlotState
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,21 @@ class _Request:
     remote: tuple[int, int, frozenset] | None = None  # (first chunk, num keys, hit keys) memo
     disk_outcome: tuple[int, int] = (0, 0)  # (hits, misses) of the last disk lookup
     tier_tokens: dict[str, int] = field(default_factory=dict)
+    loading: bool = False  # a load was planned and the request has not run since
+    # True: vLLM gave the last load up as a whole (freed its blocks, asked again), so
+    # the request is answered a miss until it runs; None: no such load.
+    load_given_up: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where one chunk of a loadable run comes from: a CPU hit, a disk entry, or the
+    remote tier."""
+
+    key: ChunkKey
+    cpu: CpuHit | None = None
+    disk: Any = None  # a kv_offload.disk.DiskEntry
+    remote: bool = False
 
 
 @dataclass(slots=True)
@@ -132,31 +147,80 @@ class OffloadScheduler:
             max_tokens=limit,
         )
 
-    def _lookup(self, keys: Sequence[ChunkKey], first: int) -> tuple[list, list]:
-        cpu_hits = self.cpu.lookup_prefix(keys[first:])
-        rest = keys[first + len(cpu_hits):]
-        disk_hits = []
-        if self.disk_enabled and rest:
-            with self._disk_guard("lookup"):
-                disk_hits = self.disk.find_prefix(rest)
-        return cpu_hits, disk_hits
+    def _loadable_run(self, state: _Request, keys: Sequence[ChunkKey], first: int
+                      ) -> list[_Source]:
+        """The chunks of ``keys[first:]`` a load can take now, each with its tier: the
+        longest run held by the CPU tier (READY or STAGING), the disk or the remote tier,
+        cut where no CPU slot is left to stage a disk or remote chunk into. So a hit
+        reported to vLLM can always be staged and pinned. Read-only (the remote check is
+        memoised per request)."""
+        run = self._local_run(keys[first:])
+        start = first + len(run)
+        if len(run) == len(keys) - first or self.cpu.state(keys[start]) is not None:
+            return self._cut_to_budget(run)  # a STORING chunk ends the run
+        for key in keys[start:start + self._remote_lookup(state, keys, start)]:
+            hit = self.cpu.hit(key)
+            if hit is None and key in self.cpu:
+                break
+            run.append(_Source(key, cpu=hit, remote=hit is None))
+        return self._cut_to_budget(run)
 
-    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens past ``num_computed_tokens`` that the tiers can load. No side effects
-        beyond a per-request memo of the answer."""
-        keys = self._keys(request, for_load=True)
-        first = num_computed_tokens // self.config.chunk_tokens
+    def _local_run(self, keys: Sequence[ChunkKey]) -> list[_Source]:
+        """Leading chunks of ``keys`` in the CPU tier or, for those the CPU tier lacks,
+        on disk (a CPU entry past a CPU miss is used as it is: never staged twice)."""
+        hits: list[CpuHit | None] = []
+        for key in keys:
+            hit = self.cpu.hit(key)
+            if hit is None and key in self.cpu:
+                break  # STORING: neither loadable nor stageable
+            hits.append(hit)
+        wanted = [k for k, h in zip(keys, hits) if h is None]
+        on_disk: list = []
+        if wanted and self.disk_enabled:
+            with self._disk_guard("lookup"):
+                on_disk = self.disk.find_prefix(wanted)
+        run: list[_Source] = []
+        found = iter(on_disk)
+        for key, hit in zip(keys, hits):
+            disk = None if hit is not None else next(found, None)
+            if hit is None and disk is None:
+                break
+            run.append(_Source(key, cpu=hit, disk=disk))
+        return run
+
+    def _cut_to_budget(self, run: list[_Source]) -> list[_Source]:
+        """``run`` up to the first chunk that would find no CPU slot to stage into."""
+        budget = self.cpu.num_reservable(s.cpu for s in run if s.cpu is not None)
+        for i, source in enumerate(run):
+            if source.cpu is None:
+                if budget == 0:
+                    return run[:i]
+                budget -= 1
+        return run
+
+    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens past ``num_computed_tokens`` that the tiers can load (and stage: see
+        ``_loadable_run``). No side effects beyond a per-request memo of the answer.
+
+        None ("ask again later") once for a request whose previous load vLLM gave up
+        as a whole, then 0 until it ran: see docs/vllm-bugs.md (vLLM 0.32 would stall
+        it, and the requests behind it, if it reported an asynchronous hit again)."""
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.request = request
-        if first >= len(keys):
+        if state.load_given_up is None and state.loading:
+            state.loading, state.load_given_up = False, True
+            self.counters.loads_given_up += 1
+            return None
+        keys = self._keys(request, for_load=True)
+        first = num_computed_tokens // self.config.chunk_tokens
+        if first >= len(keys) or state.load_given_up:
             hit_tokens = 0
         else:
-            cpu_hits, disk_hits = self._lookup(keys, first)
-            local_end = first + len(cpu_hits) + len(disk_hits)
+            run = self._loadable_run(state, keys, first)
             if self.disk_enabled:
-                state.disk_outcome = (len(disk_hits), len(keys) - local_end)
-            end = (local_end + self._remote_lookup(state, keys, local_end)
-                   ) * self.config.chunk_tokens
+                disk_hits = sum(s.disk is not None for s in run)
+                state.disk_outcome = (disk_hits, len(keys) - first - len(run))
+            end = (first + len(run)) * self.config.chunk_tokens
             hit_tokens = max(0, end - num_computed_tokens)
         state.lookup = (num_computed_tokens, hit_tokens)
         return hit_tokens
@@ -183,8 +247,8 @@ class OffloadScheduler:
         """Pin sources and queue a LoadJob for ``num_external_tokens`` after the local hit.
 
         Called once vLLM allocated the request's blocks, also with 0 tokens (then it only
-        counts the miss). Chunks that vanished since the
-        lookup (another process evicted them) are queued as failed moves, so the worker
+        counts the miss). Chunks that vanished since the lookup (another process evicted
+        them from the disk or remote tier) are queued as failed moves, so the worker
         reports their blocks as load errors and vLLM recomputes them.
         """
         state = self._requests.get(request.request_id)
@@ -192,12 +256,7 @@ class OffloadScheduler:
             return
         num_local, _ = state.lookup
         state.lookup = None
-        if self.disk_enabled and any(state.disk_outcome):
-            # Counted once per scheduled request, however often vLLM asked before.
-            hits, misses = state.disk_outcome
-            state.disk_outcome = (0, 0)
-            with self._disk_guard("count_lookup"):
-                self.disk.count_lookup(hits=hits, misses=misses)
+        self._count_disk_lookup(state)
         looked_up = max(0, request.num_tokens - 1 - num_local)
         self.counters.miss_tokens += max(0, looked_up - num_external_tokens)
         if num_external_tokens <= 0:
@@ -205,64 +264,101 @@ class OffloadScheduler:
         chunk = self.config.chunk_tokens
         first = num_local // chunk
         last = (num_local + num_external_tokens) // chunk
-        keys = self._keys(request, for_load=True)[first:last]
-        cpu_hits, disk_hits = self._lookup(keys, 0) if keys else ([], [])
-        remote_keys = state.remote[2] if state.remote else frozenset()
-        fills = self._fill_slots(keys[len(cpu_hits) + len(disk_hits):], remote_keys)
+        all_keys = self._keys(request, for_load=True)
+        run = self._loadable_run(state, all_keys, first)[:last - first]
+        self.cpu.pin(s.cpu.slot for s in run if s.cpu is not None)  # before any eviction
+        fills = self._fill_slots([s.key for s in run if s.remote])
         job_id = next(self._job_ids)
         moves: list[ChunkMove] = []
         staged: set[int] = set()
         tiers: dict[str, int] = {}
-        for i, key in enumerate(keys):
+        for i in range(last - first):
             blocks = self._chunk_blocks(block_ids, first + i, skip_before=num_local)
             tokens = (first + i + 1) * chunk - max(num_local, (first + i) * chunk)
-            if i < len(cpu_hits):
-                hit = cpu_hits[i]
-                self.cpu.pin([key])
-                moves.append(ChunkMove(blocks, hit.slot, after_job=hit.staging_job))
-                tiers["cpu"] = tiers.get("cpu", 0) + tokens
-                continue
-            d = i - len(cpu_hits)
-            entry = disk_hits[d] if d < len(disk_hits) else None
-            slot = None
-            if entry is not None or key in remote_keys:
-                slot = self.cpu.reserve(key, SlotState.STAGING, staging_job=job_id)
-            if slot is None:  # vanished since the lookup, or no CPU slot to stage into
-                moves.append(ChunkMove(blocks, None))
+            move, tier = self._plan_move(run[i] if i < len(run) else None, blocks, job_id, fills)
+            moves.append(move)
+            if tier is None:
                 self.counters.load_errors += 1
                 continue
-            staged.add(i)
-            if entry is not None:
-                self.disk.pin([entry.slot])
-                moves.append(ChunkMove(blocks, slot, entry.slot, tuple(entry.checksums)))
-                tiers["disk"] = tiers.get("disk", 0) + tokens
-            else:
-                moves.append(ChunkMove(blocks, slot, remote_key=key,
-                                       fill_disk_slot=fills.pop(key, None)))
-                tiers["remote"] = tiers.get("remote", 0) + tokens
+            tiers[tier] = tiers.get(tier, 0) + tokens
+            staged.update([i] if tier != "cpu" else [])
         self._release_disk(list(fills.values()))  # fills of chunks that found no CPU slot
+        keys = tuple(all_keys[first:last])
         self.cpu.touch(k for k, m in zip(keys, moves) if m.cpu_slot is not None)
         state.tier_tokens = tiers
+        state.loading = True
+        self._count_load(tiers, moves, len(staged))
+        self._jobs[job_id] = _Job("load", keys, tuple(moves), frozenset(staged))
+        self._pending_loads.append(LoadJob(job_id, request.request_id, tuple(moves)))
+
+    def fail_load(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int
+                  ) -> None:
+        """Queue a load whose every chunk fails, for a request told to wait for
+        ``num_external_tokens`` after ``plan_load`` raised: the workers report its last
+        ``num_external_tokens`` worth of blocks as load errors, and vLLM recomputes them
+        instead of waiting forever. Holds no pin."""
+        num_blocks = num_external_tokens // self.config.block_size
+        if num_blocks <= 0:
+            return
+        blocks = tuple(int(b) for b in block_ids[-num_blocks:])
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.loading, state.lookup = True, None
+        self.counters.load_errors += 1
+        move = ChunkMove(blocks, None)
+        self._pending_loads.append(LoadJob(next(self._job_ids), req_id, (move,)))
+
+    def take_pending_loads(self) -> tuple[LoadJob, ...]:
+        """Hand out the queued loads (what ``plan_step`` does first; the fallback plan
+        when planning stores failed)."""
+        loads, self._pending_loads = tuple(self._pending_loads), []
+        return loads
+
+    def _plan_move(self, source: _Source | None, blocks: tuple[int, ...], job_id: int,
+                   fills: dict) -> tuple[ChunkMove, str | None]:
+        """The move of one chunk of a load and its tier (None: failed move). A staged
+        chunk gets its CPU slot here (its CPU hits are pinned already)."""
+        if source is None:  # vanished since the lookup
+            return ChunkMove(blocks, None), None
+        if source.cpu is not None:
+            return ChunkMove(blocks, source.cpu.slot, after_job=source.cpu.staging_job), "cpu"
+        slot = self.cpu.reserve(source.key, SlotState.STAGING, staging_job=job_id)
+        if slot is None:  # cannot happen: the lookup counted the slots
+            return ChunkMove(blocks, None), None
+        if source.disk is not None:
+            self.disk.pin([source.disk.slot])
+            return ChunkMove(blocks, slot, source.disk.slot, tuple(source.disk.checksums)), "disk"
+        return ChunkMove(blocks, slot, remote_key=source.key,
+                         fill_disk_slot=fills.pop(source.key, None)), "remote"
+
+    def _count_disk_lookup(self, state: _Request) -> None:
+        if self.disk_enabled and any(state.disk_outcome):
+            # Counted once per scheduled request, however often vLLM asked before.
+            hits, misses = state.disk_outcome
+            state.disk_outcome = (0, 0)
+            with self._disk_guard("count_lookup"):
+                self.disk.count_lookup(hits=hits, misses=misses)
+
+    def _count_load(self, tiers: dict[str, int], moves: list[ChunkMove], num_staged: int
+                    ) -> None:
         num_remote = sum(m.remote_key is not None for m in moves)
         self.counters.hit_tokens_cpu += tiers.get("cpu", 0)
         self.counters.hit_tokens_disk += tiers.get("disk", 0)
         self.counters.hit_tokens_remote += tiers.get("remote", 0)
-        self.counters.chunks_loaded_cpu += len(cpu_hits)
-        self.counters.chunks_loaded_disk += len(staged) - num_remote
+        self.counters.chunks_loaded_cpu += sum(
+            m.cpu_slot is not None for m in moves) - num_staged
+        self.counters.chunks_loaded_disk += num_staged - num_remote
         self.counters.chunks_loaded_remote += num_remote
-        self._jobs[job_id] = _Job("load", tuple(keys), tuple(moves), frozenset(staged))
-        self._pending_loads.append(LoadJob(job_id, request.request_id, tuple(moves)))
 
-    def _fill_slots(self, keys: Sequence[ChunkKey], remote_keys: frozenset) -> dict:
-        """Disk slots reserved for remote chunks among ``keys`` (key -> slot), so that
+    def _fill_slots(self, keys: Sequence[ChunkKey]) -> dict:
+        """Disk slots reserved for the remote chunks ``keys`` (key -> slot), so that
         what is fetched from the remote tier also lands on the local disk."""
-        wanted = [k for k in keys if k in remote_keys]
-        if not (wanted and self.disk_enabled):
+        if not (keys and self.disk_enabled):
             return {}
         slots: list[int | None] = []
         with self._disk_guard("allocate"):
-            slots = self.disk.allocate(wanted)
-        return {k: s for k, s in zip(wanted, slots) if s is not None}
+            slots = self.disk.allocate(list(keys))
+        return {k: s for k, s in zip(keys, slots) if s is not None}
 
     def _release_disk(self, slots: list[int]) -> None:
         if slots and self.disk is not None:
@@ -294,6 +390,7 @@ class OffloadScheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            state.loading, state.load_given_up = False, None  # it runs: its load is over
             request = state.request
             limit = computed if self.config.store_generated else min(
                 computed, request.num_prompt_tokens)
@@ -313,7 +410,7 @@ class OffloadScheduler:
             state.next_store_chunk = num_done
         store_jobs = (self._plan_store(stores),) if stores else ()
         store_jobs = tuple(j for j in store_jobs if j is not None)
-        loads, self._pending_loads = tuple(self._pending_loads), []
+        loads = self.take_pending_loads()
         self._maybe_flush_access()
         return StepPlan(loads, store_jobs)
 
@@ -358,10 +455,10 @@ class OffloadScheduler:
             if job.ranks_host >= self.config.num_ranks and not job.host_done:
                 job.host_done = True
                 self.counters.chunks_stored_cpu += len(job.keys)
-                for key, move in zip(job.keys, job.moves):
-                    self.cpu.publish(key)
+                for move in job.moves:
+                    self.cpu.publish(move.cpu_slot)
                     if move.disk_slot is None and move.remote_key is None:
-                        self.cpu.unpin([key])
+                        self.cpu.unpin([move.cpu_slot])
                 self._maybe_finish_store(job_id, job)
         for job_id, per_rank in report.disk_stored.items():
             job = self._jobs.get(job_id)
@@ -398,7 +495,7 @@ class OffloadScheduler:
                 or (has_remote and len(job.remote_reports) < ranks)):
             return
         del self._jobs[job_id]
-        self.cpu.unpin(k for k, m in zip(job.keys, job.moves)
+        self.cpu.unpin(m.cpu_slot for m in job.moves
                        if m.disk_slot is not None or m.remote_key is not None)
         if has_remote:
             per_rank = list(job.remote_reports.values())
@@ -443,13 +540,20 @@ class OffloadScheduler:
             return
         del self._jobs[job_id]
         if any(s is not None for s in fills):
-            self.cpu.unpin(job.keys[i] for i in job.fill_pinned)
-            self._commit_disk(job.keys, fills, job.fill_reports, failed)
+            self.cpu.unpin(job.moves[i].cpu_slot for i in job.fill_pinned)
+            self._commit_disk(job.keys, fills, job.fill_reports, frozenset(job.bad_reads))
 
     def _apply_load(self, job: _Job, failed: frozenset[int]) -> None:
-        """Publish staged chunks that every rank loaded, forget the failed ones (and drop
-        disk entries that a rank found damaged), release pins (a chunk still being
-        written to the disk keeps its pin until then)."""
+        """Release what a load held once every rank reported it.
+
+        A staged chunk whose read succeeded on every rank holds the chunk's bytes, also
+        when this job failed it (its engine copy raised, or it timed out): it is
+        published, so the jobs that wait on the read (``after_job``) copy valid bytes.
+        One whose read failed on a rank is discarded (and its disk entry dropped); its
+        slot stays reserved while other jobs pin it, and those jobs fail it too. Pins
+        are released per slot; a chunk still being written to the disk keeps its pin
+        until then.
+        """
         self.counters.load_errors += len(failed)
         for i, (key, move) in enumerate(zip(job.keys, job.moves)):
             if move.cpu_slot is None:
@@ -457,18 +561,17 @@ class OffloadScheduler:
             if i in job.staged:
                 if move.disk_slot is not None:
                     self.disk.unpin([move.disk_slot])
-                if i in failed:
-                    self.cpu.discard(key)
-                    if move.disk_slot is not None and i in job.bad_reads:
+                if i in job.bad_reads:
+                    self.cpu.discard_slot(move.cpu_slot)
+                    if move.disk_slot is not None:
                         with self._disk_guard("drop"):
                             self.disk.drop(key, move.disk_slot)
-                    continue
-                if self.cpu.state(key) is SlotState.STAGING:
-                    self.cpu.publish(key)
+                else:
+                    self.cpu.publish(move.cpu_slot)
                 if move.fill_disk_slot is not None:
                     job.fill_pinned.add(i)
                     continue
-            self.cpu.unpin([key])
+            self.cpu.unpin([move.cpu_slot])
 
     # -- lifecycle -------------------------------------------------------------------------
 

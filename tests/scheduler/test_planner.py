@@ -107,10 +107,10 @@ def test_disk_commit_needs_every_rank_and_a_failed_rank_releases(disk_index):
     sched.on_report(WorkerReport(host_stored={job.job_id: 2},
                                  disk_stored={job.job_id: {0: (11, 12)}}))
     keys = [req.block_hashes[1], req.block_hashes[3]]
-    assert disk_index.lookup_prefix(keys) == []
+    assert disk_index.find_prefix(keys) == []
     # Rank 1 failed the second chunk: only the first is committed.
     sched.on_report(WorkerReport(disk_stored={job.job_id: {1: (21, None)}}))
-    (entry,) = disk_index.lookup_prefix(keys)
+    (entry,) = disk_index.find_prefix(keys)
     assert entry.checksums == (11, 21)
     assert sched.cpu.counts()["pinned"] == 0
 
@@ -134,7 +134,7 @@ def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
                                  bad_reads={load_x.job_id: {1: frozenset({1})}}))
     assert sched.cpu.state(req.block_hashes[1]) is SlotState.READY
     assert sched.cpu.state(req.block_hashes[3]) is None
-    assert [e.key for e in disk_index.lookup_prefix([req.block_hashes[1],
+    assert [e.key for e in disk_index.find_prefix([req.block_hashes[1],
                                                       req.block_hashes[3]])] == [
         req.block_hashes[1]]
     sched.on_report(WorkerReport(loaded={load_y.job_id: {0: frozenset(), 1: frozenset({1})}}))
@@ -167,5 +167,7 @@ def test_a_timed_out_disk_load_keeps_the_entries(disk_index):
     everything = frozenset({0, 1})
     sched.on_report(WorkerReport(loaded={load.job_id: {0: everything, 1: everything}}))
     assert sched.counters.load_errors == 2
-    assert len(disk_index.lookup_prefix([req.block_hashes[1], req.block_hashes[3]])) == 2
-    assert sched.cpu.counts()["pinned"] == 0 and len(sched.cpu) == 0
+    assert len(disk_index.find_prefix([req.block_hashes[1], req.block_hashes[3]])) == 2
+    # The reads succeeded (no bad read reported): the staged chunks are valid, kept.
+    assert sched.cpu.state(req.block_hashes[1]) is SlotState.READY
+    assert sched.cpu.counts()["pinned"] == 0 and len(sched.cpu) == 2

@@ -88,10 +88,10 @@ def test_remote_chunks_fill_the_disk_after_every_rank_wrote_them(disk_index):
     sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset()}}))
     assert sched.cpu.state(keys[0]) is SlotState.READY, "usable before the fill finishes"
     assert sched.cpu.counts()["pinned"] == 2, "but pinned while the fill reads the slot"
-    assert disk_index.lookup_prefix(keys) == []
+    assert disk_index.find_prefix(keys) == []
     sched.on_report(WorkerReport(disk_stored={load.job_id: {0: (1, 2)}}))
     sched.on_report(WorkerReport(disk_stored={load.job_id: {1: (3, None)}}))
-    assert [e.checksums for e in disk_index.lookup_prefix(keys)] == [(1, 3)]
+    assert [e.checksums for e in disk_index.find_prefix(keys)] == [(1, 3)]
     assert disk_index.stats()["used_slots"] == 1, "the failed fill was released"
     assert sched.cpu.counts()["pinned"] == 0
     assert not sched.has_pending_work()
@@ -108,10 +108,11 @@ def test_a_remote_chunk_that_failed_to_load_is_recomputed_and_not_filled(disk_in
     (load,) = sched.plan_step([]).loads
     # Evicted between lookup and read on rank 1: the worker fails chunk 1 and skips its fill.
     sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset({1})}},
+                                 bad_reads={load.job_id: {1: frozenset({1})}},
                                  disk_stored={load.job_id: {0: (1, 2), 1: (3, None)}}))
     assert sched.cpu.state(keys[1]) is None
     assert sched.counters.load_errors == 1
-    assert [e.key for e in disk_index.lookup_prefix(keys)] == [keys[0]]
+    assert [e.key for e in disk_index.find_prefix(keys)] == [keys[0]]
     assert sched.cpu.counts()["pinned"] == 0
     assert not sched.has_pending_work()
 
