@@ -191,24 +191,27 @@ def sample_processes(server: Server) -> dict[str, float]:
 
 # ---- metrics --------------------------------------------------------------------------
 
+KEPT_METRICS = ("kv_offload_", "vllm:prompt_tokens_cached_by_source", "vllm:prompt_tokens_total",
+                "vllm:num_preemptions_total", "vllm:num_requests_running",
+                "vllm:num_requests_waiting")
+KEPT_LABELS = ("tier", "direction", "source")
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{label=value,...}': value} for kv_offload_* and a few vllm:."""
-    keep = ("kv_offload_", "vllm:prompt_tokens_cached_by_source", "vllm:prompt_tokens_total",
-            "vllm:num_preemptions_total", "vllm:num_requests_running",
-            "vllm:num_requests_waiting")
+    """Prometheus text -> {'name{label="value",...}': value} for kv_offload_* and a few
+    vllm: samples, summed over the labels other than tier, direction and source."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(keep) or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        if name.split("{", 1)[0].endswith("_created"):
-            continue
-        if "{" in name:
-            base, labels = name.split("{", 1)
-            wanted = [kv for kv in labels.rstrip("}").split(",")
-                      if kv.split("=")[0] in ("tier", "direction", "source")]
-            name = base + "{" + ",".join(wanted) + "}"
-        out[name] = out.get(name, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith(KEPT_METRICS) or sample.name.endswith("_created"):
+                continue
+            name = sample.name
+            if sample.labels:
+                name += "{" + ",".join(f'{k}="{v}"' for k, v in sample.labels.items()
+                                       if k in KEPT_LABELS) + "}"
+            out[name] = out.get(name, 0.0) + sample.value
     return out
 
 

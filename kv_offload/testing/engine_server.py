@@ -30,6 +30,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from kv_offload.testing import engine_state
@@ -136,6 +137,7 @@ def serve(spec: dict[str, Any], commands: queue.Queue, reply: Any) -> None:
         try:
             send({"ok": True, **handle(llm, command)})
         except Exception as exc:  # report, keep serving: the parent decides
+            traceback.print_exc()  # into the log, which the parent's error message ends with
             send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     del llm
 

@@ -57,8 +57,16 @@ def test_lookup_quick(tmp_path):
                     "plan_load_disk_us_per_chunk", "plan_store_us_per_chunk",
                     "complete_store_us_per_chunk"):
             assert row[key] > 0, key
-    assert {v["pass"] for v in data["verdicts"]} <= {True, False}
-    assert any("flat" in v["target"] for v in data["verdicts"])
+    verdicts = data["verdicts"]
+    # Each verdict follows from its own figures: PASS exactly when value <= limit, and a
+    # "flat" value is the largest size's time over the smallest's.
+    assert verdicts and all(v["pass"] is (v["value"] <= v["limit"]) for v in verdicts), verdicts
+    small, large = data["results"]
+    flat = [v for v in verdicts if " flat: " in v["target"]]
+    assert flat, verdicts
+    for v in flat:
+        key = v["target"].split(" ")[0]
+        assert v["value"] == pytest.approx(large[key] / small[key], abs=0.006), v
 
 
 def test_report_renders_partial_results(tmp_path):
