@@ -37,6 +37,7 @@ _READING, _COPYING, _DONE, _CANCELLED = "reading", "copying", "done", "cancelled
 class _Load:
     job: LoadJob
     started: float
+    stream: Any = None  # the compute stream current when vLLM handed the job out
     future: Future | None = None
     state: str = _READING
     failed: set[int] = field(default_factory=set)
@@ -117,7 +118,7 @@ class OffloadWorker:
         copies of other jobs. Returns at once."""
         now = self._clock()
         for job in jobs:
-            load = _Load(job, now)
+            load = _Load(job, now, self.engine.current_stream())
             reads: dict[int, Future] = {}
             needed: list[Future] = []
             fills: list[Future | None] = []
@@ -170,10 +171,13 @@ class OffloadWorker:
                       what=str(result))
         if not result or isinstance(result, Exception):
             self._read_failures += 1
-            self._count(checksum_failures=1)
+            if getattr(result, "name", "") == "CHECKSUM_MISMATCH":
+                self._count(checksum_failures=1)
+            else:  # I/O error, slab file missing or cut short
+                self._count(disk_read_errors=1)
             if self._read_failures == 1 or self._read_failures % 1000 == 0:
                 logger.warning(
-                    "kv-offload: disk chunk in slot %d failed verification (%s); its tokens "
+                    "kv-offload: disk chunk in slot %d could not be read (%s); its tokens "
                     "are recomputed and the entry is dropped (%d failures so far)",
                     move.disk_slot, result, self._read_failures)
             return False
@@ -243,7 +247,8 @@ class OffloadWorker:
             blocks = np.array([job.chunks[i].block_ids for i in ok_rows], dtype=np.int64)
             try:
                 start = self._clock()
-                self.engine.wait(self.engine.load(slots, blocks))
+                after = {} if load.stream is None else {"after": load.stream}
+                self.engine.wait(self.engine.load(slots, blocks, **after))
                 self._count(bytes_load=self._chunk_bytes(blocks),
                             seconds_load=self._clock() - start)
             except Exception:
