@@ -42,7 +42,10 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "load_errors": ("kv_offload_load_errors_total",
                     "Chunks whose load failed and were recomputed", {}),
     "checksum_failures": ("kv_offload_checksum_failures_total",
-                          "Disk chunk reads that failed verification", {}),
+                          "Disk chunk reads whose checksum did not match", {}),
+    "disk_read_errors": ("kv_offload_disk_read_errors_total",
+                         "Disk chunk reads that failed: I/O error, slab file missing or cut "
+                         "short", {}),
     "disk_write_errors": ("kv_offload_disk_write_errors_total", "Failed slab writes", {}),
     "remote_lookups": ("kv_offload_remote_lookups_total",
                        "Remote existence checks, one per request the local tiers could not "

@@ -8,6 +8,7 @@ store directory must be reported once so the scheduler can stop using it.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 
@@ -109,7 +110,26 @@ def test_corrupt_chunk_is_a_load_error_with_its_blocks(planes, tmp_path):
         assert torch.equal(p[[11, 12]], orig), "bad bytes reached the engine"
     assert any(x.loaded.get(2) == {0: frozenset({0, 1})} for x in reports)
     assert any(x.bad_reads.get(2) == {0: frozenset({0})} for x in reports), "only the damaged"
-    assert worker.take_stats()["checksum_failures"] == 1
+    stats = worker.take_stats()
+    assert stats["checksum_failures"] == 1 and not stats.get("disk_read_errors")
+    worker.close()
+
+
+def test_unreadable_chunk_counts_a_read_error_not_a_checksum_failure(planes, tmp_path):
+    """A slab cut short (or missing, or EIO) is a read error: the chunk is recomputed, and
+    it is counted in disk_read_errors, not checksum_failures."""
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    worker = make_worker(planes, slab)
+    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, 0),))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    checksum = next(x for x in reports if x.disk_stored).disk_stored[1][0][0]
+    worker.take_stats()
+    os.truncate(slab.path, 0)
+    worker.start_loads([LoadJob(2, "r", (ChunkMove((11, 12), 1, 0, (checksum,)),))])
+    _, finished, failed = drain(worker, until=lambda r, f, b: "r" in f)
+    assert failed == {11, 12}
+    stats = worker.take_stats()
+    assert stats["disk_read_errors"] == 1 and not stats.get("checksum_failures")
     worker.close()
 
 
