@@ -295,8 +295,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
         _add(totals, self._scheduler.counters.snapshot())
         totals.update(self._disk_gauges)
         cpu = self._scheduler.cpu
-        totals["cpu_used_bytes"] = len(cpu)
-        totals["cpu_capacity_bytes"] = cpu.num_slots
+        totals["cpu_used_bytes"] = len(cpu) * self.layout.slot_bytes
+        totals["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
         logger.info("kv-offload summary since start: %s",
                     ", ".join(f"{k}={v}" for k, v in summarize(totals).items()))
 
