@@ -16,7 +16,7 @@ import pytest
 from kv_offload.cli import EXIT_BUSY, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 from kv_offload.disk import DiskIndex, SlabFile, iter_entries, list_namespaces
 from kv_offload.disk.slab import slab_dir, slab_path
-from kv_offload.warm import load_prompts
+from kv_offload.warm_prompts import load_prompts
 
 NS_A = "a1" * 16  # two ranks, six chunks
 NS_B = "b2" * 16  # one rank, three chunks
