@@ -19,8 +19,10 @@ every contender moves the same bytes:
      bytearray, so the client's own packer sends it (``client_set_write``: what
      ``RemoteTier.write`` did before kv-offload packed values itself); loads are
      ``RemoteTier.read_into``;
-   - raw SET/GET: plain ``SET`` / ``GET`` of the payload (copied into the slot) with no
-     header and no checksum, on ours' client: the cost of our value format;
+   - raw SET/GET: plain ``SET`` / ``GET`` of the payload with no header and no checksum,
+     on ours' client, the GET's bytes copied into the preallocated host slot: the yardstick
+     for ``read_into``, which receives the value straight into the slot and verifies its
+     checksum there;
    - disk slab: the disk tier's ``SlabFile.write`` / ``read`` with verification, in a
      temp dir on this machine; loads warm (page cache) and cold (evicted with
      POSIX_FADV_DONTNEED after fsync).
@@ -35,7 +37,15 @@ every contender moves the same bytes:
    length) on ours and on ours with the Python parser, next to a redis-py pipeline
    (``pipeline(transaction=False)``) of the same EXISTS commands on the redis-py default
    client with hiredis, which is how ``lookup`` worked before. Median and p99 per request
-   and median microseconds per key.
+   and median microseconds per key. The same against a 3-node cluster on loopback: ours
+   (one pipeline per node, sent to every node before any reply is read) against
+   redis-py's cluster pipeline (before).
+   Scheduler thread: a miniature scheduler (one request arrives per 2 ms step, every
+   waiting request is asked again each step) with the server direct, behind a proxy
+   holding each reply 10-15 ms (within the 20 ms budget) and 50-200 ms (past it):
+   microseconds the scheduler thread spends per request in ``RemoteLookups.ask``
+   (asynchronous, now) and in ``RemoteTier.lookup`` (synchronous, before), and how long
+   each request waited for its answer.
 3. TTFT: one vLLM engine (CPU backend, tiny random-weight model) with ``remote_url`` set
    and no disk tier; per round, a cold pass over prompts of L + 16 tokens (one request
    at a time, max_tokens=1), one short request that lets the engine collect the store
@@ -52,12 +62,10 @@ every contender moves the same bytes:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import mmap
 import os
 import platform
-import random
 import resource
 import shutil
 import statistics
@@ -74,6 +82,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _engine import benchmark_env, engine_kwargs  # noqa: E402
+from _remote_lookups import (  # noqa: E402
+    bench_cluster_lookup,
+    bench_lookup,
+    bench_scheduler_thread,
+    chunk_keys,
+)
 
 from kv_offload.disk import SlabFile  # noqa: E402
 from kv_offload.remote.resp import RespPacker  # noqa: E402
@@ -96,12 +110,6 @@ KINDS = {  # I/O contender -> label; every one but raw and disk runs RemoteTier
     "disk": "disk slab",
 }
 REDISPY = ("redispy_hiredis", "redispy_python")  # stores: client_set_write
-LOOKUPS = {  # lookup method -> label
-    "ours": "RemoteTier.lookup (ours)",
-    "ours_python": "RemoteTier.lookup, Python parser",
-    "redispy_pipeline": "redis-py pipeline (default, hiredis)",
-}
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
@@ -176,10 +184,6 @@ def prefaulted(nbytes: int) -> np.ndarray:
 def views(buf: np.ndarray, chunk: int) -> list[memoryview]:
     view = memoryview(buf)
     return [view[i : i + chunk] for i in range(0, buf.nbytes - chunk + 1, chunk)]
-
-
-def chunk_keys(tag: str, count: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(count)]
 
 
 def connect_client(target: RemoteTarget, timeout_s: float, *, python_parser: bool = False,
@@ -415,84 +419,6 @@ def io_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-# -- lookup -----------------------------------------------------------------------------------
-
-
-def pipeline_lookup(client: Any, tier: RemoteTier, chunk_keys: list[bytes]) -> int:
-    """What ``RemoteTier.lookup`` did before it had its own pipeline: a redis-py pipeline
-    (no transaction) of one EXISTS per chunk key on ``client``."""
-    pipe = client.pipeline(transaction=False)
-    for key in chunk_keys:
-        pipe.exists(*(tier.name(key, r) for r in range(tier.num_ranks)))
-    hits = 0
-    for count in pipe.execute():
-        if count != tier.num_ranks:
-            break
-        hits += 1
-    return hits
-
-
-def bench_lookup(args: argparse.Namespace, url: str, clients: dict[str, Any]) -> dict:
-    """Per (keys, all present or none, method): latency of one lookup; see LOOKUPS."""
-    def tier(client: Any) -> RemoteTier:
-        return RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1,
-                          payload_bytes=4096, timeout_s=args.timeout_s,
-                          connect=lambda _t, _s: client)
-
-    ours, ours_python = tier(clients["remote"]), tier(clients["remote_pyparser"])
-    default = clients["redispy_hiredis"]
-    methods: dict[str, Callable[[list[bytes]], int]] = {
-        "ours": ours.lookup,
-        "ours_python": ours_python.lookup,
-        "redispy_pipeline": lambda keys: pipeline_lookup(default, ours, keys),
-    }
-    largest = max(args.lookup_sizes)
-    present = chunk_keys("lookup-present", largest)
-    absent = chunk_keys("lookup-absent", largest)
-    payload = memoryview(bytes(4096))
-    if not all(ours.write(k, 0, payload) for k in present):
-        raise RuntimeError("lookup: could not write the present keys")
-    cases = [(n, hit, m) for n in args.lookup_sizes for hit in (True, False) for m in methods]
-    samples: dict[tuple, list[float]] = {case: [] for case in cases}
-    for n, hit, m in cases:  # untimed warm-up of each case
-        methods[m]((present if hit else absent)[:n])
-    rng = random.Random(0)
-    for _ in range(args.lookup_calls):  # every case once per round, in a new order each time
-        order = cases[:]
-        rng.shuffle(order)
-        for case in order:
-            n, hit, m = case
-            keys = (present if hit else absent)[:n]
-            start = time.perf_counter()
-            found = methods[m](keys)
-            samples[case].append(time.perf_counter() - start)
-            if found != (n if hit else 0):
-                raise RuntimeError(f"lookup ({m}) of {n} keys found {found}, expected "
-                                   f"{n if hit else 0}")
-    if ours.health.num_failures or ours_python.health.num_failures:  # errors answer 0
-        raise RuntimeError("lookup: RemoteTier recorded failures")
-    clients["remote"].flushall()
-    rows = []
-    medians = {}
-    for (n, hit, m), times in samples.items():
-        us = sorted(t * 1e6 for t in times)
-        p99 = us[min(len(us) - 1, round(0.99 * (len(us) - 1)))]
-        med = statistics.median(us)
-        medians[(n, hit, m)] = med
-        rows.append({"keys": n, "present": hit, "method": m, "label": LOOKUPS[m],
-                     "calls": len(us), "median_us": round(med, 1), "p99_us": round(p99, 1),
-                     "median_us_per_key": round(med / n, 2), "p99_us_per_key": round(p99 / n, 2)})
-    ratios = [{"keys": n, "present": hit,
-               # > 1: the redis-py pipeline (before) takes longer than ours (now)
-               "pipeline_vs_ours": round(medians[(n, hit, "redispy_pipeline")]
-                                         / medians[(n, hit, "ours")], 3),
-               # > 1: the Python parser takes longer than hiredis's
-               "python_vs_hiredis_parser": round(medians[(n, hit, "ours_python")]
-                                                 / medians[(n, hit, "ours")], 3)}
-              for n in args.lookup_sizes for hit in (True, False)]
-    return {"rows": rows, "ratios": ratios}
-
-
 # -- TTFT ------------------------------------------------------------------------------------
 
 
@@ -612,6 +538,7 @@ def print_tables(result: dict) -> None:
     for r in result["lookup_ratios"]:
         print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} "
               f"{r['pipeline_vs_ours']:>18.2f} {r['python_vs_hiredis_parser']:>25.2f}")
+    print_lookup_tables(result)
     ttft = result.get("ttft")
     if ttft and "modes" in ttft:
         print(f"\nTTFT, median ms (prefix L + {ttft['suffix_tokens']} tokens, {ttft['rounds']} "
@@ -624,6 +551,25 @@ def print_tables(result: dict) -> None:
         print(f"{'ratio':<8}" + "".join(f"{ttft['ratios'][str(n)]:>10.3f}" for n in ttft["lengths"]))
     elif ttft:
         print(f"\nTTFT: {ttft.get('error', 'skipped')}")
+
+
+def print_lookup_tables(result: dict) -> None:
+    print("\nCluster lookup (3 nodes; us per request)")
+    print(f"{'keys':>5} {'present':>8} {'method':<42} {'median':>9} {'p99':>9} {'us/key':>8}")
+    for r in result.get("lookup_cluster", []):
+        print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} {r['label']:<42} "
+              f"{r['median_us']:>9.1f} {r['p99_us']:>9.1f} {r['median_us_per_key']:>8.2f}")
+    sched = result.get("scheduler_thread")
+    if not sched:
+        return
+    print(f"\nScheduler thread per request (budget {sched['budget_ms']:.0f} ms; thread: us "
+          "spent in lookup calls on the scheduler thread; answer: ms from arrival)")
+    print(f"{'server':<14} {'method':<26} {'thread med':>11} {'thread p99':>11} "
+          f"{'answer med':>11} {'answer max':>11} {'hits':>5}")
+    for r in sched["rows"]:
+        print(f"{r['server']:<14} {r['method']:<26} {r['thread_us_median']:>11.1f} "
+              f"{r['thread_us_p99']:>11.1f} {r['answer_ms_median']:>11.2f} "
+              f"{r['answer_ms_max']:>11.2f} {r['hit_requests']:>5}")
 
 
 def warn_hits(ttft: dict) -> None:
@@ -695,6 +641,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["io_ratios"] = io_ratios(result["io"])
         lookup = bench_lookup(args, server.url, clients)
         result["lookup"], result["lookup_ratios"] = lookup["rows"], lookup["ratios"]
+        cluster = bench_cluster_lookup(args, base / "cluster")
+        result["lookup_cluster"], result["lookup_cluster_ratios"] = (cluster["rows"],
+                                                                     cluster["ratios"])
+        print("  lookups done", flush=True)
+        result["scheduler_thread"] = bench_scheduler_thread(args, server.port)
+        print("  scheduler thread with slow servers done", flush=True)
         if args.no_engine:
             result["ttft"] = {"error": "skipped (--no-engine)"}
         else:

@@ -8,23 +8,27 @@ the memoised count once the thread has it, or 0 (a miss) once the request's tota
 budget has passed. A request is never held longer than the budget, and no other
 request waits for it.
 
-Why one thread and not an asyncio client: vLLM's scheduler is synchronous, so an event
-loop would need a thread of its own anyway; redis-py's synchronous client already does
-what we need (AUTH, TLS, cluster topology, our RESP fast path); and one thread that
-drains its whole queue into one pipelined batch (``RemoteTier.lookup_many``: one round
-trip for every request that arrived meanwhile, per cluster node) never falls behind
-however many requests arrive during a slow round trip.
+Why threads and not an asyncio client: vLLM's scheduler is synchronous, so an event
+loop would need a thread of its own anyway, and redis-py's synchronous client already
+does what we need (AUTH, TLS, cluster topology, our RESP fast path). Each lookup thread
+drains the whole queue into one pipelined batch (``RemoteTier.lookup_many``: one round
+trip for every request that arrived meanwhile, per cluster node), so lookups never fall
+behind however many requests arrive; a few threads (``num_threads``, each on its own
+pooled connection) keep a request that arrives during a round trip from waiting for
+that one to finish before its own starts (with a round trip near the budget, one thread
+made half the requests miss).
 
 Requests that cannot win from waiting answer 0 at once: no keys (shorter than one
 chunk, or every chunk found locally); a first key found absent less than
 ``negative_ttl_s`` ago (a small negative cache: prompts just found cold); a server
-that is backing off or that just ran a lookup past the budget ("slow": one probe is
+that is backing off, or slow: a round trip took longer than the budget (one probe is
 kept in flight, and the first round trip within the budget ends it).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -61,14 +65,15 @@ class RemoteLookups:
     """Asynchronous, memoised remote lookups with a total time budget per request.
 
     ``ask`` and ``forget`` run on the scheduler thread and never block on the network
-    (a short lock shared with the lookup thread). ``budget_s`` bounds, from the first
+    (a short lock shared with the lookup threads). ``budget_s`` bounds, from the first
     ``ask``, how long a request may be answered None. ``start=False`` runs no thread:
-    ``run_once`` then does the thread's work (tests). ``clock`` is injected.
+    ``run_once`` then does a lookup thread's work (tests). ``clock`` is injected.
     """
 
     def __init__(self, tier: LookupTier, *, budget_s: float,
                  clock: Callable[[], float] = time.monotonic, negative_ttl_s: float = 1.0,
-                 negative_size: int = 4096, start: bool = True) -> None:
+                 negative_size: int = 4096, num_threads: int = 4, start: bool = True
+                 ) -> None:
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive, got {budget_s}")
         self.tier = tier
@@ -79,7 +84,8 @@ class RemoteLookups:
         self._cond = threading.Condition()
         self._asks: dict[str, _Ask] = {}
         self._queue: list[_Ask] = []
-        self._in_flight = False
+        self._in_flight: dict[int, float] = {}  # round trip -> when it started
+        self._round_trip_ids = itertools.count()
         self._slow = False
         self._cold: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._closed = False
@@ -89,11 +95,10 @@ class RemoteLookups:
         self.num_skipped = 0  # answered miss at once: server backing off or slow
         self.num_round_trips = 0
         self.seconds_round_trips = 0.0  # lookup thread, network included
-        self._thread: threading.Thread | None = None
-        if start:
-            self._thread = threading.Thread(target=self._run, name="kv-offload-lookup",
-                                            daemon=True)
-            self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"kv-offload-lookup-{i}",
+                                          daemon=True) for i in range(num_threads if start else 0)]
+        for thread in self._threads:
+            thread.start()
 
     # -- scheduler thread --------------------------------------------------------------
 
@@ -135,7 +140,10 @@ class RemoteLookups:
             elif now >= ask.deadline:
                 ask.final = 0
                 self.num_timeouts += 1
-                self._slow = True
+                # Slow if the server holds a round trip past the budget; not when this
+                # request only queued behind others.
+                if self._in_flight and now - min(self._in_flight.values()) >= self.budget_s:
+                    self._slow = True
             else:
                 return None
         return ask.final
@@ -168,19 +176,19 @@ class RemoteLookups:
         how many were sent. The lookup thread's work; blocks on the network."""
         with self._cond:
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-            self._in_flight = bool(batch)
-        if not batch:
-            return 0
+            if not batch:
+                return 0
+            trip, began = next(self._round_trip_ids), self._clock()
+            self._in_flight[trip] = began
         try:
-            self._send(batch)
+            self._send(batch, began)
         finally:
             with self._cond:
-                self._in_flight = False
+                del self._in_flight[trip]
         return len(batch)
 
-    def _send(self, batch: list[_Ask]) -> None:
+    def _send(self, batch: list[_Ask], began: float) -> None:
         failures = self.tier.health.num_failures
-        began = self._clock()
         try:
             results = self.tier.lookup_many([a.keys for a in batch])
         except Exception:  # a bug, not a server problem: answer misses, keep serving
@@ -192,8 +200,8 @@ class RemoteLookups:
         with self._cond:
             self.num_round_trips += 1
             self.seconds_round_trips += done - began
-            if answered and done - began <= self.budget_s:
-                self._slow = False
+            if answered:
+                self._slow = done - began > self.budget_s
             for ask, hits in zip(batch, results):
                 if answered and hits == 0:
                     self._remember_cold(ask.keys[0], done)
@@ -223,5 +231,6 @@ class RemoteLookups:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -22,12 +22,12 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kv_offload.remote.bulk import RespErrorReply, read_value_into
+from kv_offload.remote.cluster import ClusterCounter, ClusterTopologyChanged, node_pool
 from kv_offload.remote.health import RemoteHealth
 from kv_offload.remote.resp import (
     Joined,
     RespPacker,
     pipeline_on_connection,
-    pipelines_on_connections,
 )
 from kv_offload.remote.values import HEADER_BYTES, ValueCheck, encode_header, meta_key
 
@@ -89,6 +89,7 @@ class RemoteTier:
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._use_script = True
+        self._cluster = ClusterCounter()
         # key_name's parts, precomputed: lookups name every rank of every chunk.
         self._name_head = f"{key_prefix}:{{{namespace}:".encode()
         self._name_tails = [f"}}:r{r}of{num_ranks}".encode() for r in range(num_ranks)]
@@ -113,9 +114,9 @@ class RemoteTier:
         Read-only on the server; all zeros on any failure or while backing off. A
         standalone server counts each request's prefix itself (one read-only Lua script
         call per request, all pipelined); where scripts are refused (ACLs, managed
-        services) one ``EXISTS`` per chunk is pipelined instead. On a cluster, the
-        ``EXISTS`` of every chunk goes to the node that holds it: one pipeline per
-        node, sent to every node before any reply is read.
+        services) one ``EXISTS`` per chunk is pipelined instead. On a cluster, every
+        node gets one call over the chunks it holds (``cluster.ClusterCounter``), sent
+        to every node before any reply is read.
         """
         if not any(requests) or not self.health.should_try():
             return [0] * len(requests)
@@ -166,21 +167,13 @@ class RemoteTier:
         return [int(next(it)) if group else 0 for group in names]
 
     def _exists_per_chunk(self, client: Any, names: list[bytes]) -> list[int]:
-        """EXISTS over every rank's key of each chunk; one count per chunk."""
+        """How many of its ranks' keys exist, per chunk (``ClusterCounter`` on a
+        cluster: one script call or one EXISTS pipeline per node)."""
         per = self.num_ranks
+        if self.target.is_cluster:
+            return self._cluster.counts(client, names, per)
         commands = [(b"EXISTS", *names[i:i + per]) for i in range(0, len(names), per)]
-        if not self.target.is_cluster:
-            return pipeline_on_connection(client.connection_pool, commands)
-        by_pool: dict[Any, list[int]] = {}
-        for i, command in enumerate(commands):
-            by_pool.setdefault(_node_pool(client, command[1]), []).append(i)
-        replies = pipelines_on_connections(
-            {pool: [commands[i] for i in idx] for pool, idx in by_pool.items()})
-        counts = [0] * len(commands)
-        for pool, idx in by_pool.items():
-            for i, count in zip(idx, replies[pool]):
-                counts[i] = int(count)
-        return counts
+        return pipeline_on_connection(client.connection_pool, commands)
 
     def publish_descriptor(self, descriptor: dict) -> bool:
         """Record what this namespace is (model, layout) for ``kv-offload inspect
@@ -213,7 +206,7 @@ class RemoteTier:
         name = self.name(chunk_key, rank)
         try:
             client = self._get_client()
-            pool = (_node_pool(client, name) if self.target.is_cluster
+            pool = (node_pool(client, name) if self.target.is_cluster
                     else client.connection_pool)
             conn = pool.get_connection()
             try:
@@ -269,19 +262,12 @@ class RemoteTier:
                 client.close()
 
 
-def _node_pool(client: Any, name: bytes) -> Any:
-    """The connection pool of the cluster node that holds key ``name``."""
-    from redis.crc import key_slot
-
-    node = client.nodes_manager.get_node_from_slot(key_slot(name))
-    return client.get_redis_connection(node).connection_pool
-
-
 def _is_redirect(exc: Exception) -> bool:
     """A cluster's MOVED/ASK answer: our topology is stale, the server is fine."""
     from redis.exceptions import AskError
 
-    return isinstance(exc, AskError) or (isinstance(exc, RespErrorReply) and exc.moved)
+    return (isinstance(exc, (AskError, ClusterTopologyChanged))
+            or (isinstance(exc, RespErrorReply) and exc.moved))
 
 
 def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: float,

@@ -38,9 +38,12 @@ class FakeTier:
         self.rtt = 0.001
         self.down = False
         self.raises = False
+        self.during = None  # called while the round trip is in flight
 
     def lookup_many(self, requests):
         self.batches.append([list(r) for r in requests])
+        if self.during:
+            self.during()
         self.clock.now += self.rtt
         if self.raises:
             raise RuntimeError("a bug")
@@ -111,6 +114,33 @@ def test_after_a_timeout_new_requests_do_not_wait_until_a_probe_is_fast(setup):
     assert lookups.ask("s5", keys("b", 2)) is None, "a fast probe: requests wait again"
     lookups.run_once()
     assert lookups.ask("s5", keys("b", 2)) == 2
+
+
+def test_a_round_trip_held_past_the_budget_makes_new_requests_skip_at_once(setup):
+    lookups, tier, clock = setup
+    answers = []
+
+    def meanwhile():  # the scheduler keeps stepping while the server holds the reply
+        answers.append(lookups.ask("r2", keys("b", 2)))
+        clock.now += 2 * BUDGET
+        answers.append(lookups.ask("r2", keys("b", 2)))
+        answers.append(lookups.ask("r3", keys("c", 2)))
+
+    tier.during = meanwhile
+    lookups.ask("r1", keys("a", 2))
+    lookups.run_once()
+    assert answers == [None, 0, 0], "r2 timed out; the server is slow: r3 does not wait"
+    assert lookups.num_skipped == 1
+
+
+def test_a_request_that_only_queued_past_its_budget_does_not_mark_the_server_slow(setup):
+    lookups, tier, clock = setup
+    for i in range(MAX_BATCH + 1):
+        lookups.ask(f"r{i}", keys(f"q{i}-", 2))
+    lookups.run_once()  # a fast round trip; the last request is still queued
+    clock.now += BUDGET
+    assert lookups.ask(f"r{MAX_BATCH}", keys(f"q{MAX_BATCH}-", 2)) == 0
+    assert lookups.ask("next", keys("n", 2)) is None, "the server is not slow"
 
 
 def test_nothing_to_ask_answers_zero_without_a_lookup(setup):

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from kv_offload.remote import RemoteTarget, RemoteTier, ValueCheck
+from kv_offload.remote import cluster as cluster_module
 from kv_offload.remote import tier as tier_module
 
 NS = "ab" * 16
@@ -193,19 +194,41 @@ def test_lookup_many_answers_each_request_in_one_round_trip(redis_server, monkey
     assert tier.lookup_many([[], []]) == [0, 0] and sent == [3], "nothing to ask: no call"
 
 
-def test_cluster_lookup_is_one_pipeline_per_node_sent_together(redis_cluster, monkeypatch):
+def test_cluster_lookup_is_one_call_per_node_sent_together(redis_cluster, monkeypatch):
     tier = tier_for(RemoteTarget(cluster_nodes=tuple(redis_cluster.seeds)))
     present = [key(1100 + i) for i in range(30)]
     for k in present:
         assert tier.write(k, 0, memoryview(payload(int.from_bytes(k[:4], "little"))))
     batches = []
-    real = tier_module.pipelines_on_connections
-    monkeypatch.setattr(tier_module, "pipelines_on_connections",
-                        lambda b: batches.append(sorted(len(c) for c in b.values())) or real(b))
+    real = cluster_module.pipelines_on_connections
+    monkeypatch.setattr(cluster_module, "pipelines_on_connections",
+                        lambda b: batches.append(list(b.values())) or real(b))
     requests = [present[:20], present[20:] + [key(1199)] + present[:3], [key(1198)]]
     assert tier.lookup_many(requests) == [20, 10, 0]
     (per_node,) = batches
-    assert len(per_node) == 3 and sum(per_node) == 35, "every chunk once, grouped by node"
+    assert len(per_node) == 3 and all(len(commands) == 1 for commands in per_node)
+    assert all(commands[0][0] == b"EVAL" for commands in per_node), "one script call a node"
+    assert sum(len(commands[0]) - 4 for commands in per_node) == 35, "every chunk once"
+    tier.close()
+
+
+def test_cluster_refusing_the_script_pipelines_exists_per_node(redis_cluster, caplog):
+    tier = tier_for(RemoteTarget(cluster_nodes=tuple(redis_cluster.seeds)), num_ranks=2)
+    keys = [key(1400 + i) for i in range(12)]
+    for k in keys[:8]:
+        for rank in range(2):
+            assert tier.write(k, rank, memoryview(payload(1, rank)))
+    for node in redis_cluster.nodes:
+        node.cli("ACL", "SETUSER", "default", "-eval")
+    try:
+        with caplog.at_level("INFO", logger="kv_offload.remote.cluster"):
+            assert tier.lookup_many([keys, keys[4:], keys[9:]]) == [8, 4, 0]
+            assert tier.lookup(keys) == 8
+    finally:
+        for node in redis_cluster.nodes:
+            node.cli("ACL", "SETUSER", "default", "+@all")
+    assert tier.health.up and tier.health.num_failures == 0
+    assert sum("refuses the lookup script" in r.getMessage() for r in caplog.records) == 1
     tier.close()
 
 
