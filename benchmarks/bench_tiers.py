@@ -130,7 +130,14 @@ def chunk_views(buf: np.ndarray, chunk: int) -> list[memoryview]:
 # -- I/O contenders: each returns {"write", "write_sync", "read_warm", "read_cold"} seconds --
 
 
-def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, threads: int) -> dict:
+def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, threads: int,
+             verify: bool = True) -> dict:
+    """Store then load every chunk through DiskIndex + SlabFile, as the tier does it.
+
+    Returns the times of the whole path and, under "slab", of the SlabFile calls alone
+    (the worker's part: the index runs in vLLM's scheduler process, not in the I/O path;
+    with more than one thread the slab time is the wall time of the parallel calls).
+    ``verify=False`` reads without checksum verification (what checksums cost)."""
     srcs, dsts = chunk_views(src, chunk), chunk_views(dst, chunk)
     keys = [hashlib.sha256(b"chunk-%d" % i).digest() for i in range(len(srcs))]
     ns = f"be0c{chunk:x}"
@@ -139,35 +146,49 @@ def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, threads: 
     slab = SlabFile(root, namespace_id=ns, rank=0, num_ranks=1, slot_bytes=chunk)
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     mapper = pool.map if pool else map
+    slab_s = {"t": 0.0}
 
     def write(slot: int, i: int) -> int:
         return slab.write(slot, srcs[i])
 
     def read(entry, i: int) -> bool:
-        return bool(slab.read(entry.slot, dsts[i], entry.checksums[0]))
+        return bool(slab.read(entry.slot, dsts[i], entry.checksums[0] if verify else None))
+
+    def slab_part(fn, *columns) -> list:
+        start = time.perf_counter()
+        out = list(mapper(fn, *columns))
+        slab_s["t"] += time.perf_counter() - start
+        return out
 
     def store() -> None:
         for b in range(0, len(keys), BATCH):
             batch = keys[b : b + BATCH]
             slots = index.allocate(batch)
-            sums = list(mapper(write, slots, range(b, b + len(batch))))
+            sums = slab_part(write, slots, range(b, b + len(batch)))
             index.commit([(k, s, (c,)) for k, s, c in zip(batch, slots, sums)])
 
     def load() -> None:
         for b in range(0, len(keys), BATCH):
             entries = index.find_prefix(keys[b : b + BATCH])
             index.pin([e.slot for e in entries])
-            ok = list(mapper(read, entries, range(b, b + len(entries))))
+            ok = slab_part(read, entries, range(b, b + len(entries)))
             index.unpin([e.slot for e in entries])
             if len(entries) != len(keys[b : b + BATCH]) or not all(ok):
                 raise RuntimeError("ours: a chunk failed to load")
 
-    files = [slab.path, root / "index" / "data.mdb"]
-    out = {"write": timed(store)}
-    out["write_sync"] = out["write"] + timed(lambda: fsync_files(files))
-    out["read_warm"] = timed(load)
+    def phase(fn) -> tuple[float, float]:
+        slab_s["t"] = 0.0
+        total = timed(fn)
+        return total, slab_s["t"]
+
+    files = [slab.path, *sorted((root / "index").glob("*.mdb"))]
+    out: dict = {"slab": {}}
+    out["write"], out["slab"]["write"] = phase(store)
+    sync = timed(lambda: fsync_files(files))
+    out["write_sync"], out["slab"]["write_sync"] = out["write"] + sync, out["slab"]["write"] + sync
+    out["read_warm"], out["slab"]["read_warm"] = phase(load)
     evict_from_cache(files)
-    out["read_cold"] = timed(load)
+    out["read_cold"], out["slab"]["read_cold"] = phase(load)
     index.close()
     slab.close()
     if pool:
@@ -278,6 +299,7 @@ def bench_io(args: argparse.Namespace, base: Path) -> list[dict]:
     contenders: dict[str, Callable[[Path, int], dict]] = {
         "raw sequential file": lambda d, c: run_raw(d, src, dst, c),
         "ours (1 thread)": lambda d, c: run_ours(d, src, dst, c, 1),
+        "ours, no verify (1 thread)": lambda d, c: run_ours(d, src, dst, c, 1, verify=False),
         f"ours ({args.threads} threads)": lambda d, c: run_ours(d, src, dst, c, args.threads),
         "vllm fs io (O_DIRECT)": lambda d, c: run_vllm(d, src, dst, c, True),
         "vllm fs io (buffered)": lambda d, c: run_vllm(d, src, dst, c, False),
@@ -286,14 +308,15 @@ def bench_io(args: argparse.Namespace, base: Path) -> list[dict]:
     for chunk in (256 * KiB, 2 * MiB, 8 * MiB):
         best: dict[str, dict] = {}
         errors: dict[str, str] = {}
-        for _ in range(args.repeat):  # round robin, so that load spikes hit everyone alike
-            for name, run in contenders.items():
+        for r in range(args.repeat):  # rotating order, so that load spikes hit everyone alike
+            names = list(contenders)
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 if name in errors:
                     continue
                 work = Path(tempfile.mkdtemp(dir=base))
                 dst[:] = 0
                 try:
-                    times = run(work, chunk)
+                    times = contenders[name](work, chunk)
                     if not np.array_equal(dst, src):
                         raise RuntimeError("loaded bytes differ from the stored bytes")
                 except Exception as exc:  # report, do not hide (e.g. vLLM's I/O cannot run)
@@ -301,12 +324,13 @@ def bench_io(args: argparse.Namespace, base: Path) -> list[dict]:
                     continue
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
-                old = best.get(name, times)
-                best[name] = {phase: min(t, old[phase]) for phase, t in times.items()}
-        for name in contenders:
+                for label, result in _split_slab(name, times).items():
+                    old = best.get(label, result)
+                    best[label] = {phase: min(t, old[phase]) for phase, t in result.items()}
+        for name in dict.fromkeys(n for c in contenders for n in (_slab_label(c), c)):
             if name in errors:
                 rows.append({"chunk": chunk, "contender": name, "error": errors[name]})
-            else:
+            elif name in best:
                 rows.append({"chunk": chunk, "contender": name, "bytes": total, **best[name]})
     for row in rows:
         for phase in ("write", "write_sync", "read_warm", "read_cold"):
@@ -315,17 +339,40 @@ def bench_io(args: argparse.Namespace, base: Path) -> list[dict]:
     return rows
 
 
+def _slab_label(name: str) -> str:
+    return name.replace("ours", "ours: slab only", 1) if name.startswith("ours") else name
+
+
+def _split_slab(name: str, times: dict) -> dict[str, dict]:
+    """A contender's rows: ours gives its whole path and its slab part."""
+    times = dict(times)
+    slab = times.pop("slab", None)
+    return {name: times, **({_slab_label(name): slab} if slab else {})}
+
+
+RATIO_PAIRS = (  # (ours, baseline) rows compared per chunk size
+    ("ours: slab only (1 thread)", "raw sequential file"),
+    ("ours (1 thread)", "raw sequential file"),
+    ("ours: slab only, no verify (1 thread)", "raw sequential file"),
+    ("ours: slab only (1 thread)", "ours: slab only, no verify (1 thread)"),
+    ("ours (1 thread)", "vllm fs io (O_DIRECT)"),
+    ("ours (1 thread)", "vllm fs io (buffered)"),
+    ("ours (1 thread)", "lmdb values"),
+)
+
+
 def io_ratios(rows: list[dict]) -> list[dict]:
-    """ours (1 thread) / raw and / vLLM (O_DIRECT), per chunk size and phase."""
+    """Ours / baseline per chunk size and phase (``RATIO_PAIRS``). The targets apply to
+    the slab row vs the raw file (the worker's I/O, checksums included) and to the whole
+    path vs vLLM's fs tier; the rest is for the record (index cost, checksum cost)."""
     by = {(r["chunk"], r["contender"]): r for r in rows if "error" not in r}
     out = []
     for chunk in sorted({r["chunk"] for r in rows if r["chunk"]}):
-        ours = by.get((chunk, "ours (1 thread)"))
-        for other in ("raw sequential file", "vllm fs io (O_DIRECT)", "vllm fs io (buffered)",
-                      "lmdb values"):
-            if ours and (chunk, other) in by:
-                ref = by[(chunk, other)]
-                out.append({"chunk": chunk, "vs": other, **{
+        for ours_name, other in RATIO_PAIRS:
+            ours, ref = by.get((chunk, ours_name)), by.get((chunk, other))
+            if ours and ref:
+                vs = other if ours_name == "ours (1 thread)" else f"{other} [{ours_name}]"
+                out.append({"chunk": chunk, "ours": ours_name, "vs": vs, **{
                     p: round(ours[p + "_gbps"] / ref[p + "_gbps"], 2)
                     for p in ("write", "write_sync", "read_warm", "read_cold")}})
     return out
@@ -413,18 +460,19 @@ def print_tables(result: dict) -> None:
     load = (result["machine"]["loadavg_start"][0], result["machine"]["loadavg_end"][0])
     print(f"\nDisk tier I/O ({result['io_total_mib']} MiB per chunk size; GB/s; "
           f"{result['cache_note']}; load average {load[0]:.1f} -> {load[1]:.1f})")
-    print(f"{'chunk':>8} {'contender':<24} {'write':>7} {'w+sync':>7} {'rd warm':>8} "
+    print(f"{'chunk':>8} {'contender':<38} {'write':>7} {'w+sync':>7} {'rd warm':>8} "
           f"{'rd cold':>8}")
     for r in result["io"]:
         size = f"{r['chunk'] // KiB} KiB" if r["chunk"] else "-"
         if "error" in r:
-            print(f"{size:>8} {r['contender']:<24} n/a: {r['error'][:80]}")
+            print(f"{size:>8} {r['contender']:<38} n/a: {r['error'][:80]}")
             continue
-        print(f"{size:>8} {r['contender']:<24} {r['write_gbps']:>7.2f} {r['write_sync_gbps']:>7.2f}"
+        print(f"{size:>8} {r['contender']:<38} {r['write_gbps']:>7.2f} {r['write_sync_gbps']:>7.2f}"
               f" {r['read_warm_gbps']:>8.2f} {r['read_cold_gbps']:>8.2f}")
-    print("\nRatios ours (1 thread) / other")
+    print("\nRatios ours / other")
     for r in result["io_ratios"]:
-        print(f"{r['chunk'] // KiB:>5} KiB vs {r['vs']:<24} write {r['write']:.2f}  "
+        print(f"{r['chunk'] // KiB:>5} KiB {r['ours']:<38} / {r['vs'].split(' [')[0]:<38} "
+              f"write {r['write']:.2f}  "
               f"w+sync {r['write_sync']:.2f}  rd warm {r['read_warm']:.2f}  "
               f"rd cold {r['read_cold']:.2f}")
     print("\nChecksums (GB/s)")

@@ -250,12 +250,24 @@ class SlabFile:
         return slot * self._slot_bytes
 
     def _current_fd(self, *, create: bool) -> int:
-        """Descriptor of the file the path names now; -1 if it is gone and not created."""
-        if self._fd == -2:
+        """Descriptor of the file the path names now; -1 if it is gone and not created.
+
+        Fast path: the open file still has a link (``fstat``, ~1 us; a path ``stat``
+        costs ~3 us, 10% of a 256 KiB page-cache read). Deleting the slab, the store
+        (``rmtree``) or replacing it with ``os.replace`` unlinks the open file, and only
+        then is the path looked up again."""
+        fd = self._fd
+        if fd == -2:
             raise ValueError(f"I/O on closed SlabFile {self.path}")
+        if fd >= 0:
+            try:
+                if os.fstat(fd).st_nlink > 0:
+                    return fd
+            except OSError:
+                pass
         try:
             st = os.stat(self.path)
-            if (st.st_dev, st.st_ino) == self._ino:
+            if (st.st_dev, st.st_ino) == self._ino and st.st_nlink > 0:
                 return self._fd
         except FileNotFoundError:
             if not create:
