@@ -23,19 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kv_offload import OffloadConfig  # noqa: E402
+from kv_offload.testing.engine import EngineError  # noqa: E402
+from kv_offload.testing.openai_server import OpenAIServer, metric_samples  # noqa: E402
 
 QUICK = {"requests": 100, "prefixes": 16, "kv_cache_mib": 16, "time_limit_s": 600.0}
 
@@ -98,81 +95,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- server ---------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(args: argparse.Namespace, model: str, store: Path,
+                 log_path: Path) -> OpenAIServer:
+    """The OpenAI server with kv-offload (CPU and disk tiers) for this soak."""
+    cfg = OffloadConfig(cpu_size=args.cpu_size, disk_path=str(store),
+                        disk_size=args.disk_size, chunk_tokens=args.chunk_tokens)
+    max_len = max(2048, args.prefix_tokens + args.suffix_tokens + args.max_tokens + 64)
+    return OpenAIServer(model, [
+        "--block-size", "32", "--max-model-len", str(max_len), "--enforce-eager",
+        "--seed", str(args.seed), "--max-num-seqs", str(max(args.concurrency, 1)),
+        "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20),
+        "--kv-transfer-config", cfg.to_json()], log_path=log_path, port=args.port)
 
 
-def http(url: str, payload: dict | None = None, timeout: float = 30) -> str:
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if payload is None else "POST")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read().decode()
-
-
-class Server:
-    """The OpenAI server in its own session (so stop() ends its engine processes too)."""
-
-    def __init__(self, args: argparse.Namespace, model: str, store: Path, log_path: Path):
-        self.port = args.port or free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cfg = OffloadConfig(cpu_size=args.cpu_size, disk_path=str(store),
-                            disk_size=args.disk_size, chunk_tokens=args.chunk_tokens)
-        max_len = max(2048, args.prefix_tokens + args.suffix_tokens + args.max_tokens + 64)
-        self.cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", "127.0.0.1", "--port", str(self.port), "--block-size", "32",
-            "--max-model-len", str(max_len), "--enforce-eager", "--seed", str(args.seed),
-            "--max-num-seqs", str(max(args.concurrency, 1)),
-            "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20),
-            "--kv-transfer-config", cfg.to_json()]
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.startup_s: float | None = None
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                http(self.base + "/health", timeout=5)
-                self.startup_s = time.monotonic() - self.started
-                return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"server not healthy after {timeout_s:.0f}s:\n{self.tail()}")
-
-    def tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def processes(self) -> list[Any]:
-        import psutil
-
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log.close()
-
-
-def sample_processes(server: Server) -> dict[str, float]:
+def sample_processes(server: OpenAIServer) -> dict[str, float]:
     """RSS (MiB), open file descriptors and threads of the server and its children."""
     import psutil
 
@@ -200,18 +136,15 @@ KEPT_LABELS = ("tier", "direction", "source")
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {'name{label="value",...}': value} for kv_offload_* and a few
     vllm: samples, summed over the labels other than tier, direction and source."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.startswith(KEPT_METRICS) or sample.name.endswith("_created"):
-                continue
-            name = sample.name
-            if sample.labels:
-                name += "{" + ",".join(f'{k}="{v}"' for k, v in sample.labels.items()
-                                       if k in KEPT_LABELS) + "}"
-            out[name] = out.get(name, 0.0) + sample.value
+    for sample in metric_samples(text):
+        if not sample.name.startswith(KEPT_METRICS):
+            continue
+        name = sample.name
+        if sample.labels:
+            name += "{" + ",".join(f'{k}="{v}"' for k, v in sample.labels.items()
+                                   if k in KEPT_LABELS) + "}"
+        out[name] = out.get(name, 0.0) + sample.value
     return out
 
 
@@ -275,7 +208,7 @@ class Tally:
     seconds: float = 0.0
 
 
-def run_load(args: argparse.Namespace, server: Server, model: str, prompts: list[str]
+def run_load(args: argparse.Namespace, server: OpenAIServer, model: str, prompts: list[str]
              ) -> Tally:
     """Send every prompt from ``args.concurrency`` threads; sample the server once the
     warm-up fraction is done."""
@@ -288,7 +221,7 @@ def run_load(args: argparse.Namespace, server: Server, model: str, prompts: list
             error = "skipped"
         else:
             try:
-                body = json.loads(http(server.base + "/v1/completions", {
+                body = json.loads(server.post("/v1/completions", {
                     "model": model, "prompt": prompt, "max_tokens": args.max_tokens,
                     "temperature": 0, "ignore_eos": True}, timeout=args.request_timeout_s))
                 if body["usage"]["completion_tokens"] != args.max_tokens:
@@ -312,18 +245,18 @@ def run_load(args: argparse.Namespace, server: Server, model: str, prompts: list
         futures = [pool.submit(one, p) for p in prompts]
         tally.warm.wait()
         tally.warm_sample = (sample_processes(server),
-                             parse_metrics(http(server.base + "/metrics")))
+                             parse_metrics(server.get("/metrics")))
         for f in futures:
             f.result()
     tally.seconds = time.monotonic() - start
     return tally
 
 
-def wait_pending_zero(server: Server, timeout_s: float = 60.0) -> tuple[float, dict]:
+def wait_pending_zero(server: OpenAIServer, timeout_s: float = 60.0) -> tuple[float, dict]:
     """Poll /metrics until kv_offload_pending_jobs is 0; returns (last value, metrics)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = parse_metrics(http(server.base + "/metrics"))
+        m = parse_metrics(server.get("/metrics"))
         pending = metric(m, "kv_offload_pending_jobs")
         if pending == 0 or time.monotonic() > deadline:
             return pending, m
@@ -350,18 +283,18 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     store = Path(args.disk_path or tempfile.mkdtemp(prefix="kv-offload-soak-")) / "store"
     log_path = Path(args.server_log or Path(tempfile.gettempdir()) / "kv-offload-soak.log")
     prompts = build_workload(args, model_dir)
-    server = Server(args, model, store, log_path)
+    server = start_server(args, model, store, log_path)
     result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()},
                               "server_log": str(log_path)}
     result["config"]["model"] = model
     try:
         try:
             server.wait_healthy(args.startup_timeout_s)
-        except RuntimeError as exc:
+        except EngineError as exc:
             result["startup_error"] = str(exc)
             return result
         result["startup_s"] = round(server.startup_s, 1)
-        before = parse_metrics(http(server.base + "/metrics"))
+        before = parse_metrics(server.get("/metrics"))
         tally = run_load(args, server, model, prompts)
         seconds = tally.seconds
         warm_procs, warm_metrics = tally.warm_sample

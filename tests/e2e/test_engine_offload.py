@@ -127,4 +127,5 @@ def test_corrupted_slab_is_recomputed(model, store, reference, restarted_engine,
     phase = out["phases"][0]
     assert phase["tokens"] == reference
     assert phase["metrics"]["hits_disk"] >= PREFIX_TOKENS, "the damaged chunks were looked up"
-    assert "failed verification" in out["log"], "the load errors were reported"
+    assert "could not be read (ReadResult.CHECKSUM_MISMATCH)" in out["log"], \
+        "the load errors were reported"

@@ -3,39 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kv_offload import OffloadConfig
-from kv_offload.testing.redis_server import free_port
+from kv_offload.testing.openai_server import OpenAIServer, metric_sum
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 from kv_offload.testing.workload import run_in_subprocess
 
 pytestmark = pytest.mark.engine
-
-
-def http(url: str, payload: dict | None = None, timeout: float = 120) -> str:
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if payload is None else "POST")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read().decode()
-
-
-def metric_sum(metrics_text: str, name: str, label: str = "") -> float:
-    """Sum of the samples of counter ``name`` whose labels contain ``label``."""
-    total = 0.0
-    base = name.removesuffix("_total")
-    for line in metrics_text.splitlines():
-        if line.startswith((base + "{", base + "_total{")) and label in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -45,39 +23,16 @@ def server(tmp_path_factory, redis_server):
     store = tmp_path_factory.mktemp("serve-store")
     cfg = OffloadConfig(cpu_size="64MiB", disk_path=str(store), chunk_tokens=64,
                         remote_url=redis_server.url)
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
-         "--max-model-len", "4096", "--enforce-eager", "--dtype", "float32",
-         "--kv-cache-memory-bytes", str(512 * 2**20), "--kv-transfer-config", cfg.to_json()],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited early:\n{log.read()[-4000:]}")
-        try:
-            http(base + "/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("server did not become healthy in 240 s")
-    yield base, model
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    args = ["--block-size", "32", "--max-model-len", "4096", "--enforce-eager", "--dtype",
+            "float32", "--kv-cache-memory-bytes", str(512 * 2**20),
+            "--kv-transfer-config", cfg.to_json()]
+    with OpenAIServer(model, args, log_path=tmp_path_factory.mktemp("serve-log") / "server.log",
+                      env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+        yield server, model
 
 
 def test_served_requests_hit_the_cpu_tier_and_match_recompute(server, tmp_path):
-    base, model = server
+    server, model = server
     prefix = make_prompt(600, seed=3)
     prompts = [prefix + make_prompt(30, seed=4), prefix + make_prompt(45, seed=5)]
     ref = run_in_subprocess({"model": str(model), "offload": None, "engine": {},
@@ -86,33 +41,32 @@ def test_served_requests_hit_the_cpu_tier_and_match_recompute(server, tmp_path):
     texts = []
     for i, prompt in enumerate(prompts):
         if i == 1:  # empty vLLM's own cache so the shared prefix must come from kv-offload
-            http(base + "/reset_prefix_cache", {})
-            before = http(base + "/metrics")
-        body = http(base + "/v1/completions", {"model": str(model), "prompt": prompt,
+            server.post("/reset_prefix_cache", {})
+            before = server.metrics()
+        body = server.post("/v1/completions", {"model": str(model), "prompt": prompt,
                                                "max_tokens": 16, "temperature": 0,
                                                "ignore_eos": True})
         texts.append(json.loads(body)["choices"][0]["text"])
     assert texts == ref["phases"][0]["texts"]
-    after = http(base + "/metrics")
-    assert metric_sum(after, "vllm:prompt_tokens_cached_by_source", 'source="host"') >= 576
+    after = server.metrics()
+    assert metric_sum(after, "vllm:prompt_tokens_cached_by_source_total", source="host") >= 576
     # kv-offload's own metrics are on /metrics and moved with the warm request.
-    hit = ("kv_offload_hit_tokens_total", 'tier="cpu"')
-    assert metric_sum(after, *hit) - metric_sum(before, *hit) >= 576
-    stored = ("kv_offload_chunks_stored_total", 'tier="cpu"')
-    assert metric_sum(after, *stored) >= 9
-    assert metric_sum(after, "kv_offload_transfer_bytes_total", 'direction="load"') > 0
+    hit = ("kv_offload_hit_tokens_total",)
+    assert (metric_sum(after, *hit, tier="cpu") - metric_sum(before, *hit, tier="cpu")) >= 576
+    assert metric_sum(after, "kv_offload_chunks_stored_total", tier="cpu") >= 9
+    assert metric_sum(after, "kv_offload_transfer_bytes_total", direction="load") > 0
     # The remote tier is reported like the others (its writes finish in the background).
     deadline = time.time() + 30
     while time.time() < deadline:
-        after = http(base + "/metrics")
-        if metric_sum(after, "kv_offload_chunks_stored_total", 'tier="remote"') >= 9:
+        after = server.metrics()
+        if metric_sum(after, "kv_offload_chunks_stored_total", tier="remote") >= 9:
             break
         time.sleep(1)
-    assert metric_sum(after, "kv_offload_chunks_stored_total", 'tier="remote"') >= 9
-    assert metric_sum(after, "kv_offload_transfer_bytes_total", 'direction="remote_write"') > 0
+    assert metric_sum(after, "kv_offload_chunks_stored_total", tier="remote") >= 9
+    assert metric_sum(after, "kv_offload_transfer_bytes_total", direction="remote_write") > 0
     assert metric_sum(after, "kv_offload_remote_lookups_total") >= 1
-    up = [line for line in after.splitlines() if line.startswith("kv_offload_remote_up{")]
-    assert up and all(line.endswith(" 1.0") for line in up), up
+    up = [s.value for s in after if s.name == "kv_offload_remote_up"]
+    assert up and all(v == 1.0 for v in up), up
 
 
 @pytest.fixture(scope="module")

@@ -282,7 +282,7 @@ def test_truncated_slab_is_recomputed(restarted, reference):
     assert p["tokens"] == reference.tokens([SALT_A, H[3], H[4]])
     assert p["counters_delta"]["load_errors"] > 0, "the truncated chunks were not looked up"
     assert p["connector"]["disk_enabled"], "short reads are misses, not a broken disk"
-    assert "failed verification" in restarted["log"]
+    assert "could not be read (ReadResult.SHORT_READ)" in restarted["log"]
 
 
 def test_deleted_store_disables_the_tier_with_a_clear_log_line(restarted, reference):
