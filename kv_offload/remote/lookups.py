@@ -42,7 +42,8 @@ MAX_BATCH = 64  # requests per round trip
 
 
 class LookupTier(Protocol):
-    """What RemoteLookups needs of a RemoteTier."""
+    """What RemoteLookups needs of a RemoteTier (each lookup thread also calls its
+    ``warm()``, when it has one, as it starts)."""
 
     health: Any  # RemoteHealth: ``up`` and ``num_failures``
 
@@ -216,6 +217,12 @@ class RemoteLookups:
             self._cold.popitem(last=False)
 
     def _run(self) -> None:
+        warm = getattr(self.tier, "warm", None)  # optional: connect before the first ask
+        if warm is not None:
+            try:
+                warm()
+            except Exception:
+                logger.exception("kv-offload: warming the remote lookup connection raised")
         while True:
             with self._cond:
                 while not (self._queue or self._closed):

@@ -175,6 +175,25 @@ class RemoteTier:
         commands = [(b"EXISTS", *names[i:i + per]) for i in range(0, len(names), per)]
         return pipeline_on_connection(client.connection_pool, commands)
 
+    def warm(self) -> bool:
+        """Open a pooled connection now (one per node on a cluster), so that the next
+        lookup pays no connection set-up. Blocks: lookup threads call it as they start.
+        False when the server is unreachable (a failure, as for any call)."""
+        if not self.health.should_try():
+            return False
+        try:
+            client = self._get_client()
+            pools = ([client.get_redis_connection(n).connection_pool
+                      for n in client.get_primaries()] if self.target.is_cluster
+                     else [client.connection_pool])
+            for pool in pools:
+                pool.release(pool.get_connection())  # get_connection connects
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        self.health.record_success()
+        return True
+
     def publish_descriptor(self, descriptor: dict) -> bool:
         """Record what this namespace is (model, layout) for ``kv-offload inspect
         --remote``; best effort, False when the server is unreachable."""
@@ -303,8 +322,12 @@ def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    # RESP2 and no CLIENT SETINFO: a new connection costs one round trip fewer than
+    # redis-py's default handshake (HELLO 3 + two SETINFO), which matters when a
+    # connection is made while a request waits (after a reconnect, on a far server).
     common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-              "retry": Retry(NoBackoff(), 0), "command_packer": RespPacker()}
+              "retry": Retry(NoBackoff(), 0), "command_packer": RespPacker(),
+              "protocol": 2, "driver_info": None}
     if not target.is_cluster:
         return redis.Redis.from_url(_redis_scheme(target.url or ""), **common)
     from redis.cluster import ClusterNode, RedisCluster

@@ -272,3 +272,18 @@ def test_a_damaged_value_is_a_miss_and_the_next_read_is_clean(redis_server):
                           verify_checksum=False) is ValueCheck.OK, "checked only on request"
     assert tier.read_into(key(1301), 0, memoryview(out)) is ValueCheck.OK
     assert bytes(out) == payload(1301)
+
+
+def test_warm_connects_before_the_first_lookup(redis_server, redis_cluster):
+    for target in (RemoteTarget(redis_server.url),
+                   RemoteTarget(cluster_nodes=tuple(redis_cluster.seeds))):
+        tier = tier_for(target)
+        assert tier.warm()
+        client = tier._get_client()
+        pools = ([client.get_redis_connection(n).connection_pool
+                  for n in client.get_primaries()] if target.is_cluster
+                 else [client.connection_pool])
+        assert all(p._available_connections for p in pools), "a connected, idle connection"
+        tier.close()
+    dead = tier_for(RemoteTarget("redis://127.0.0.1:1/0"))
+    assert not dead.warm() and not dead.health.up
