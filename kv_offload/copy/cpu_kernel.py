@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "copy_pieces"]
+__all__ = ["AVAILABLE", "check_request", "copy_pieces", "ensure_compiled"]
 
 try:
     import numba
@@ -114,6 +114,31 @@ else:
         if stream:
             _store_fence()
 
+    @numba.njit(nogil=True, cache=True)
+    def _check(store, block_ids, slots, num_blocks, num_slots):  # pragma: no cover - compiled
+        """(code, value): 0 ok, 1 block id out of range, 2 slot out of range, 3 a
+        destination written twice. Rows that skip every block are not checked."""
+        n, bpc = block_ids.shape
+        dest = np.empty(n * bpc, np.int64)
+        k = 0
+        for c in range(n):
+            for i in range(bpc):
+                b = block_ids[c, i]
+                if b < 0:
+                    continue
+                if b >= num_blocks:
+                    return 1, b
+                s = slots[c]
+                if s < 0 or s >= num_slots:
+                    return 2, s
+                dest[k] = s * bpc + i if store else b
+                k += 1
+        dest = np.sort(dest[:k])
+        for j in range(1, k):
+            if dest[j] == dest[j - 1]:
+                return 3, dest[j]
+        return 0, 0
+
 _compile_lock = threading.Lock()
 _compiled = False
 
@@ -129,6 +154,7 @@ def ensure_compiled() -> None:
             empty = np.zeros((0, 1), np.int64)
             none = np.zeros(0, np.int64)
             _copy_items(True, True, empty, none, none, none, none, none, 0, 0)
+            _check(True, empty, none, 0, 0)
             _compiled = True
 
 
@@ -146,3 +172,20 @@ def copy_pieces(store: bool, stream: bool, block_ids: np.ndarray, slot_addr: np.
     """
     addr, stride, nbytes, offset = plane
     _copy_items(store, stream, block_ids, slot_addr, addr, stride, nbytes, offset, lo, hi)
+
+
+def check_request(store: bool, block_ids: np.ndarray, slots: np.ndarray, num_blocks: int,
+                  num_slots: int) -> None:
+    """Raise ValueError unless every block id (other than SKIP_BLOCK) is in
+    [0, num_blocks), the slot of every row that copies a block is in [0, num_slots), and
+    no destination (a store's slot position, a load's engine block) is written twice:
+    the checks of ``plan.check_block_map``, without building the block map.
+    ``block_ids`` int64 (n, bpc) with entries >= SKIP_BLOCK, ``slots`` int64 (n,)."""
+    code, value = _check(store, block_ids, slots, num_blocks, num_slots)
+    if code == 1:
+        raise ValueError(f"block ids must lie in [0, {num_blocks}), got {value}")
+    if code == 2:
+        raise ValueError(f"slots must lie in [0, {num_slots}), got {value}")
+    if code == 3:
+        what = "host slot positions" if store else "engine blocks"
+        raise ValueError(f"a {'store' if store else 'load'} would write the same {what} twice")

@@ -41,6 +41,7 @@ __all__ = [
     "plan_segments",
     "runs_to_byte_ranges",
     "split_byte_ranges",
+    "validated_chunks",
 ]
 
 _INT = np.int64
@@ -189,9 +190,12 @@ def _as_int_array(name: str, value: object, ndim: int) -> np.ndarray:
     return arr.astype(_INT, copy=False)
 
 
-def _validated_chunks(
+def validated_chunks(
     block_ids: object, slots: object, blocks_per_chunk: int
 ) -> tuple[np.ndarray, np.ndarray]:
+    """``block_ids`` as int64 (n, blocks_per_chunk) and ``slots`` as int64 (n,), both
+    C-contiguous (copies only where needed). Raises ValueError for non-integers, wrong
+    shapes or ids below SKIP_BLOCK; ranges are checked later (``check_block_map``)."""
     ids = _as_int_array("block_ids", block_ids, 2)
     sl = _as_int_array("slots", slots, 1)
     if ids.shape[0] == 0 and sl.shape[0] == 0:
@@ -202,7 +206,7 @@ def _validated_chunks(
             f"{blocks_per_chunk}) to match slots, got {ids.shape}")
     if np.any(ids < SKIP_BLOCK):
         raise ValueError(f"block_ids must be >= 0 or SKIP_BLOCK ({SKIP_BLOCK})")
-    return ids, sl
+    return np.ascontiguousarray(ids), np.ascontiguousarray(sl)
 
 
 def expand_chunks(block_ids: object, slots: object, *, blocks_per_chunk: int) -> BlockMap:
@@ -210,7 +214,7 @@ def expand_chunks(block_ids: object, slots: object, *, blocks_per_chunk: int) ->
 
     Raises ValueError on shape or dtype mismatches. Pure; returns new arrays.
     """
-    ids, sl = _validated_chunks(block_ids, slots, blocks_per_chunk)
+    ids, sl = validated_chunks(block_ids, slots, blocks_per_chunk)
     n = ids.shape[0]
     keep = (ids != SKIP_BLOCK).reshape(-1)
     positions = np.tile(np.arange(blocks_per_chunk, dtype=_INT), n)

@@ -36,6 +36,7 @@ from kv_offload.copy.plan import (
     check_block_map,
     expand_chunks,
     plan_segments,
+    validated_chunks,
 )
 from kv_offload.copy.planes import describe_planes
 from kv_offload.host_buffer import HostSlots
@@ -98,6 +99,7 @@ class TorchCopyEngine(CopyEngine):
         self._plane_table = tuple(np.array(column, np.int64) for column in (
             [p.ctypes.data for p in self._planes], geometry.row_strides,
             self.layout.plane_bytes, self.layout.plane_offsets))
+        self._chunk_row_bytes = sum(self.layout.plane_bytes)  # one block of every plane
         self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kv-copy")
                       if self.num_threads > 1 else None)
         if strategy == "compiled":
@@ -128,26 +130,27 @@ class TorchCopyEngine(CopyEngine):
     def _copy(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
         if self._closed:
             raise CopyEngineClosedError("TorchCopyEngine is closed")
-        bm = expand_chunks(block_ids, slots, blocks_per_chunk=self.layout.blocks_per_chunk)
-        check_block_map(bm, direction, num_engine_blocks=self.num_blocks,
-                        num_slots=self.num_slots)
-        if bm.num_blocks:
-            if self.strategy == "compiled":
-                self._copy_compiled(direction, block_ids, slots, bm.num_blocks)
-            else:
+        bpc = self.layout.blocks_per_chunk
+        if self.strategy == "compiled":
+            ids, sl = validated_chunks(block_ids, slots, bpc)
+            store = direction is Direction.STORE
+            cpu_kernel.check_request(store, ids, sl, self.num_blocks, self.num_slots)
+            if ids.size:
+                self._copy_compiled(store, ids, sl)
+        else:
+            bm = expand_chunks(block_ids, slots, blocks_per_chunk=bpc)
+            check_block_map(bm, direction, num_engine_blocks=self.num_blocks,
+                            num_slots=self.num_slots)
+            if bm.num_blocks:
                 self._copy_numpy(direction, bm)
         return CopyHandle(next(self._seq), direction)
 
-    def _copy_compiled(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray,
-                       num_blocks: int) -> None:
+    def _copy_compiled(self, store: bool, ids: np.ndarray, slots: np.ndarray) -> None:
         """One native loop over (chunk, plane) items, split over threads by item ranges
-        (validated by ``check_block_map`` first: the loop trusts every address)."""
-        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
-        slot_addr = (np.asarray(slots, dtype=np.int64) * self.layout.slot_bytes
-                     + self._host.ctypes.data)
-        store = direction is Direction.STORE
+        (``check_request`` ran first: the loop trusts every address)."""
+        slot_addr = slots * self.layout.slot_bytes + self._host.ctypes.data
         items = ids.shape[0] * self.layout.num_planes
-        nbytes = num_blocks * sum(self.layout.plane_bytes)
+        nbytes = ids.size * self._chunk_row_bytes  # an upper bound (SKIP_BLOCK counted)
         parts = max(1, min(self.num_threads, items, nbytes // PARALLEL_MIN_BYTES))
         stream = nbytes >= STREAM_MIN_BYTES
         bounds = [items * k // parts for k in range(parts + 1)]

@@ -429,3 +429,26 @@ def test_strategy_and_thread_arguments():
     assert default.strategy == ("compiled" if cpu_kernel.AVAILABLE else "numpy")
     default.close()
     default.close()
+
+
+def test_validation_is_per_destination_and_ignores_fully_skipped_rows(new_engine):
+    """Every strategy applies the same rules: one slot in two rows is fine when their
+    positions differ (SKIP_BLOCK elsewhere); a row that copies nothing names no slot;
+    a store twice into one position, or an id past the end, raises before copying."""
+    _, planes = cpu_kv_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
+    host = make_host(3, layout.slot_bytes)
+    engine = new_engine(planes, host, 2)
+    engine.store(np.array([[4, SKIP_BLOCK], [SKIP_BLOCK, 9], [SKIP_BLOCK, SKIP_BLOCK]]),
+                 np.array([1, 1, 99]))
+    for p, plane in enumerate(planes):
+        assert torch.equal(expected_slot_rows(layout, host.tensor[1], p, 0), plane[4])
+        assert torch.equal(expected_slot_rows(layout, host.tensor[1], p, 1), plane[9])
+    before = host.tensor.clone()
+    with pytest.raises(ValueError, match="twice"):
+        engine.store(np.array([[4, SKIP_BLOCK], [5, 6]]), np.array([2, 2]))
+    with pytest.raises(ValueError, match="block ids"):
+        engine.store(np.array([[4, 5], [6, NUM_BLOCKS + 3]]), np.array([0, 2]))
+    with pytest.raises(ValueError):
+        engine.store(np.array([[4, 5]]), np.array([-1]))
+    assert torch.equal(host.tensor, before)
