@@ -1,8 +1,8 @@
 """Renders docs/benchmarks.md and the plots under docs/img/ from the benchmarks' JSON.
 
-Defensive by design: the JSON formats of bench_copy and bench_tiers belong to other
-scripts, so every section renders what it finds and says so when something is missing
-instead of failing the whole report.
+bench_ttft, bench_overhead and bench_lookup render their own sections (``render_section``,
+prose in templates/); the copy, tiers and remote sections are still rendered here. A
+section that fails to render says so in the page instead of failing the whole report.
 """
 
 from __future__ import annotations
@@ -18,21 +18,17 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import bench_lookup
+import bench_overhead
+import bench_ttft
+from _markdown import Targets, fill
+from _markdown import fmt as _fmt
+from _markdown import pyplot as _pyplot
+from _markdown import save as _save
+from _markdown import table as _table
+from _markdown import verdict as _verdict
+
 DATA_DIR = "bench-data"
-TTFT_MODES = ("cold", "cold_ours", "cold_peer", "vllm_hit", "cpu", "cpu_new_suffix", "disk",
-              "cpu_after_restart", "peer_same_process", "peer_warm")
-MODE_TEXT = {
-    "cold": "cold prefill, no connector",
-    "cold_ours": "cold prefill, with kv-offload storing",
-    "cold_peer": "cold prefill, with ExampleConnector storing",
-    "vllm_hit": "vLLM prefix-cache hit (upper bound)",
-    "cpu": "kv-offload CPU tier (after reset_prefix_cache)",
-    "cpu_new_suffix": "kv-offload CPU tier, same prefix + new suffix",
-    "disk": "kv-offload disk tier, fresh process",
-    "cpu_after_restart": "kv-offload, fresh process, 2nd+ pass (CPU tier)",
-    "peer_same_process": "ExampleConnector, same process after reset",
-    "peer_warm": "ExampleConnector warm, fresh process",
-}
 COPY_TARGET = 0.6
 TIERS_TARGETS = (("raw", 0.8), ("vllm", 1.0))  # io_ratios "vs" prefix -> minimum ratio
 
@@ -79,26 +75,6 @@ def machine_info() -> dict[str, Any]:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, (int, float)):
-        return format(value, spec)
-    return str(value)
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out + [""]
-
-
-def _verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("**PASS**" if ok else "**MISS**")
-
-
 def _load(out: Path, name: str) -> dict | None:
     path = out / DATA_DIR / f"{name}.json"
     try:
@@ -107,110 +83,7 @@ def _load(out: Path, name: str) -> dict | None:
         return None
 
 
-class Targets:
-    """Collects (target, measured, limit, verdict, source) rows for the summary."""
-
-    def __init__(self) -> None:
-        self.rows: list[list[str]] = []
-
-    def add(self, target: str, value: Any, limit: str, ok: bool | None, source: str) -> None:
-        self.rows.append([target, _fmt(value), limit, _verdict(ok), source])
-
-
 # -- sections --------------------------------------------------------------------------------
-
-
-def ttft_section(data: dict, img: Path, targets: Targets) -> list[str]:
-    lengths = [str(n) for n in data["lengths"]]
-    model = data.get("model", {})
-    geometry = ", ".join(f"{k}={v}" for k, v in model.items() if k not in ("name", "path"))
-    lines = [
-        "## Time to first token (`bench_ttft.py`)", "",
-        f"vLLM CPU backend, random-weight Llama `{model.get('name')}` ({geometry or 'test default'}),"
-        f" float32, block size {data.get('engine', {}).get('block_size', '?')}; kv-offload "
-        f"{data.get('ours_config')}. Each prompt is a prefix of L tokens (one per length and "
-        f"repetition, {data.get('reps')} repetitions) plus a {data.get('suffix_tokens')}-token "
-        f"suffix; one request at a time, max_tokens=1. Median of the samples (cold: one per "
-        f"repetition; cheap warm modes: {data.get('passes')} passes each). Engines run side by "
-        "side in separate processes, taking turns in short blocks of requests (rotating "
-        f"order, {data.get('settle_s', '?')} s pause at each of the "
-        f"{data.get('engine_switches', '?')} engine switches). Engine environment: "
-        f"`{data.get('env', {})}`; max_num_batched_tokens "
-        f"{data.get('engine', {}).get('max_num_batched_tokens', 'default')}. Warm modes load "
-        "everything but the last partial block, so each computes the 16-token suffix.", "",
-    ]
-    header = ["mode", *[f"L={n} (ms)" for n in lengths], "samples"]
-    rows = []
-    for mode in TTFT_MODES:
-        per = data["modes"].get(mode)
-        if not per:
-            continue
-        cells = [_fmt(per.get(n, {}).get("median_s", None) and per[n]["median_s"] * 1e3, ".1f")
-                 for n in lengths]
-        count = len(per.get(lengths[-1], {}).get("samples_s", []))
-        rows.append([f"{mode}: {MODE_TEXT.get(mode, '')}", *cells, count])
-    lines += _table(header, rows)
-    hits = []
-    for mode in ("vllm_hit", "cpu", "disk", "peer_warm"):
-        per = data["modes"].get(mode, {})
-        if per:
-            h = per.get(lengths[-1], {}).get("hits", {})
-            hits.append(f"{mode} {h.get('vllm_hit', 0):.0f} vLLM / {h.get('host_hit', 0):.0f} "
-                        f"host / {h.get('disk_hit', 0):.0f} disk / {h.get('external_hit', 0):.0f}"
-                        " external")
-    for mode, error in data.get("errors", {}).items():
-        lines += [f"**Error** in `{mode}`: {error}", ""]
-    if hits:
-        lines += [f"Hit tokens at L={lengths[-1]} (median per request, from vLLM's metrics): "
-                  + "; ".join(hits) + ".", ""]
-    ratio_keys = ["cpu_vs_cold", "disk_vs_cold", "vllm_hit_vs_cold", "cpu_new_suffix_vs_cold",
-                  "peer_vs_cold", "cpu_vs_peer", "disk_vs_peer", "cold_ours_vs_cold"]
-    rows = [[key, *[_fmt(data["ratios"].get(n, {}).get(key)) for n in lengths]]
-            for key in ratio_keys]
-    lines += ["Ratios (median TTFT over median TTFT):", ""]
-    lines += _table(["ratio", *[f"L={n}" for n in lengths]], rows)
-    for v in data.get("verdicts", []):
-        targets.add(f"TTFT: {v['target']} at {v['length']} tokens", v.get("value"),
-                    f"<= {v['limit']}", v.get("pass"), "bench_ttft")
-    if plot_ttft(data, img / "ttft.png"):
-        lines += ["![TTFT vs prompt length](img/ttft.png)", ""]
-    startup = data.get("startup_s", {})
-    if startup:
-        lines += ["Engine start-up (s): " + ", ".join(f"{k} {v:.0f}" for k, v in startup.items())
-                  + f"; whole benchmark {data.get('seconds', 0):.0f} s.", ""]
-    return lines
-
-
-def overhead_section(data: dict, img: Path, targets: Targets) -> list[str]:
-    lines = [
-        "## Connector overhead (`bench_overhead.py`)", "",
-        f"{data['num_prompts']} prompts of {data['prompt_tokens']} + {data['suffix_tokens']} "
-        f"tokens, {data['max_tokens']} output tokens, submitted as one batch; plain vLLM and "
-        f"vLLM + kv-offload ({data.get('ours_config')}, stores to CPU and disk on) side by side, "
-        f"{data['rounds']} interleaved rounds, new prompts each round. reuse_50: after "
-        "reset_prefix_cache on both, half the prompts repeat a prefix of the round's no_reuse "
-        "batch with a new suffix. Throughput = (prompt + output tokens) / batch wall time; TTFT "
-        "= mean of vLLM's per-request first-token latency (all requests queued at once). "
-        f"Engine environment: `{data.get('env', {})}`.", "",
-    ]
-    rows = []
-    for workload, s in data["summary"].items():
-        for name in ("plain", "ours"):
-            e = s[name]
-            rows.append([workload, name, _fmt(e["throughput_tok_s"], ".0f"),
-                         _fmt(e.get("mean_ttft_s") and e["mean_ttft_s"] * 1e3, ".0f"),
-                         e.get("external_hit_tokens", "-"), ""])
-        rows.append([workload, "ours/plain", _fmt(s["throughput_ratio"]),
-                     _fmt(s.get("ttft_ratio")), "", "paired per round, median"])
-    lines += _table(["workload", "engine", "tokens/s", "mean TTFT (ms)", "external hit tokens",
-                     "note"], rows)
-    v = data["verdict"]
-    targets.add("Zero-hit overhead: " + v["target"], v["value"], f">= {v['limit']}", v["pass"],
-                "bench_overhead")
-    gain = data["summary"].get("reuse_50", {}).get("throughput_ratio")
-    targets.add("50% reuse: throughput ours/plain (gain shown, no target)", gain, "-", None,
-                "bench_overhead")
-    return lines
 
 
 def copy_section(data: dict, img: Path, targets: Targets) -> list[str]:
@@ -289,30 +162,6 @@ def tiers_section(data: dict, img: Path, targets: Targets) -> list[str]:
         lines += _table(["keys", *keys], rows)
     if plot_tiers(data.get("io", []), img / "disk_gbps.png"):
         lines += ["![Disk tier GB/s vs chunk size](img/disk_gbps.png)", ""]
-    return lines
-
-
-def lookup_section(data: dict, img: Path, targets: Targets) -> list[str]:
-    lines = ["## Scheduler lookup and planning (`bench_lookup.py`)", "",
-             f"An OffloadScheduler over a full CPU index and a full DiskIndex of N chunks each; "
-             f"fake requests of {data['chunks_per_request']} chunks of {data['chunk_tokens']} "
-             f"tokens; median of {data['calls']} calls per figure, in us per chunk (miss and decode "
-             "step: per request; a decode step is a plan_step over 16 running requests with "
-             "nothing new to store). Disk-hit loads stage into the full CPU tier (one eviction "
-             "per chunk); stores evict in both tiers. All of it runs on vLLM's scheduler "
-             "thread.", ""]
-    cols = ["lookup_cpu_us_per_chunk", "lookup_disk_us_per_chunk", "lookup_miss_us_per_request",
-            "access_flush_us_per_chunk", "plan_load_cpu_us_per_chunk",
-            "plan_load_disk_us_per_chunk", "complete_load_disk_us_per_chunk",
-            "plan_store_us_per_chunk", "complete_store_us_per_chunk",
-            "plan_step_decode_us_per_request", "fill_disk_s"]
-    rows = [[r["num_chunks"], *[_fmt(r.get(c), ".2f") for c in cols]] for r in data["results"]]
-    names = [c.replace("_us_per_chunk", "").replace("_us_per_request", " /req")
-             .replace("_", " ") for c in cols]
-    lines += _table(["chunks", *names], rows)
-    for v in data.get("verdicts", []):
-        targets.add(f"Scheduler: {v['target']}", v["value"], f"<= {v['limit']}", v["pass"],
-                    "bench_lookup")
     return lines
 
 
@@ -621,48 +470,13 @@ def _remote_ttft_lines(ttft: Any) -> list[str]:
 
 
 SECTIONS: dict[str, Callable[[dict, Path, Targets], list[str]]] = {
-    "ttft": ttft_section, "overhead": overhead_section, "copy": copy_section,
-    "tiers": tiers_section, "lookup": lookup_section, "remote": remote_section,
+    "ttft": bench_ttft.render_section, "overhead": bench_overhead.render_section,
+    "copy": copy_section, "tiers": tiers_section, "lookup": bench_lookup.render_section,
+    "remote": remote_section,
 }
 
 
 # -- plots -----------------------------------------------------------------------------------
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_ttft(data: dict, path: Path) -> bool:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lengths = data["lengths"]
-    for mode in TTFT_MODES:
-        per = data["modes"].get(mode)
-        if not per:
-            continue
-        ys = [per.get(str(n), {}).get("median_s") for n in lengths]
-        pts = [(n, y * 1e3) for n, y in zip(lengths, ys) if y]
-        if pts:
-            ours = mode in ("cpu", "cpu_new_suffix", "disk", "cpu_after_restart")
-            style = "--" if mode.startswith("cold") else (":" if "peer" in mode else "-")
-            ax.plot(*zip(*pts), style, marker="o", label=MODE_TEXT.get(mode, mode),
-                    linewidth=2.5 if ours else 1.2)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.minorticks_off()
-    ax.set_xlabel("prefix tokens")
-    ax.set_ylabel("TTFT, median (ms)")
-    ax.set_title("Time to first token by mode (vLLM CPU backend)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    return _save(fig, plt, path)
 
 
 def plot_copy(results: list[dict], path: Path) -> bool:
@@ -773,52 +587,6 @@ def _chunk_axis(ax: Any, sizes_kib: list[float]) -> None:
     ax.set_xlabel("chunk size (KiB)")
 
 
-def _save(fig: Any, plt: Any, path: Path) -> bool:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-NOTES = [
-    "## How to read these numbers", "",
-    "- **Model.** The TTFT and overhead benchmarks use random-weight Llama models made "
-    "offline (`kv_offload.testing.tiny_model`). The TTFT default is the test model's geometry "
-    "(4 layers, hidden 256, 2 KV heads of 64, float32) with 16k positions: the larger "
-    "`BENCH_MODEL_KWARGS` model needs minutes per cold 8k-token prefill on 2 cores (a 4k one "
-    "took 150 s here under load) and every cold prompt runs in three engines, so `make bench` "
-    "would take an hour. A small model is the hard case for the ratios: prefill is cheap "
-    "relative to the KV bytes moved. `bench_ttft.py --model small|bench` runs larger ones.",
-    "- **Thread binding.** vLLM's CPU backend reserves one more core for the scheduler when "
-    "*any* KV connector is configured; on 2 cores nothing is left to reserve, so an engine "
-    "with a connector runs 2 unbound OpenMP threads and one without runs 1 thread bound to "
-    "core 0. Under load that alone made a do-nothing connector 3-4x slower than plain "
-    "vLLM on one batch of 32 1k-token prompts here (32-46 s against 10-11 s), and kv-offload "
-    "0.58x plain in a full bench_overhead run. The benchmarks therefore give every engine `VLLM_CPU_NUM_OF_RESERVED_CPU=1` (the "
-    "plain-vLLM layout); `--vllm-default-binding` measures vLLM's default instead. Users of "
-    "kv-offload on small CPU hosts should set it too.",
-    "- **Engine switches.** After each message, vLLM's shared-memory queue readers (engine "
-    "core and worker) busy-spin for 1 s. Alternating requests between engines one by one "
-    "made every warm TTFT ~0.4 s slower (the engine that had just run was still spinning), "
-    "for kv-offload and the peer alike. The benchmarks therefore run short blocks of "
-    "requests per engine, rotate the order, and wait 1.2 s whenever the engine changes.",
-    "- **Prompt alignment.** Prefixes are multiples of the 256-token chunk and the suffix is "
-    "16 tokens, so every mode recomputes about 16 tokens. With an unaligned prefix kv-offload "
-    "recomputes up to chunk_tokens-1 more tokens (vLLM's own cache up to block_size-1).",
-    "- **The peer.** vLLM's ExampleConnector matches whole prompts only (same prefix with a "
-    "new suffix is a miss for it; `cpu_new_suffix` has no peer counterpart) and stores only "
-    "the first scheduled part of a chunked prefill, then crashes the engine loading it "
-    "(shape mismatch at 8k tokens with the default 4096 batched tokens): bench_ttft runs "
-    "every engine with max_num_batched_tokens = max_model_len.",
-    "- **Disk reads are warm.** The disk tier (and the peer's files) are read right after "
-    "being written, so from the page cache; bench_tiers reports cold reads separately.",
-    "- **Noise.** Other test suites ran on this 2-core machine during the run; medians "
-    "and interleaving reduce but do not remove it. Look at the sample counts and the load "
-    "average, and rerun one benchmark with `run_all.py --only NAME` when in doubt.", "",
-]
-
-
 # -- the report ------------------------------------------------------------------------------
 
 
@@ -864,7 +632,7 @@ def write_report(out: Path, runs: dict[str, dict], *, quick: bool,
         ["lmdb", machine.get("lmdb")], ["kv-offload", machine.get("kv_offload")],
         ["load average at start", " / ".join(f"{x:.1f}" for x in machine.get("loadavg", []))],
     ])
-    lines += NOTES
+    lines += fill("notes")
     lines += ["## Targets", ""]
     lines += _table(["target", "measured", "limit", "verdict", "from"], targets.rows)
     lines += ["## Commands", "", "Run from the repository root:", ""]

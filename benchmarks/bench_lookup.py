@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from _markdown import Targets, fill, fmt, table
+
 from kv_offload.disk import DiskIndex
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig, SlotState
@@ -259,20 +261,26 @@ def verdicts(rows: list[dict]) -> list[dict]:
     return out
 
 
-def print_table(result: dict) -> None:
-    cols = [("lookup cpu", "lookup_cpu_us_per_chunk"), ("lookup disk", "lookup_disk_us_per_chunk"),
-            ("miss/req", "lookup_miss_us_per_request"),
-            ("load cpu", "plan_load_cpu_us_per_chunk"), ("load disk", "plan_load_disk_us_per_chunk"),
-            ("done load", "complete_load_disk_us_per_chunk"),
-            ("store", "plan_store_us_per_chunk"), ("done store", "complete_store_us_per_chunk"),
-            ("decode/req", "plan_step_decode_us_per_request")]
-    print(f"\nScheduler cost, us per chunk (median; requests of {CHUNKS_PER_REQUEST} chunks; "
-          f"miss and decode step: us per request)")
-    print(f"{'chunks':>9} " + " ".join(f"{name:>11}" for name, _ in cols))
-    for row in result["results"]:
-        print(f"{row['num_chunks']:>9} " + " ".join(f"{row[key]:>11.2f}" for _, key in cols))
-    for v in result["verdicts"]:
-        print(f"  {'PASS' if v['pass'] else 'MISS'}  {v['target']}: {v['value']}")
+REPORT_COLUMNS = ("lookup_cpu_us_per_chunk", "lookup_disk_us_per_chunk",
+                  "lookup_miss_us_per_request", "access_flush_us_per_chunk",
+                  "plan_load_cpu_us_per_chunk", "plan_load_disk_us_per_chunk",
+                  "complete_load_disk_us_per_chunk", "plan_store_us_per_chunk",
+                  "complete_store_us_per_chunk", "plan_step_decode_us_per_request",
+                  "fill_disk_s")
+
+
+def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
+    """This benchmark's section of docs/benchmarks.md (no plot: ``img`` is unused)."""
+    rows = [[r["num_chunks"], *[fmt(r.get(c), ".2f") for c in REPORT_COLUMNS]]
+            for r in data["results"]]
+    names = [c.replace("_us_per_chunk", "").replace("_us_per_request", " /req")
+             .replace("_", " ") for c in REPORT_COLUMNS]
+    for v in data["verdicts"]:
+        targets.add(f"Scheduler: {v['target']}", v["value"], f"<= {v['limit']}", v["pass"],
+                    "bench_lookup")
+    return fill("lookup", chunks_per_request=data["chunks_per_request"],
+                chunk_tokens=data["chunk_tokens"], calls=data["calls"],
+                table="\n".join(table(["chunks", *names], rows)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -319,7 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["seconds"] = round(time.perf_counter() - started, 1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print_table(result)
+    targets = Targets()
+    print("\n".join(["", *render_section(result, None, targets),
+                     *table(["target", "measured", "limit", "verdict", "from"], targets.rows)]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from _engine import Turns, benchmark_env
+from _markdown import Targets, fill, fmt, table
 
 from kv_offload.testing.engine import (
     EngineError,
@@ -125,23 +126,27 @@ def summarize(rounds: list[dict]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def print_table(result: dict) -> None:
-    print(f"\nThroughput and TTFT, {result['num_prompts']} prompts of "
-          f"{result['prompt_tokens'] + SUFFIX_TOKENS} tokens, {result['max_tokens']} output "
-          f"tokens, median of {result['rounds']} interleaved rounds")
-    print(f"{'workload':<10} {'engine':<6} {'tok/s':>9} {'out tok/s':>10} {'mean TTFT ms':>13} "
-          f"{'ext. hits':>10}")
-    for workload, s in result["summary"].items():
+def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
+    """This benchmark's section of docs/benchmarks.md (no plot: ``img`` is unused)."""
+    rows = []
+    for workload, s in data["summary"].items():
         for name in ("plain", "ours"):
             e = s[name]
-            ttft = f"{e['mean_ttft_s'] * 1e3:.0f}" if e["mean_ttft_s"] is not None else "-"
-            print(f"{workload:<10} {name:<6} {e['throughput_tok_s']:>9.0f} "
-                  f"{e['output_tok_s']:>10.1f} {ttft:>13} {e['external_hit_tokens']:>10}")
-        ttft_ratio = "-" if s["ttft_ratio"] is None else f"{s['ttft_ratio']:.3f}"
-        print(f"{workload:<10} ours/plain throughput {s['throughput_ratio']:.3f}, "
-              f"mean TTFT {ttft_ratio}")
-    v = result["verdict"]
-    print(f"  {'PASS' if v['pass'] else 'MISS'}  {v['target']}: {v['value']:.3f}")
+            ttft = e["mean_ttft_s"] and e["mean_ttft_s"] * 1e3
+            rows.append([workload, name, fmt(e["throughput_tok_s"], ".0f"), fmt(ttft, ".0f"),
+                         e["external_hit_tokens"], ""])
+        rows.append([workload, "ours/plain", fmt(s["throughput_ratio"]), fmt(s["ttft_ratio"]),
+                     "", "paired per round, median"])
+    v = data["verdict"]
+    targets.add("Zero-hit overhead: " + v["target"], v["value"], f">= {v['limit']}", v["pass"],
+                "bench_overhead")
+    targets.add("50% reuse: throughput ours/plain (gain shown, no target)",
+                data["summary"]["reuse_50"]["throughput_ratio"], "-", None, "bench_overhead")
+    header = ["workload", "engine", "tokens/s", "mean TTFT (ms)", "external hit tokens", "note"]
+    return fill("overhead", num_prompts=data["num_prompts"], prompt_tokens=data["prompt_tokens"],
+                suffix_tokens=data["suffix_tokens"], max_tokens=data["max_tokens"],
+                ours_config=data["ours_config"], rounds=data["rounds"], env=data["env"],
+                table="\n".join(table(header, rows)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -220,7 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "value": value, "limit": TARGET_NO_REUSE, "pass": value >= TARGET_NO_REUSE},
         "seconds": round(time.perf_counter() - started, 1),
     }
-    print_table(result)
+    targets = Targets()
+    print("\n".join(["", *render_section(result, None, targets),
+                     *table(["target", "measured", "limit", "verdict", "from"], targets.rows)]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from _engine import Turns, benchmark_env, example_transfer_config
+from _markdown import Targets, fill, fmt, pyplot, save, table
 
 from kv_offload.testing.engine import (
     EngineError,
@@ -62,6 +63,23 @@ MODELS = {
                   intermediate_size=1408, max_position=16384),
     "bench": dict(BENCH_MODEL_KWARGS),
 }
+MODES = {  # mode -> what it measures, in table order
+    "cold": "cold prefill, no connector",
+    "cold_ours": "cold prefill, with kv-offload storing",
+    "cold_peer": "cold prefill, with ExampleConnector storing",
+    "vllm_hit": "vLLM prefix-cache hit (upper bound)",
+    "cpu": "kv-offload CPU tier (after reset_prefix_cache)",
+    "cpu_new_suffix": "kv-offload CPU tier, same prefix + new suffix",
+    "disk": "kv-offload disk tier, fresh process",
+    "cpu_after_restart": "kv-offload, fresh process, 2nd+ pass (CPU tier)",
+    "peer_same_process": "ExampleConnector, same process after reset",
+    "peer_warm": "ExampleConnector warm, fresh process",
+}
+RATIOS = (  # (name, numerator mode, denominator mode), in table order
+    ("cpu_vs_cold", "cpu", "cold"), ("disk_vs_cold", "disk", "cold"),
+    ("vllm_hit_vs_cold", "vllm_hit", "cold"), ("cpu_new_suffix_vs_cold", "cpu_new_suffix", "cold"),
+    ("peer_vs_cold", "peer_warm", "cold"), ("cpu_vs_peer", "cpu", "peer_warm"),
+    ("disk_vs_peer", "disk", "peer_warm"), ("cold_ours_vs_cold", "cold_ours", "cold"))
 SUFFIX_TOKENS = 16
 TARGET_LENGTH = 4096
 TARGETS = (  # (ratio key, limit, what)
@@ -229,13 +247,7 @@ def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for length in modes.get("cold", {}):
         row = {}
-        for name, num, den in (("cpu_vs_cold", "cpu", "cold"), ("disk_vs_cold", "disk", "cold"),
-                               ("vllm_hit_vs_cold", "vllm_hit", "cold"),
-                               ("cpu_new_suffix_vs_cold", "cpu_new_suffix", "cold"),
-                               ("peer_vs_cold", "peer_warm", "cold"),
-                               ("cpu_vs_peer", "cpu", "peer_warm"),
-                               ("disk_vs_peer", "disk", "peer_warm"),
-                               ("cold_ours_vs_cold", "cold_ours", "cold")):
+        for name, num, den in RATIOS:
             a, b = med(num, length), med(den, length)
             if a is not None and b:
                 row[name] = round(a / b, 4)
@@ -255,32 +267,65 @@ def verdicts(result: dict) -> list[dict]:
     return out
 
 
-def print_table(result: dict) -> None:
-    modes = result["modes"]
-    order = ["cold", "cold_ours", "cold_peer", "vllm_hit", "cpu", "cpu_new_suffix", "disk",
-             "cpu_after_restart", "peer_same_process", "peer_warm"]
-    lengths = [str(n) for n in result["lengths"]]
-    print(f"\nTTFT, median ms (prefix L tokens + {SUFFIX_TOKENS}-token suffix; model "
-          f"{result['model']['name']})")
-    print(f"{'mode':<19}" + "".join(f"{'L=' + n:>10}" for n in lengths))
-    for mode in order:
-        if mode in modes:
-            cells = [modes[mode].get(n, {}).get("median_s") for n in lengths]
-            print(f"{mode:<19}" + "".join(
-                f"{c * 1e3:>10.1f}" if c is not None else f"{'-':>10}" for c in cells))
-    print("ratios")
-    keys = ["cpu_vs_cold", "disk_vs_cold", "vllm_hit_vs_cold", "peer_vs_cold", "cpu_vs_peer",
-            "disk_vs_peer", "cold_ours_vs_cold"]
-    for key in keys:
-        cells = [result["ratios"].get(n, {}).get(key) for n in lengths]
-        print(f"{key:<19}" + "".join(
-            f"{c:>10.3f}" if c is not None else f"{'-':>10}" for c in cells))
-    for mode, error in result.get("errors", {}).items():
-        print(f"  ERROR {mode}: {error}")
-    for v in result["verdicts"]:
-        value = "n/a" if v["value"] is None else f"{v['value']:.3f}"
-        print(f"  {'PASS' if v['pass'] else 'MISS'}  {v['target']} at {v['length']} tokens: "
-              f"{value} (limit {v['limit']})")
+def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
+    """This benchmark's section of docs/benchmarks.md (plot under ``img`` unless None)."""
+    lengths, modes = [str(n) for n in data["lengths"]], data["modes"]
+    last = lengths[-1]
+    rows = [[f"{mode}: {text}",
+             *[fmt(modes[mode][n]["median_s"] * 1e3, ".1f") if n in modes[mode] else "-"
+               for n in lengths],
+             len(modes[mode].get(last, {}).get("samples_s", []))]
+            for mode, text in MODES.items() if mode in modes]
+    hits = [f"{mode} {h['vllm_hit']:.0f} vLLM / {h['host_hit']:.0f} host / "
+            f"{h['disk_hit']:.0f} disk / {h['external_hit']:.0f} external"
+            for mode in ("vllm_hit", "cpu", "disk", "peer_warm")
+            if last in modes.get(mode, {}) for h in [modes[mode][last]["hits"]]]
+    ratios = [[key, *[fmt(data["ratios"].get(n, {}).get(key)) for n in lengths]]
+              for key, _, _ in RATIOS]
+    for v in data["verdicts"]:
+        targets.add(f"TTFT: {v['target']} at {v['length']} tokens", v["value"],
+                    f"<= {v['limit']}", v["pass"], "bench_ttft")
+    model = data["model"]
+    plotted = img is not None and plot(data, img / "ttft.png")
+    return fill(
+        "ttft", model=model["name"],
+        geometry=", ".join(f"{k}={v}" for k, v in model.items() if k not in ("name", "path"))
+        or "test default",
+        block_size=data["engine"]["block_size"], ours_config=data["ours_config"],
+        reps=data["reps"], suffix_tokens=data["suffix_tokens"], passes=data["passes"],
+        settle_s=data["settle_s"], engine_switches=data["engine_switches"], env=data["env"],
+        max_num_batched_tokens=data["engine"].get("max_num_batched_tokens", "default"),
+        modes_table="\n".join(table(["mode", *[f"L={n} (ms)" for n in lengths], "samples"],
+                                    rows)),
+        errors="".join(f"**Error** in `{m}`: {e}\n\n" for m, e in data["errors"].items()),
+        length=last, hits="; ".join(hits) or "none",
+        ratios_table="\n".join(table(["ratio", *[f"L={n}" for n in lengths]], ratios)),
+        plot="![TTFT vs prompt length](img/ttft.png)\n" if plotted else "",
+        startup=", ".join(f"{k} {v:.0f}" for k, v in data["startup_s"].items()),
+        seconds=f"{data['seconds']:.0f}")
+
+
+def plot(data: dict, path: Path) -> bool:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lengths = data["lengths"]
+    for mode, text in MODES.items():
+        per = data["modes"].get(mode, {})
+        pts = [(n, per[str(n)]["median_s"] * 1e3) for n in lengths if str(n) in per]
+        if pts:
+            ours = mode in ("cpu", "cpu_new_suffix", "disk", "cpu_after_restart")
+            style = "--" if mode.startswith("cold") else (":" if "peer" in mode else "-")
+            ax.plot(*zip(*pts), style, marker="o", label=text, linewidth=2.5 if ours else 1.2)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("prefix tokens")
+    ax.set_ylabel("TTFT, median (ms)")
+    ax.set_title("Time to first token by mode (vLLM CPU backend)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return save(fig, plt, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -379,7 +424,9 @@ def main(argv: list[str] | None = None) -> dict:
     result["ratios"] = ratios(modes)
     result["verdicts"] = verdicts(result)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    print_table(result)
+    targets = Targets()
+    print("\n".join(["", *render_section(result, None, targets),
+                     *table(["target", "measured", "limit", "verdict", "from"], targets.rows)]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

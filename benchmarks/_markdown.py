@@ -1,0 +1,70 @@
+"""Markdown pieces of the benchmark report: numbers, tables, verdicts, prose templates, plots.
+
+Each benchmark renders its own section (``render_section(data, img, targets)``) with these;
+``_report.py`` assembles the page. Prose lives in ``templates/<name>.md``
+(``string.Template``: ``$name`` placeholders, filled by ``fill``).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+def fmt(value: Any, spec: str = ".3f") -> str:
+    """A number in ``spec``; '-' for None; anything else as str."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (int, float)):
+        return format(value, spec)
+    return str(value)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table and the blank line after it."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("**PASS**" if ok else "**MISS**")
+
+
+def fill(name: str, **values: Any) -> list[str]:
+    """The lines of ``templates/<name>.md`` with its placeholders filled; a KeyError
+    names a placeholder left without a value."""
+    text = string.Template((TEMPLATES / f"{name}.md").read_text())
+    return text.substitute({k: str(v) for k, v in values.items()}).rstrip().splitlines() + [""]
+
+
+class Targets:
+    """Collects (target, measured, limit, verdict, source) rows for the summary."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+
+    def add(self, target: str, value: Any, limit: str, ok: bool | None, source: str) -> None:
+        self.rows.append([target, fmt(value), limit, verdict(ok), source])
+
+
+def pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, plt: Any, path: Path) -> bool:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
