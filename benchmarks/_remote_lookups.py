@@ -24,7 +24,7 @@ LOOKUPS = {  # lookup method -> label
     "redispy_pipeline": "redis-py pipeline (default, hiredis)",
 }
 CLUSTER_LOOKUPS = {
-    "ours": "RemoteTier.lookup (one pipeline per node)",
+    "ours": "RemoteTier.lookup (one call per node)",
     "redispy_cluster_pipeline": "redis-py cluster pipeline (before)",
 }
 BUDGET_S = 0.020  # remote_lookup_budget_ms's default

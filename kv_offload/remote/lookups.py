@@ -197,7 +197,9 @@ class RemoteLookups:
             results = [0] * len(batch)
             failures = -1
         done = self._clock()
-        answered = failures == self.tier.health.num_failures
+        # A real answer: no failure during the call, and not the zeros a tier that is
+        # backing off returns without asking the server.
+        answered = failures == self.tier.health.num_failures and self.tier.health.up
         with self._cond:
             self.num_round_trips += 1
             self.seconds_round_trips += done - began

@@ -42,6 +42,8 @@ class FakeTier:
 
     def lookup_many(self, requests):
         self.batches.append([list(r) for r in requests])
+        if not self.health.up:  # RemoteTier: zeros without a call while backing off
+            return [0] * len(requests)
         if self.during:
             self.during()
         self.clock.now += self.rtt
@@ -176,6 +178,20 @@ def test_server_backing_off_answers_misses_at_once_with_one_probe(setup):
     tier.health.record_failure("refused")
     assert [lookups.ask(f"r{i}", keys("e", 2)) for i in range(4)] == [0, 0, 0, 0]
     assert lookups.run_once() == 1 and lookups.run_once() == 0
+
+
+def test_zeros_of_a_tier_backing_off_are_not_answers(setup):
+    """They neither mark the keys cold nor end the skipping."""
+    lookups, tier, _ = setup
+    tier.keys.update(keys("k", 2))
+    tier.health.record_failure("timeout")
+    assert lookups.ask("r1", keys("k", 2)) == 0
+    lookups.run_once()  # the probe, answered with zeros by the backing-off tier
+    assert lookups.ask("r2", keys("k", 2)) == 0 and lookups.num_skipped == 2
+    tier.health.record_success()  # the server is back
+    assert lookups.ask("r3", keys("k", 2)) is None, "not remembered as cold"
+    lookups.run_once()
+    assert lookups.ask("r3", keys("k", 2)) == 2
 
 
 def test_a_new_question_when_the_request_asks_about_other_keys(setup):

@@ -287,3 +287,13 @@ def test_warm_connects_before_the_first_lookup(redis_server, redis_cluster):
         tier.close()
     dead = tier_for(RemoteTarget("redis://127.0.0.1:1/0"))
     assert not dead.warm() and not dead.health.up
+
+
+def test_key_slot_agrees_with_redis_py():
+    from redis.crc import key_slot as redis_key_slot
+
+    from kv_offload.remote.cluster import key_slot
+
+    tier = tier_for(RemoteTarget(cluster_nodes=("127.0.0.1:1",)))
+    names = [tier.name(key(i), 0) for i in range(500)] + [b"plain", b"{}x", b"a{b}c{d}"]
+    assert [key_slot(n) for n in names] == [redis_key_slot(n) for n in names]
