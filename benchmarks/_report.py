@@ -30,7 +30,8 @@ from _markdown import verdict as _verdict
 
 DATA_DIR = "bench-data"
 COPY_TARGET = 0.6
-TIERS_TARGETS = (("raw", 0.8), ("vllm", 1.0))  # io_ratios "vs" prefix -> minimum ratio
+TIERS_TARGETS = (("raw", 0.85), ("vllm", 1.0))  # io_ratios "vs" prefix -> minimum ratio
+TIERS_READ_RAW = 0.9  # issue 15: reads >= 0.9x a raw file, writes >= 0.85x
 
 
 # -- machine ---------------------------------------------------------------------------------
@@ -93,21 +94,26 @@ def copy_section(data: dict, img: Path, targets: Targets) -> list[str]:
              f"Engine <-> host slot copies against one contiguous memcpy of the same bytes "
              f"(model geometry {model}).", ""]
     rows, passed = [], 0
+    # rows with "target": null are alternatives shown for the record (bench_copy)
+    graded = [r for r in results if r.get("target", COPY_TARGET) is not None]
     for r in results:
         ratio, target = r.get("ratio"), r.get("target", COPY_TARGET)
-        ok = None if ratio is None else ratio >= target
+        ok = None if ratio is None or target is None else ratio >= target
         passed += bool(ok)
         rows.append([r.get("engine"), r.get("chunk_kib"), r.get("ids"), r.get("direction"),
                      _fmt(r.get("engine_gbps"), ".2f"), _fmt(r.get("memcpy_gbps"), ".2f"),
-                     _fmt(ratio, ".2f"), _verdict(ok)])
+                     _fmt(ratio, ".2f"), "-" if target is None else f">= {target}",
+                     _verdict(ok) if ok is not None else ""])
     lines += _table(["engine", "chunk KiB", "block ids", "direction", "engine GB/s",
-                     "memcpy GB/s", "ratio", f">= {COPY_TARGET}x"], rows)
-    if results:
-        worst = min((r for r in results if r.get("ratio") is not None),
-                    key=lambda r: r["ratio"], default=None)
-        targets.add(f"Copy engine >= {COPY_TARGET}x memcpy ({passed} of {len(results)} cases)",
-                    worst and worst["ratio"], f">= {COPY_TARGET} (worst case shown)",
-                    passed == len(results), "bench_copy")
+                     "memcpy GB/s", "ratio", "target", "verdict"], rows)
+    if graded:
+        worst = min((r for r in graded if r.get("ratio") is not None),
+                    key=lambda r: r["ratio"] / r.get("target", COPY_TARGET), default=None)
+        limits = sorted({r.get("target", COPY_TARGET) for r in graded})
+        targets.add(f"Copy engine >= {' / '.join(map(str, limits))}x memcpy ({passed} of "
+                    f"{len(graded)} cases)", worst and worst["ratio"],
+                    ">= target (worst case vs its target shown)", passed == len(graded),
+                    "bench_copy")
     if plot_copy(results, img / "copy_gbps.png"):
         lines += ["![Copy GB/s vs chunk size](img/copy_gbps.png)", ""]
     return lines
@@ -132,10 +138,12 @@ def tiers_section(data: dict, img: Path, targets: Targets) -> list[str]:
     for r in data.get("io_ratios", []):
         vs = str(r.get("vs", ""))
         limit = next((lim for prefix, lim in TIERS_TARGETS if vs.startswith(prefix)), None)
+        limit = limit if r.get("graded", True) else None  # bench_tiers marks record-only rows
         cells = []
         for k in kinds:
             value = r.get(k)
-            ok = None if (limit is None or value is None) else value >= limit
+            lim = TIERS_READ_RAW if limit and vs.startswith("raw") and "read" in k else limit
+            ok = None if (lim is None or value is None) else value >= lim
             cells.append(f"{_fmt(value, '.2f')} {_verdict(ok) if ok is not None else ''}".strip())
         rows.append([r.get("chunk", 0) // 1024, vs, *cells,
                      f">= {limit}" if limit is not None else "(informational)"])
@@ -143,14 +151,18 @@ def tiers_section(data: dict, img: Path, targets: Targets) -> list[str]:
         lines += ["Ratios ours (1 I/O thread) / contender:", ""]
         lines += _table(["chunk KiB", "vs", *kinds, "target"], rows)
         for prefix, limit in TIERS_TARGETS:
-            sel = [r for r in data.get("io_ratios", []) if str(r.get("vs", "")).startswith(prefix)]
-            values = [r[k] for r in sel for k in kinds if isinstance(r.get(k), (int, float))]
-            if values:
+            sel = [r for r in data.get("io_ratios", [])
+                   if str(r.get("vs", "")).startswith(prefix) and r.get("graded", True)]
+            pairs = [(r[k], TIERS_READ_RAW if prefix == "raw" and "read" in k else limit)
+                     for r in sel for k in kinds if isinstance(r.get(k), (int, float))]
+            if pairs:
                 names = sorted({str(r["vs"]) for r in sel})
-                targets.add(f"Disk tier >= {limit}x {' / '.join(names)} "
-                            f"({sum(v >= limit for v in values)} of {len(values)} cases)",
-                            min(values), f">= {limit} (worst case shown)",
-                            all(v >= limit for v in values), "bench_tiers")
+                lims = "/".join(map(str, sorted({lim for _, lim in pairs})))
+                targets.add(f"Disk tier >= {lims}x {' / '.join(names)} "
+                            f"({sum(v >= lim for v, lim in pairs)} of {len(pairs)} cases)",
+                            min(v / lim for v, lim in pairs) * 1.0,
+                            ">= target (worst value / its target shown)",
+                            all(v >= lim for v, lim in pairs), "bench_tiers")
     if data.get("checksums"):
         rows = [[r.get("algorithm"), r.get("chunk", 0) // 1024, _fmt(r.get("gbps"), ".2f")]
                 for r in data["checksums"]]
