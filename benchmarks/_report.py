@@ -93,6 +93,7 @@ def copy_section(data: dict, img: Path, targets: Targets) -> list[str]:
     lines = ["## Copy engine (`bench_copy.py`)", "",
              f"Engine <-> host slot copies against one contiguous memcpy of the same bytes "
              f"(model geometry {model}).", ""]
+    lines += [line for note in data.get("notes", []) for line in (note, "")]  # bench's prose
     rows, passed = [], 0
     # rows with "target": null are alternatives shown for the record (bench_copy)
     graded = [r for r in results if r.get("target", COPY_TARGET) is not None]
@@ -123,6 +124,7 @@ def tiers_section(data: dict, img: Path, targets: Targets) -> list[str]:
     lines = ["## Disk tier (`bench_tiers.py`)", "",
              f"{data.get('io_total_mib', '?')} MiB per chunk size; {data.get('cache_note', '')}.",
              ""]
+    lines += [line for note in data.get("notes", []) for line in (note, "")]  # bench's prose
     rows = []
     for r in data.get("io", []):
         chunk = f"{r.get('chunk', 0) // 1024}" if r.get("chunk") else "-"
