@@ -15,7 +15,7 @@ VLLM_COUNTERS = {  # short name -> vLLM metric
     "external_hits": "vllm:external_prefix_cache_hits",
     "external_queries": "vllm:external_prefix_cache_queries",
     "preemptions": "vllm:num_preemptions",
-    "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "spec_drafts": "vllm:spec_decode_num_drafts",
 }
 SOURCE_METRIC = "vllm:prompt_tokens_cached_by_source"
 SOURCES = ("host", "disk", "device", "external_unspecified")  # hits_<source>
