@@ -151,7 +151,11 @@ def layer_names(kv_cache_config: Any) -> list[str]:
 def _model_fingerprint(model_config: Any) -> str:
     hf_config = getattr(model_config, "hf_config", None)
     try:
-        text = hf_config.to_json_string(use_diff=False)
+        # Not ``_name_or_path``: it is the --model string as typed, and ./m, /abs/m and a
+        # symlink to m are one model (``KVLayout.model`` names a directory by its realpath).
+        fields = json.loads(hf_config.to_json_string(use_diff=False))
+        fields.pop("_name_or_path", None)
+        text = json.dumps(fields, sort_keys=True)
     except Exception:
         text = json.dumps(str(hf_config))
     parts = [text, str(getattr(model_config, "revision", None) or ""),
