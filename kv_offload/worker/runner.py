@@ -37,6 +37,7 @@ _READING, _COPYING, _DONE, _CANCELLED = "reading", "copying", "done", "cancelled
 class _Load:
     job: LoadJob
     started: float
+    stream: Any = None  # the compute stream current when vLLM handed the job out
     future: Future | None = None
     state: str = _READING
     failed: set[int] = field(default_factory=set)
@@ -117,7 +118,7 @@ class OffloadWorker:
         copies of other jobs. Returns at once."""
         now = self._clock()
         for job in jobs:
-            load = _Load(job, now)
+            load = _Load(job, now, self.engine.current_stream())
             reads: dict[int, Future] = {}
             needed: list[Future] = []
             fills: list[Future | None] = []
@@ -246,7 +247,8 @@ class OffloadWorker:
             blocks = np.array([job.chunks[i].block_ids for i in ok_rows], dtype=np.int64)
             try:
                 start = self._clock()
-                self.engine.wait(self.engine.load(slots, blocks))
+                after = {} if load.stream is None else {"after": load.stream}
+                self.engine.wait(self.engine.load(slots, blocks, **after))
                 self._count(bytes_load=self._chunk_bytes(blocks),
                             seconds_load=self._clock() - start)
             except Exception:
