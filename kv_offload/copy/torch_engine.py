@@ -23,6 +23,7 @@ the GIL while copying.
 from __future__ import annotations
 
 import itertools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -43,6 +44,8 @@ from kv_offload.host_buffer import HostSlots
 
 __all__ = ["PARALLEL_MIN_BYTES", "STRATEGIES", "TorchCopyEngine"]
 
+logger = logging.getLogger(__name__)
+
 STRATEGIES = ("compiled", "numpy")
 PARALLEL_MIN_BYTES = 1 << 20
 """Bytes per thread below which a request is copied by the calling thread alone (a
@@ -52,6 +55,22 @@ STREAM_MIN_BYTES = 4 << 20
 they would not stay in cache anyway, and skipping the destination's reads is ~1.4x
 faster; smaller ones use ``memmove`` and leave the bytes in cache for what reads them."""
 MAX_DEFAULT_THREADS = 4  # memory bandwidth, not cores, bounds a copy beyond a few threads
+
+
+def _usable_strategy(strategy: str | None) -> str:
+    """The strategy to run: "compiled" needs the loop built (raises if asked for
+    explicitly); the default falls back to "numpy" where it cannot be."""
+    if strategy == "numpy" or (strategy is None and not cpu_kernel.AVAILABLE):
+        return "numpy"
+    try:
+        cpu_kernel.ensure_compiled()
+    except cpu_kernel.KernelUnavailableError as exc:
+        if strategy == "compiled":
+            raise
+        logger.warning("kv-offload: %s; the CPU copy engine falls back to numpy (~2x slower)",
+                       exc)
+        return "numpy"
+    return "compiled"
 
 
 class TorchCopyEngine(CopyEngine):
@@ -69,17 +88,17 @@ class TorchCopyEngine(CopyEngine):
         installed). ``num_threads``: threads one compiled copy may use, the caller's
         included (default: torch's thread count, at most 4). Raises ValueError when the
         planes are not CPU planes (see ``describe_planes``), a host slot cannot hold one
-        chunk of them, or for an unknown strategy, and RuntimeError for "compiled"
-        without numba."""
+        chunk of them, or for an unknown strategy, and ``KernelUnavailableError`` for
+        "compiled" without numba (the default then falls back to numpy, with a warning
+        if numba is installed but failed to compile)."""
         geometry = describe_planes(planes)
         if geometry.device.type != "cpu":
             raise ValueError(f"TorchCopyEngine needs planes in host memory, got {geometry.device}")
         if not isinstance(host, HostSlots):
             raise ValueError(f"host must be HostSlots, got {type(host).__name__}")
-        if strategy is None:
-            strategy = "compiled" if cpu_kernel.AVAILABLE else "numpy"
-        if strategy not in STRATEGIES:
+        if strategy not in (None, *STRATEGIES):
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        strategy = _usable_strategy(strategy)
         if num_threads is None:
             num_threads = min(torch.get_num_threads(), MAX_DEFAULT_THREADS)
         if int(num_threads) < 1:
@@ -102,8 +121,6 @@ class TorchCopyEngine(CopyEngine):
         self._chunk_row_bytes = sum(self.layout.plane_bytes)  # one block of every plane
         self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kv-copy")
                       if self.num_threads > 1 else None)
-        if strategy == "compiled":
-            cpu_kernel.ensure_compiled()
         self._seq = itertools.count()
         self._closed = False
 

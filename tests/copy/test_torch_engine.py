@@ -452,3 +452,22 @@ def test_validation_is_per_destination_and_ignores_fully_skipped_rows(new_engine
     with pytest.raises(ValueError):
         engine.store(np.array([[4, 5]]), np.array([-1]))
     assert torch.equal(host.tensor, before)
+
+
+def test_default_falls_back_to_numpy_when_the_loop_cannot_build(monkeypatch, caplog):
+    """numba installed but compiling fails (an unsupported platform): the default engine
+    copies with numpy and says so; asking for "compiled" explicitly raises."""
+    def broken():
+        raise cpu_kernel.KernelUnavailableError("the compiled copy loop failed to build: boom")
+
+    monkeypatch.setattr(cpu_kernel, "AVAILABLE", True)
+    monkeypatch.setattr(cpu_kernel, "ensure_compiled", broken)
+    _, planes = cpu_kv_planes(num_layers=1)
+    host = make_host(2, 2 * planes[0].shape[1])
+    with caplog.at_level("WARNING"):
+        engine = TorchCopyEngine(planes, host, 2)
+    assert engine.strategy == "numpy" and "falls back to numpy" in caplog.text
+    engine.store(np.array([[3, 4]]), np.array([1]))
+    assert torch.equal(host.tensor[1, :planes[0].shape[1]], planes[0][3])
+    with pytest.raises(cpu_kernel.KernelUnavailableError):
+        TorchCopyEngine(planes, host, 2, strategy="compiled")
