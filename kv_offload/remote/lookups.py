@@ -18,6 +18,13 @@ pooled connection) keep a request that arrives during a round trip from waiting 
 that one to finish before its own starts (with a round trip near the budget, one thread
 made half the requests miss).
 
+The scheduler thread never takes a lock that a lookup thread holds (a lookup thread
+descheduled while holding one would stall vLLM's scheduler, and with it every
+request): questions go to the threads through a ``queue.SimpleQueue`` (C, never
+blocks on put), each thread publishes its answer by setting one attribute of the
+question, and everything else (the memo, the negative cache, the counters ``ask``
+keeps) belongs to the scheduler thread alone.
+
 Requests that cannot win from waiting answer 0 at once: no keys (shorter than one
 chunk, or every chunk found locally); a first key found absent less than
 ``negative_ttl_s`` ago (a small negative cache: prompts just found cold); a server
@@ -28,8 +35,8 @@ kept in flight, and the first round trip within the budget ends it).
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +46,7 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 64  # requests per round trip
+_STOP = None  # tells a lookup thread to end
 
 
 class LookupTier(Protocol):
@@ -50,14 +58,16 @@ class LookupTier(Protocol):
     def lookup_many(self, requests: Sequence[Sequence[bytes]]) -> list[int]: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Ask:
-    """One request's question: ``keys`` until the thread took them; ``hits`` once it
-    answered; ``final`` once the scheduler was given an answer (it never changes)."""
+    """One request's question. ``hits`` is set once, by a lookup thread, after
+    ``genuine`` (the server answered, not a failure); ``final`` by the scheduler thread
+    when it gives an answer (it never changes)."""
 
     signature: tuple[bytes, int]
     keys: Sequence[bytes]
     deadline: float
+    genuine: bool = False
     hits: int | None = None
     final: int | None = None
 
@@ -65,10 +75,11 @@ class _Ask:
 class RemoteLookups:
     """Asynchronous, memoised remote lookups with a total time budget per request.
 
-    ``ask`` and ``forget`` run on the scheduler thread and never block on the network
-    (a short lock shared with the lookup threads). ``budget_s`` bounds, from the first
-    ``ask``, how long a request may be answered None. ``start=False`` runs no thread:
-    ``run_once`` then does a lookup thread's work (tests). ``clock`` is injected.
+    ``ask``, ``forget`` and ``num_pending`` belong to the scheduler thread: they never
+    block (no network, no lock shared with the lookup threads). ``budget_s`` bounds,
+    from the first ``ask``, how long a request may be answered None. ``start=False``
+    runs no thread: ``run_once`` then does a lookup thread's work (tests). ``clock`` is
+    injected.
     """
 
     def __init__(self, tier: LookupTier, *, budget_s: float,
@@ -82,22 +93,23 @@ class RemoteLookups:
         self.negative_ttl_s = negative_ttl_s
         self.negative_size = negative_size
         self._clock = clock
-        self._cond = threading.Condition()
+        self._queue: queue.SimpleQueue[_Ask | None] = queue.SimpleQueue()
         self._asks: dict[str, _Ask] = {}
-        self._queue: list[_Ask] = []
-        self._in_flight: dict[int, float] = {}  # round trip -> when it started
-        self._round_trip_ids = itertools.count()
-        self._slow = False
+        # Per lookup thread: when its round trip in flight started (None: idle). Each
+        # thread writes its own entry; ask() reads a copy.
+        self._trips: list[float | None] = [None] * max(1, num_threads)
+        self._slow = False  # written by either side; a plain bool
         self._cold: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self._closed = False
+        self._stats_lock = threading.Lock()  # lookup threads only
         self.num_questions = 0  # lookups asked for (sent, or answered from the cache)
         self.num_timeouts = 0  # answered miss because the budget passed
         self.num_cold_hits = 0  # answered miss from the negative cache
         self.num_skipped = 0  # answered miss at once: server backing off or slow
-        self.num_round_trips = 0
-        self.seconds_round_trips = 0.0  # lookup thread, network included
-        self._threads = [threading.Thread(target=self._run, name=f"kv-offload-lookup-{i}",
-                                          daemon=True) for i in range(num_threads if start else 0)]
+        self.num_round_trips = 0  # lookup threads
+        self.seconds_round_trips = 0.0  # lookup threads, network included
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True,
+                                          name=f"kv-offload-lookup-{i}")
+                         for i in range(num_threads if start else 0)]
         for thread in self._threads:
             thread.start()
 
@@ -112,54 +124,52 @@ class RemoteLookups:
             return 0
         signature = (keys[0], len(keys))
         now = self._clock()
-        with self._cond:
-            ask = self._asks.get(req_id)
-            if ask is not None and ask.signature == signature:
-                return self._answer(ask, now)
-            self.num_questions += 1
-            ask = _Ask(signature, keys, now + self.budget_s)
-            self._asks[req_id] = ask
-            if self._is_cold(keys[0], now):
-                self.num_cold_hits += 1
-                ask.final, ask.keys = 0, ()
-                return 0
-            if self._slow or not self.tier.health.up:
-                self.num_skipped += 1
-                ask.final = 0
-                if not (self._queue or self._in_flight):  # one probe at a time
-                    self._queue.append(ask)
-                    self._cond.notify()
-                return 0
-            self._queue.append(ask)
-            self._cond.notify()
-            return None
+        ask = self._asks.get(req_id)
+        if ask is not None and ask.signature == signature:
+            return self._answer(ask, now)
+        self.num_questions += 1
+        ask = _Ask(signature, keys, now + self.budget_s)
+        self._asks[req_id] = ask
+        if self._is_cold(keys[0], now):
+            self.num_cold_hits += 1
+            ask.final, ask.keys = 0, ()
+            return 0
+        if self._slow or not self.tier.health.up:
+            self.num_skipped += 1
+            ask.final = 0
+            if self._queue.empty() and all(t is None for t in self._trips):  # one probe
+                self._queue.put(ask)
+            return 0
+        self._queue.put(ask)
+        return None
 
     def _answer(self, ask: _Ask, now: float) -> int | None:
-        if ask.final is None:
-            if ask.hits is not None:
-                ask.final = ask.hits
-            elif now >= ask.deadline:
-                ask.final = 0
-                self.num_timeouts += 1
-                # Slow if the server holds a round trip past the budget; not when this
-                # request only queued behind others.
-                if self._in_flight and now - min(self._in_flight.values()) >= self.budget_s:
-                    self._slow = True
-            else:
-                return None
+        if ask.final is not None:
+            return ask.final
+        hits = ask.hits
+        if hits is not None:
+            ask.final = hits
+            if hits == 0 and ask.genuine:
+                self._remember_cold(ask.signature[0], now)
+        elif now >= ask.deadline:
+            ask.final = 0
+            self.num_timeouts += 1
+            # Slow if the server holds a round trip past the budget; not when this
+            # request only queued behind others.
+            started = [t for t in list(self._trips) if t is not None]
+            if started and now - min(started) >= self.budget_s:
+                self._slow = True
         return ask.final
 
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s memo (finished or aborted). A lookup in flight for it is
         still answered, into nothing."""
-        with self._cond:
-            self._asks.pop(req_id, None)
+        self._asks.pop(req_id, None)
 
     def num_pending(self) -> int:
-        """Requests whose question the lookup thread has not answered yet (and that
-        were not answered by the budget)."""
-        with self._cond:
-            return sum(a.final is None and a.hits is None for a in self._asks.values())
+        """Requests whose question no lookup thread has answered yet (and that were
+        not answered by the budget)."""
+        return sum(a.final is None and a.hits is None for a in list(self._asks.values()))
 
     def _is_cold(self, key: bytes, now: float) -> bool:
         until = self._cold.get(key)
@@ -170,46 +180,6 @@ class RemoteLookups:
         del self._cold[key]
         return False
 
-    # -- lookup thread -----------------------------------------------------------------
-
-    def run_once(self) -> int:
-        """Send every queued question (``MAX_BATCH`` at a time) and memoise the answers;
-        how many were sent. The lookup thread's work; blocks on the network."""
-        with self._cond:
-            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-            if not batch:
-                return 0
-            trip, began = next(self._round_trip_ids), self._clock()
-            self._in_flight[trip] = began
-        try:
-            self._send(batch, began)
-        finally:
-            with self._cond:
-                del self._in_flight[trip]
-        return len(batch)
-
-    def _send(self, batch: list[_Ask], began: float) -> None:
-        failures = self.tier.health.num_failures
-        try:
-            results = self.tier.lookup_many([a.keys for a in batch])
-        except Exception:  # a bug, not a server problem: answer misses, keep serving
-            logger.exception("kv-offload: remote lookup raised; answering misses")
-            results = [0] * len(batch)
-            failures = -1
-        done = self._clock()
-        # A real answer: no failure during the call, and not the zeros a tier that is
-        # backing off returns without asking the server.
-        answered = failures == self.tier.health.num_failures and self.tier.health.up
-        with self._cond:
-            self.num_round_trips += 1
-            self.seconds_round_trips += done - began
-            if answered:
-                self._slow = done - began > self.budget_s
-            for ask, hits in zip(batch, results):
-                if answered and hits == 0:
-                    self._remember_cold(ask.keys[0], done)
-                ask.hits, ask.keys = hits, ()
-
     def _remember_cold(self, key: bytes, now: float) -> None:
         if self.negative_ttl_s <= 0 or self.negative_size <= 0:
             return
@@ -218,7 +188,61 @@ class RemoteLookups:
         while len(self._cold) > self.negative_size:
             self._cold.popitem(last=False)
 
-    def _run(self) -> None:
+    # -- lookup threads ----------------------------------------------------------------
+
+    def run_once(self, slot: int = 0) -> int:
+        """Send the queued questions (``MAX_BATCH`` at most) in one round trip and
+        publish the answers; how many were sent. A lookup thread's work (``slot``: its
+        index); blocks on the network, never on the queue."""
+        batch = self._take(block=False)
+        if batch:
+            self._send(batch, slot)
+        return len(batch)
+
+    def _take(self, *, block: bool) -> list[_Ask]:
+        """Up to MAX_BATCH questions; waits for the first when ``block``. A _STOP is put
+        back for the other threads and ends the batch."""
+        batch: list[_Ask] = []
+        try:
+            item = self._queue.get(block=block)
+            while item is not _STOP:
+                batch.append(item)
+                if len(batch) >= MAX_BATCH:
+                    return batch
+                item = self._queue.get_nowait()
+            self._queue.put(_STOP)
+            if not batch:
+                raise _Stopped
+        except queue.Empty:
+            pass
+        return batch
+
+    def _send(self, batch: list[_Ask], slot: int) -> None:
+        failures = self.tier.health.num_failures
+        began = self._clock()
+        self._trips[slot] = began
+        try:
+            results = self.tier.lookup_many([a.keys for a in batch])
+        except Exception:  # a bug, not a server problem: answer misses, keep serving
+            logger.exception("kv-offload: remote lookup raised; answering misses")
+            results, failures = [0] * len(batch), -1
+        finally:
+            self._trips[slot] = None
+        done = self._clock()
+        # A real answer: no failure during the call, and not the zeros a tier that is
+        # backing off returns without asking the server.
+        genuine = failures == self.tier.health.num_failures and self.tier.health.up
+        if genuine:
+            self._slow = done - began > self.budget_s
+        with self._stats_lock:
+            self.num_round_trips += 1
+            self.seconds_round_trips += done - began
+        for ask, hits in zip(batch, results):
+            ask.genuine = genuine
+            ask.keys = ()
+            ask.hits = hits  # last: publishes the answer
+
+    def _run(self, slot: int) -> None:
         warm = getattr(self.tier, "warm", None)  # optional: connect before the first ask
         if warm is not None:
             try:
@@ -226,20 +250,21 @@ class RemoteLookups:
             except Exception:
                 logger.exception("kv-offload: warming the remote lookup connection raised")
         while True:
-            with self._cond:
-                while not (self._queue or self._closed):
-                    self._cond.wait()
-                if self._closed:
-                    return
-            self.run_once()
+            try:
+                batch = self._take(block=True)
+            except _Stopped:
+                return
+            self._send(batch, slot)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the lookup thread (a round trip in flight finishes first, up to
+        """Stop the lookup threads (a round trip in flight finishes first, up to
         ``timeout_s``). Pending questions stay unanswered: ``ask`` then answers 0 once
         their budget passed. Does not close the tier."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._queue.put(_STOP)
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Stopped(Exception):
+    """The queue says stop (close)."""
