@@ -46,7 +46,9 @@ every contender moves the same bytes:
    microseconds the scheduler thread spends per request in ``RemoteLookups.ask``
    (asynchronous, now) and in ``RemoteTier.lookup`` (synchronous, before), and how long
    each request waited for its answer.
-3. TTFT: one vLLM engine (CPU backend, tiny random-weight model) with ``remote_url`` set
+3. TTFT with a slow server: see ``_remote_slow`` (local hits and fresh prompts, remote
+   tier behind a proxy holding each reply 50-200 ms vs no remote tier, side by side).
+4. TTFT: one vLLM engine (CPU backend, tiny random-weight model) with ``remote_url`` set
    and no disk tier; per round, a cold pass over prompts of L + 16 tokens (one request
    at a time, max_tokens=1), one short request that lets the engine collect the store
    reports, then the same prompts after ``reset_prefix_cache(reset_connector=True)``, so
@@ -88,6 +90,7 @@ from _remote_lookups import (  # noqa: E402
     bench_scheduler_thread,
     chunk_keys,
 )
+from _remote_slow import bench_slow_ttft  # noqa: E402
 
 from kv_offload.disk import SlabFile  # noqa: E402
 from kv_offload.remote.resp import RespPacker  # noqa: E402
@@ -495,6 +498,18 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
     return result
 
 
+def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
+    """Slow-server TTFT side by side (``_remote_slow``), same model and engine as above."""
+    from kv_offload.testing.tiny_model import make_tiny_model
+
+    model = make_tiny_model(**({} if args.quick else dict(TTFT_MODEL)))
+    max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
+    engine = engine_kwargs(in_process=args.in_process, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_model_len)
+    env = benchmark_env(in_process=args.in_process, vllm_default_binding=False)
+    return bench_slow_ttft(args, server_port, base, model, engine, env)
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -539,6 +554,7 @@ def print_tables(result: dict) -> None:
         print(f"{r['keys']:>5} {('all' if r['present'] else 'none'):>8} "
               f"{r['pipeline_vs_ours']:>18.2f} {r['python_vs_hiredis_parser']:>25.2f}")
     print_lookup_tables(result)
+    print_slow_ttft(result.get("slow_ttft"))
     ttft = result.get("ttft")
     if ttft and "modes" in ttft:
         print(f"\nTTFT, median ms (prefix L + {ttft['suffix_tokens']} tokens, {ttft['rounds']} "
@@ -570,6 +586,25 @@ def print_lookup_tables(result: dict) -> None:
         print(f"{r['server']:<14} {r['method']:<26} {r['thread_us_median']:>11.1f} "
               f"{r['thread_us_p99']:>11.1f} {r['answer_ms_median']:>11.2f} "
               f"{r['answer_ms_max']:>11.2f} {r['hit_requests']:>5}")
+
+
+def print_slow_ttft(slow: dict | None) -> None:
+    if not slow:
+        return
+    if "error" in slow:
+        print(f"\nSlow-server TTFT: {slow['error']}")
+        return
+    low, high = slow["delay_ms"]
+    print(f"\nTTFT with Redis replies held {low:.0f}-{high:.0f} ms, median ms over "
+          f"{slow['rounds']} rounds (remote tier on vs none; tokens equal: "
+          f"{slow['tokens_equal']}; local hits: {slow['local_hit_tokens']})")
+    print(f"{'kind':<7} {'length':>7} {'no remote':>10} {'remote':>8} {'ratio':>7}")
+    for kind in ("local", "fresh"):
+        for n in slow["lengths"]:
+            plain = slow["median_s"]["plain"][kind][str(n)] * 1e3
+            remote = slow["median_s"]["remote"][kind][str(n)] * 1e3
+            print(f"{kind:<7} {n:>7} {plain:>10.1f} {remote:>8.1f} "
+                  f"{slow['ratios'][kind][str(n)]:>7.3f}")
 
 
 def warn_hits(ttft: dict) -> None:
@@ -659,6 +694,12 @@ def main(argv: list[str] | None = None) -> dict:
                 args.keep = True
             failed = "error" in result["ttft"] and not args.no_engine
             warn_hits(result["ttft"])
+            try:
+                result["slow_ttft"] = slow_ttft(args, server.port, base)
+            except Exception as exc:  # keep the other figures; fail at the end
+                result["slow_ttft"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                print(str(exc)[-4000:], file=sys.stderr)
+                failed = True
     finally:
         for client in clients.values():
             client.close()
