@@ -156,8 +156,8 @@ def test_server_killed_mid_workload(model, reference, tmp_path_factory):
 
 
 # -- a slow server: side by side with an engine without the remote tier -------------------
-
-SLOW_ROUNDS = 3
+# TTFT itself is measured side by side in benchmarks/bench_remote.py (slow-server TTFT):
+# tests make no timing claims. Here: what keeps it, checked by counts.
 
 
 def local_prompts() -> list[str]:
@@ -165,22 +165,17 @@ def local_prompts() -> list[str]:
     return [make_prompt(330 + 45 * i, seed=600 + i) for i in range(6)]
 
 
-def fresh_prompts(round_: int) -> list[str]:
+def fresh_prompts() -> list[str]:
     """Never seen before: no reuse anywhere."""
-    return [make_prompt(300 + 40 * i, seed=700 + 10 * round_ + i) for i in range(6)]
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    return [make_prompt(300 + 40 * i, seed=700 + i) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
 def slow_side_by_side(model, redis_server, tmp_path_factory) -> dict:
     """Two in-process engines started together, one with the remote tier behind a proxy
-    that holds every reply 50-200 ms, one without a remote tier; the same workload on
-    each, interleaved round by round: a cold pass, then per round the local prompts
-    again (CPU-tier hits, as one batch and one by one) and fresh prompts (no reuse)."""
+    that holds every Redis reply 50-200 ms, one without a remote tier; the same phases on
+    each: a cold pass, the same prompts again (CPU-tier hits), fresh prompts; then, for
+    the remote engine, the path made fast again and its CPU tier dropped."""
     proxy = SlowProxy(redis_server.port, delay_s=(0.05, 0.2)).start()
     logs = tmp_path_factory.mktemp("slow-side-by-side")
     engines = {"plain": EngineProcess(model, log_path=logs / "plain.log", in_process=True,
@@ -188,28 +183,19 @@ def slow_side_by_side(model, redis_server, tmp_path_factory) -> dict:
                "remote": EngineProcess(model, log_path=logs / "remote.log", in_process=True,
                                        transfer=offload_transfer(
                                            offload(None, remote_url=proxy.url)))}
-    out: dict = {name: {"ttft_local": [], "ttft_fresh": [], "first_tokens": []}
-                 for name in engines}
+    out: dict = {name: {} for name in engines}
     try:
         start_engines(list(engines.values()))
         for name, engine in engines.items():
-            out[name]["cold"] = engine.generate(local_prompts())
+            side = out[name]
+            side["cold"] = engine.generate(local_prompts())
             engine.drain(timeout_s=120)
-        for r in range(SLOW_ROUNDS):
-            order = list(engines.items())
-            for name, engine in order if r % 2 == 0 else order[::-1]:
-                engine.reset()  # vLLM's prefix cache: the local prompts come from our CPU tier
-                batch = engine.generate(local_prompts() + fresh_prompts(10 + r), max_tokens=4)
-                out[name]["first_tokens"].append(batch["tokens"])
-                engine.reset()
-                local = engine.generate(local_prompts(), max_tokens=1, one_by_one=True)
-                fresh = engine.generate(fresh_prompts(r), max_tokens=1, one_by_one=True)
-                out[name]["ttft_local"] += local["latency_s"]
-                out[name]["ttft_fresh"] += fresh["latency_s"]
-                out[name].setdefault("local_hits", []).append(local["metrics"]["hits_host"])
-                out[name].setdefault("local_tokens", []).append(local["tokens"])
-                out[name].setdefault("fresh_tokens", []).append(fresh["tokens"])
-        out["remote"]["state"] = engines["remote"].snapshot()["connector"]
+            side["counters"] = [_counters(engine)]
+            engine.reset()  # vLLM's prefix cache: the prompts come from our CPU tier
+            side["local"] = engine.generate(local_prompts())
+            side["counters"].append(_counters(engine))
+            side["fresh"] = engine.generate(fresh_prompts())
+            side["counters"].append(_counters(engine))
         out["remote"]["recovered"] = _recover(engines["remote"], proxy)
     finally:
         for engine in engines.values():
@@ -218,48 +204,50 @@ def slow_side_by_side(model, redis_server, tmp_path_factory) -> dict:
     return out
 
 
+def _counters(engine: EngineProcess) -> dict:
+    return engine.snapshot()["connector"]["counters"]
+
+
 def _recover(engine: EngineProcess, proxy: SlowProxy) -> dict:
     """The path is fast again: after the backoff a probe brings the lookups back, and
-    the local prompts, dropped from the CPU tier, load from Redis (the asynchronous
-    lookup answered while the requests waited)."""
+    the prompts, dropped from the CPU tier, load from Redis (the asynchronous lookup
+    answered while the requests waited)."""
     proxy.delay_s = (0.0, 0.0)
     time.sleep(2.5)  # remote_max_backoff_s is 2 s
     engine.generate([make_prompt(200, seed=799)], max_tokens=1)  # its lookup is the probe
-    time.sleep(0.2)
+    time.sleep(0.5)
     engine.reset(connector=True)
-    return engine.generate(local_prompts(), max_tokens=4)
+    return engine.generate(local_prompts())
 
 
-def test_slow_server_keeps_local_hit_and_no_reuse_ttft(slow_side_by_side):
-    plain, remote = slow_side_by_side["plain"], slow_side_by_side["remote"]
-    assert all(h > 0 for h in remote["local_hits"]), "the local prompts hit the CPU tier"
-    ratios = {kind: median(remote[kind]) / median(plain[kind])
-              for kind in ("ttft_local", "ttft_fresh")}
-    assert ratios["ttft_local"] <= 1.2, ratios
-    assert ratios["ttft_fresh"] <= 1.2, ratios
+def test_slow_server_local_hits_never_ask_the_remote_tier(slow_side_by_side):
+    """Every chunk of a local hit is found locally: no remote question, no wait."""
+    remote = slow_side_by_side["remote"]
+    before, after_local, _ = remote["counters"]
+    assert remote["local"]["metrics"]["hits_host"] > 0
+    assert after_local["remote_lookups"] == before["remote_lookups"]
+    assert after_local["seconds_remote_lookup"] == before["seconds_remote_lookup"]
 
 
-def test_slow_server_never_holds_the_scheduler_thread(slow_side_by_side):
-    """The scheduler thread's time in remote lookups, over the whole slow workload,
-    stays below one lookup budget: it never waited for a reply."""
-    counters = slow_side_by_side["remote"]["state"]["counters"]
-    assert counters["remote_lookups"] > 0
-    assert counters["seconds_remote_lookup"] < 0.020, counters
+def test_slow_server_fresh_prompts_are_answered_misses(slow_side_by_side):
+    """Fresh prompts are looked up while the server is slow: each answered (a miss),
+    the slowness noticed as failed round trips, nothing loaded."""
+    remote = slow_side_by_side["remote"]
+    _, after_local, after_fresh = remote["counters"]
+    assert after_fresh["remote_lookups"] - after_local["remote_lookups"] == len(fresh_prompts())
+    assert after_fresh["remote_lookup_errors"] >= 1
+    assert remote["fresh"]["metrics"]["external_hits"] == 0
 
 
 def test_slow_server_tokens_equal_recompute(slow_side_by_side):
     plain, remote = slow_side_by_side["plain"], slow_side_by_side["remote"]
     assert plain["cold"]["metrics"]["external_hits"] == 0, "the reference computes everything"
     reference = plain["cold"]["tokens"]
-    assert remote["cold"]["tokens"] == reference
-    for name in ("plain", "remote"):
-        side = slow_side_by_side[name]
-        assert all(t == [r[:1] for r in reference] for t in side["local_tokens"]), name
-        for batch in side["first_tokens"]:
-            assert batch[:6] == [r[:4] for r in reference], name
+    for side in (plain, remote):
+        assert side["cold"]["tokens"] == reference
+        assert side["local"]["tokens"] == reference
     # Fresh prompts hit nowhere: the engine without a remote tier computed them.
-    assert remote["fresh_tokens"] == plain["fresh_tokens"]
-    assert remote["first_tokens"] == plain["first_tokens"]
+    assert remote["fresh"]["tokens"] == plain["fresh"]["tokens"]
     recovered = remote["recovered"]
-    assert recovered["tokens"] == [r[:4] for r in reference]
+    assert recovered["tokens"] == reference
     assert recovered["metrics"]["hits_external_unspecified"] > 0, "loaded from Redis again"
