@@ -344,3 +344,39 @@ def test_segments_replay_equals_reference(pattern):
         want = np.zeros(num_slots * layout.slot_bytes, np.uint8)
         reference_copy(Direction.STORE, [engine.reshape(-1)], want, layout, [8], ids, slots)
         assert np.array_equal(host.reshape(-1), want)
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_compiled_request_check_agrees_with_check_block_map(direction):
+    """cpu_kernel.check_request (the compiled engine's checks) accepts and refuses exactly
+    the requests check_block_map does: random ids with SKIP_BLOCK, repeated slots and
+    blocks, and values past either end."""
+    from kv_offload.copy import cpu_kernel
+
+    if not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    from kv_offload.copy.plan import validated_chunks
+
+    rng = np.random.default_rng(21)
+    num_blocks, num_slots, bpc = 12, 5, 3
+    outcomes = set()
+    for _ in range(400):
+        n = int(rng.integers(1, 4))
+        ids = rng.integers(-1, num_blocks + 1, (n, bpc))
+        slots = rng.integers(-1, num_slots + 1, n)
+        ids_ok, slots_ok = validated_chunks(ids, slots, bpc)
+        try:
+            check_block_map(expand_chunks(ids, slots, blocks_per_chunk=bpc), direction,
+                            num_engine_blocks=num_blocks, num_slots=num_slots)
+            expected = None
+        except ValueError as exc:
+            expected = "twice" in str(exc)
+        try:
+            cpu_kernel.check_request(direction is Direction.STORE, ids_ok, slots_ok,
+                                     num_blocks, num_slots)
+            got = None
+        except ValueError as exc:
+            got = "twice" in str(exc)
+        assert (expected is None) == (got is None), (ids, slots)
+        outcomes.add(expected)
+    assert outcomes == {None, True, False}  # accepted, duplicates and ranges all seen
