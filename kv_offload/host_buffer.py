@@ -7,9 +7,12 @@ memory is allocated through CuPy at exactly the requested size; plain memory by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
+from kv_offload.config import format_size
 from kv_offload.copy.base import InsufficientHostMemoryError
 
 __all__ = [
@@ -76,40 +79,39 @@ class HostSlots:
         return f"HostSlots({self.num_slots} x {self.slot_bytes} bytes, {kind})"
 
 
-def available_host_memory(meminfo_path: str = "/proc/meminfo") -> int | None:
-    """MemAvailable in bytes, or None where the system does not report it."""
+def available_host_memory() -> int | None:
+    """Bytes of host memory available to new allocations (psutil), or None where the
+    system does not say."""
     try:
-        with open(meminfo_path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    fields = line.split()
-                    scale = 1024 if len(fields) > 2 and fields[2].lower() == "kb" else 1
-                    return int(fields[1]) * scale
-    except (OSError, ValueError, IndexError):
+        import psutil  # a dependency; imported here so CUDA checks run without it
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # psutil missing, or it cannot read this platform's figures
         return None
-    return None
 
 
 def allocate_host_slots(
-    num_slots: int, slot_bytes: int, *, pinned: bool, meminfo_path: str = "/proc/meminfo"
+    num_slots: int, slot_bytes: int, *, pinned: bool,
+    available: Callable[[], int | None] = available_host_memory,
 ) -> HostSlots:
     """Allocate ``num_slots * slot_bytes`` bytes of host memory as slots (uninitialised).
 
     ``pinned=True``: page-locked, CUDA-mapped memory of exactly that size (needs CuPy and
     a CUDA device, else ``CudaUnavailableError``); ``pinned=False``: ordinary memory.
     Raises ValueError for non-positive sizes and ``InsufficientHostMemoryError`` when the
-    buffer exceeds MemAvailable (checked before allocating). The caller owns the result.
+    buffer exceeds ``available()`` (default: the available host memory, checked before
+    allocating). The caller owns the result.
     """
     for name, value in (("num_slots", num_slots), ("slot_bytes", slot_bytes)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}; "
                              "check cpu_size and the chunk size in the offload config")
     nbytes = int(num_slots) * int(slot_bytes)
-    available = available_host_memory(meminfo_path)
-    if available is not None and nbytes > available:
+    free = available()
+    if free is not None and nbytes > free:
         raise InsufficientHostMemoryError(
-            f"the CPU tier needs {_gib(nbytes)} ({num_slots} slots x {slot_bytes} bytes) but "
-            f"only {_gib(available)} of host memory is available (MemAvailable); lower "
+            f"the CPU tier needs {format_size(nbytes)} ({num_slots} slots x {slot_bytes} "
+            f"bytes) but only {format_size(free)} of host memory is available; lower "
             "cpu_size in the offload config")
     if pinned:
         from kv_offload.copy.cupy_engine import alloc_pinned_host
@@ -121,10 +123,7 @@ def allocate_host_slots(
         tensor = torch.empty((int(num_slots), int(slot_bytes)), dtype=torch.uint8)
     except RuntimeError as exc:  # the allocator refused (overcommit limits)
         raise InsufficientHostMemoryError(
-            f"could not allocate {_gib(nbytes)} for the CPU tier ({exc}); lower cpu_size "
+            f"could not allocate {format_size(nbytes)} for the CPU tier ({exc}); lower cpu_size "
             "in the offload config") from None
     return HostSlots(tensor, pinned=False)
 
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.2f} GiB"
