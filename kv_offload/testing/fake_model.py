@@ -1,0 +1,200 @@
+"""A fake model for the scheduler harness: KV is a deterministic function of the tokens.
+
+``FakeModelRunner`` plays vLLM's GPU model runner for one rank without a model: it keeps
+each request's tokens and block table from the ``SchedulerOutput``s (as
+``GPUModelRunner._update_states`` does), calls the worker-side connector in the model
+runner's order, and in its "forward" first checks that the KV of every position before
+the scheduled ones holds the KV of the request's tokens (``KVMismatchError`` otherwise:
+a token would be computed on wrong KV), then writes the KV of the scheduled positions
+and samples a token that depends on every token before it.
+
+KV of position p on layer l: 8 float32 values derived from a hash of tokens[0..p], in a
+CPU-backend KV tensor of shape [num_blocks, 1 head, block_size, 8] per layer.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+ROW = 8  # floats per token and layer: K and V of one head of size 4
+_MASK = (1 << 64) - 1
+
+
+class KVMismatchError(AssertionError):
+    """A token was about to be computed on KV that is not the KV of its prefix."""
+
+
+def prefix_hashes(tokens: list[int], done: list[int]) -> list[int]:
+    """Extend ``done`` (hashes of a prefix of ``tokens``) to all of ``tokens``."""
+    h = done[-1] if done else 0x9E3779B97F4A7C15
+    for tok in tokens[len(done):]:
+        h = ((h ^ (tok + 1)) * 0x100000001B3) & _MASK
+        h ^= h >> 29
+        done.append(h)
+    return done
+
+
+def kv_rows(hashes: list[int] | np.ndarray, layer: int) -> np.ndarray:
+    """The KV rows ([n, ROW] float32) of positions with these prefix hashes."""
+    h = np.asarray(hashes, dtype=np.uint64)[:, None]
+    shifts = np.arange(ROW, dtype=np.uint64)[None, :] * np.uint64(7)
+    values = (h >> shifts) & np.uint64(0xFFFF)
+    return (values.astype(np.float32) + np.float32(layer * 65536))
+
+
+def next_token(prefix_hash: int) -> int:
+    return int(prefix_hash % 1000) + 3
+
+
+def make_kv_tensors(num_layers: int, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+    """Zeroed CPU-backend KV tensors (NaN-free, so a never-written block shows as wrong)."""
+    return [torch.zeros(num_blocks, 1, block_size, ROW, dtype=torch.float32)
+            for _ in range(num_layers)]
+
+
+@dataclass(slots=True)
+class _RequestState:
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class FakeModelRunner:
+    """One rank's model runner around a worker-side connector (see module docstring).
+
+    ``on_background(step)`` runs between the forward and ``get_finished``: the harness
+    lets the connector's background tasks progress there.
+    """
+
+    def __init__(self, connector: Any, kv: list[torch.Tensor], block_size: int, *,
+                 async_scheduling: bool, on_background: Callable[[], None]) -> None:
+        self.connector = connector
+        self.kv = kv
+        self.block_size = block_size
+        self.async_scheduling = async_scheduling
+        self.on_background = on_background
+        self.requests: dict[str, _RequestState] = {}
+        self.num_checked_tokens = 0
+
+    def execute(self, so: Any) -> Any:
+        """Run one step of ``so`` (a SchedulerOutput); returns its ModelRunnerOutput."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        conn = self.connector
+        meta = pickle.loads(pickle.dumps(so.kv_connector_metadata))  # crosses processes
+        conn.handle_preemptions(meta)
+        self._update_states(so)
+        conn.bind_connector_metadata(meta)
+        if so.has_sync_kv_loads:
+            conn.start_load_kv(None)
+        sampled = self._forward(so)
+        if not so.has_sync_kv_loads:
+            conn.start_load_kv(None)
+        conn.wait_for_save()
+        self.on_background()
+        sending, recving = conn.get_finished(so.finished_req_ids)
+        out = KVConnectorOutput(
+            finished_sending=sending, finished_recving=recving,
+            invalid_block_ids=conn.get_block_ids_with_load_errors(),
+            kv_connector_stats=conn.get_kv_connector_stats(),
+            kv_connector_worker_meta=pickle.loads(pickle.dumps(
+                conn.build_connector_worker_meta())))
+        conn.clear_connector_metadata()
+        req_ids = list(sampled)
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids], kv_connector_output=out)
+
+    # -- the runner's request states (GPUModelRunner._update_states, simplified) -----------
+
+    def _update_states(self, so: Any) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for block in so.new_block_ids_to_zero or ():
+            for layer in self.kv:
+                layer[block].zero_()
+        for copy in so.kv_cache_block_copies or ():
+            for layer in self.kv:
+                layer[copy.dst_block_id].copy_(layer[copy.src_block_id])
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = _RequestState(list(new.prompt_token_ids),
+                                                      block_ids=list(new.block_ids[0]))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            num_output = cached.num_output_tokens[i]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0])
+                if self.async_scheduling and num_output > 0:
+                    state.output = list(cached.all_token_ids[req_id][-num_output:])
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+            if num_output < len(state.output):
+                del state.output[num_output:]
+            del state.hashes[len(state.prompt) + len(state.output):]
+
+    def _computed_before(self, so: Any) -> dict[str, int]:
+        out = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        out.update(zip(cached.req_ids, cached.num_computed_tokens))
+        return out
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _forward(self, so: Any) -> dict[str, list[int]]:
+        sampled: dict[str, list[int]] = {}
+        computed = self._computed_before(so)
+        for req_id, num_new in so.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            tokens = state.tokens()
+            start, end = computed[req_id], computed[req_id] + num_new
+            if end > len(tokens):
+                raise KVMismatchError(f"{req_id}: scheduled up to position {end} but only "
+                                      f"{len(tokens)} tokens are known")
+            hashes = prefix_hashes(tokens, state.hashes)
+            self._check(req_id, state, hashes, start)
+            self._write(state, hashes, start, end)
+            sampled[req_id] = [next_token(hashes[end - 1])] if end == len(tokens) else []
+            if sampled[req_id]:
+                state.output.append(sampled[req_id][0])
+        return sampled
+
+    def _positions(self, state: _RequestState, start: int, end: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.arange(start, end)
+        table = np.asarray(state.block_ids, dtype=np.int64)
+        return table[pos // self.block_size], pos % self.block_size
+
+    def _check(self, req_id: str, state: _RequestState, hashes: list[int], end: int) -> None:
+        if end == 0:
+            return
+        blocks, offsets = self._positions(state, 0, end)
+        for layer_index, layer in enumerate(self.kv):
+            actual = layer.numpy()[blocks, 0, offsets, :]
+            expected = kv_rows(hashes[:end], layer_index)
+            bad = np.flatnonzero((actual != expected).any(axis=1))
+            if bad.size:
+                p = int(bad[0])
+                raise KVMismatchError(
+                    f"{req_id}: the KV of position {p} (block {int(blocks[p])}, layer "
+                    f"{layer_index}) is not the KV of its tokens; {bad.size} of {end} "
+                    f"positions are wrong")
+        self.num_checked_tokens += end
+
+    def _write(self, state: _RequestState, hashes: list[int], start: int, end: int) -> None:
+        if end <= start:
+            return
+        blocks, offsets = self._positions(state, start, end)
+        for layer_index, layer in enumerate(self.kv):
+            layer.numpy()[blocks, 0, offsets, :] = kv_rows(hashes[start:end], layer_index)

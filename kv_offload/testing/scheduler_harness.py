@@ -1,0 +1,388 @@
+"""Drives vLLM's real Scheduler (or AsyncScheduler) with kv-offload, without a model.
+
+Built the way vLLM tests its connectors (tests/v1/kv_connector/unit/utils.py): a real
+``Scheduler`` whose connector is kv-offload from ``OffloadConfig.to_kv_transfer_config()``,
+hand-built ``ModelRunnerOutput``s (``FakeModelRunner``), and a second
+``KVOffloadConnector`` in role WORKER over fake CPU-backend KV tensors. The worker's
+thread pools are ``StepExecutor``s and its clock is the harness's, so a seeded run is
+deterministic; ``Faults`` injects slow reads (held past ``load_timeout_s``), corrupt and
+failing disk reads, engine copy failures and a full disk (ENOSPC) from a seeded RNG.
+
+``check_idle()`` lists what is left over once every request finished: stuck requests,
+blocks of vLLM's pool, pins, reservations and jobs on either side, CPU or disk slots
+whose bytes are not the KV of their key. Tokens computed on wrong KV raise
+``KVMismatchError`` during the run.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+from kv_offload.config import OffloadConfig
+from kv_offload.keys import chunk_keys
+from kv_offload.testing.fake_model import FakeModelRunner, kv_rows, make_kv_tensors, prefix_hashes
+from kv_offload.testing.step_executor import StepExecutor
+
+NUM_LAYERS = 2
+STEP_S = 0.01  # harness seconds per engine step (the worker's clock)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Per-event probabilities of injected faults (0 = never), drawn from ``seed``."""
+
+    seed: int = 0
+    delay: float = 0.0  # a background task waits 1-2 steps
+    slow: float = 0.0  # ... or outlives the load timeout
+    corrupt_read: float = 0.0  # the slot's bytes on disk were damaged
+    failed_read: float = 0.0  # the read raises EIO
+    copy_failure: float = 0.0  # the engine copy of a load raises
+    enospc: float = 0.0  # a slab write finds the disk full
+
+
+class _FaultySlab:
+    """A SlabFile that fails on purpose (see Faults); everything else passes through."""
+
+    def __init__(self, slab: Any, harness: SchedulerHarness) -> None:
+        self.unfaulty, self._h = slab, harness
+
+    def read(self, slot: int, buf: Any, expected: int | None) -> Any:
+        if self._h.draw("corrupt_read"):
+            junk = np.frombuffer(self._h.rng.randbytes(len(buf)), dtype=np.uint8)
+            self.unfaulty.write(slot, junk)  # the chunk's bytes are gone for good
+        if self._h.draw("failed_read"):
+            raise OSError(errno.EIO, "injected read error")
+        return self.unfaulty.read(slot, buf, expected)
+
+    def write(self, slot: int, buf: Any) -> int:
+        if self._h.draw("enospc"):
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        return self.unfaulty.write(slot, buf)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.unfaulty, name)
+
+
+class _FaultyEngine:
+    """A copy engine whose loads fail on purpose (see Faults)."""
+
+    def __init__(self, engine: Any, harness: SchedulerHarness) -> None:
+        self.unfaulty, self._h = engine, harness
+
+    def load(self, *args: Any, **kwargs: Any) -> Any:
+        if self._h.draw("copy_failure"):
+            raise RuntimeError("injected engine copy failure")
+        return self.unfaulty.load(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.unfaulty, name)
+
+
+class SchedulerHarness:
+    """One engine: vLLM's scheduler, kv-offload on both sides, a fake model runner.
+
+    ``add``/``abort``/``reset_prefix_cache`` act between steps, as the engine core
+    does; ``step`` is one engine-core step (with the batch queue of two when
+    ``async_scheduling``); ``run`` steps until nothing is left or ``max_steps``.
+    """
+
+    def __init__(self, tmp_path: Path, *, async_scheduling: bool = False, num_blocks: int = 64,
+                 block_size: int = 8, cpu_slots: int = 12, disk: bool = True,
+                 load_timeout_steps: int = 5, faults: Faults = Faults(),
+                 max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
+                 delay_rule: Callable[[Callable, tuple], int | None] | None = None) -> None:
+        self.block_size, self.chunk_tokens = block_size, 2 * block_size
+        self.faults, self.rng = faults, random.Random(faults.seed)
+        self.delay_rule = delay_rule  # scripted delays of background tasks (regressions)
+        self.async_scheduling = async_scheduling
+        self.num_blocks = num_blocks
+        self.now = 0.0
+        self.step_index = 0
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        slot_bytes = NUM_LAYERS * 2 * block_size * 2 * 4 * 4  # layers x blocks x page
+        self.offload = OffloadConfig(
+            cpu_size=cpu_slots * slot_bytes, chunk_tokens=self.chunk_tokens,
+            disk_path=str(tmp_path / "store") if disk else None, disk_size=256 * slot_bytes,
+            load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1)
+        self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
+                                             max_num_batched_tokens=max_num_batched_tokens,
+                                             max_num_seqs=max_num_seqs)
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling  # as on GPUs
+        self.kv_cache_config = build_kv_cache_config(num_blocks, block_size)
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = self._build_scheduler()
+        self.executor = StepExecutor(self._delay)
+        self.kv = make_kv_tensors(NUM_LAYERS, num_blocks, block_size)
+        self.worker_connector, self.worker = self._build_worker()
+        self.runner = FakeModelRunner(self.worker_connector, self.kv, block_size,
+                                      async_scheduling=async_scheduling,
+                                      on_background=self._background)
+        self.requests: dict[str, Any] = {}  # every request ever added, by id
+        self._queue: deque = deque()  # async: (scheduler output, runner output)
+
+    # -- building --------------------------------------------------------------------------
+
+    def _build_scheduler(self) -> Any:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        return cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                   block_size=self.block_size, log_stats=True)
+
+    def _build_worker(self) -> tuple[Any, Any]:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        import kv_offload.worker.setup as setup
+        from kv_offload.connector import KVOffloadConnector
+
+        built: list[Any] = []
+        real_worker = setup.OffloadWorker
+
+        def make_worker(**kwargs: Any) -> Any:
+            kwargs["engine"] = _FaultyEngine(kwargs["engine"], self)
+            if kwargs.get("slab") is not None:
+                kwargs["slab"] = _FaultySlab(kwargs["slab"], self)
+            worker = real_worker(**kwargs, clock=lambda: self.now)
+            for pool in ("_io", "_copier"):  # its thread pools: deterministic instead
+                if not hasattr(worker, pool):
+                    raise AttributeError(f"OffloadWorker has no {pool}; update the harness")
+                getattr(worker, pool).shutdown(wait=False)
+                setattr(worker, pool, self.executor)
+            built.append(worker)
+            return worker
+
+        conn = KVOffloadConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        names = list(self.kv_cache_config.kv_cache_groups[0].layer_names)
+        with mock.patch.object(setup, "OffloadWorker", make_worker):
+            conn.register_kv_caches(dict(zip(names, self.kv)))
+        return conn, built[0]
+
+    # -- faults and time -------------------------------------------------------------------
+
+    def draw(self, fault: str) -> bool:
+        p = getattr(self.faults, fault)
+        return p > 0 and self.rng.random() < p
+
+    def _delay(self, fn: Callable, args: tuple) -> int:
+        scripted = self.delay_rule(fn, args) if self.delay_rule is not None else None
+        if scripted is not None:
+            return scripted
+        if self.draw("slow"):
+            timeout_steps = int(self.offload.load_timeout_s / STEP_S) + 1
+            return timeout_steps + 1 + self.rng.randrange(3)
+        return 1 + self.rng.randrange(2) if self.draw("delay") else 0
+
+    def _background(self) -> None:
+        self.executor.run_due(self.step_index)
+
+    # -- the engine core's view ------------------------------------------------------------
+
+    @property
+    def scheduler_side(self) -> Any:
+        """kv-offload's OffloadScheduler inside vLLM's scheduler (read-only use: the
+        connector has no public accessor)."""
+        return self.scheduler.connector._scheduler
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(req_id, list(prompt), params, None,
+                          block_hasher=get_request_block_hasher(self.block_size, sha256))
+        self.requests[req_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self, *, reset_connector: bool = True) -> bool:
+        """vLLM's reset (running requests preempted); ``reset_connector`` also drops
+        kv-offload's unpinned CPU entries. False, doing nothing, while a request waits
+        for its load, holds blocks outside the running queue or has a batch in flight
+        (async scheduling): vLLM 0.32 raises then."""
+        if len(self.scheduler.kv_holding_waiting) or self._queue or any(
+                r.is_finished() for r in self.scheduler.requests.values()):
+            return False  # the last: aborted while loading, blocks freed once it ends
+        return self.scheduler.reset_prefix_cache(reset_running_requests=True,
+                                                 reset_connector=reset_connector)
+
+    def step(self) -> None:
+        """One engine-core step: ``EngineCore.step`` or, with async scheduling,
+        ``step_with_batch_queue`` (the worker runs each batch as it is scheduled)."""
+        self.step_index += 1
+        self.now += STEP_S
+        sched = self.scheduler
+        if not self.async_scheduling:
+            if sched.has_requests():
+                output = sched.schedule()
+                sched.update_from_output(output, self.runner.execute(output))
+            return
+        if sched.has_requests():
+            output = sched.schedule()
+            self._queue.appendleft((output, self.runner.execute(output)))
+            if len(self._queue) < 2 and (output.total_num_scheduled_tokens > 0
+                                         or sched.has_requests()):
+                return
+        elif not self._queue:
+            return
+        output, runner_output = self._queue.pop()
+        sched.update_from_output(output, runner_output)
+
+    def busy(self) -> bool:
+        return bool(self.scheduler.has_requests() or self._queue
+                    or self.executor.num_pending() or self.worker.has_pending_jobs())
+
+    def run(self, max_steps: int = 2000) -> int:
+        """Step until idle; returns the steps taken (the caller checks ``busy()``)."""
+        for taken in range(max_steps):
+            if not self.busy():
+                return taken
+            self.step()
+        return max_steps
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def check_idle(self) -> list[str]:
+        """What an idle engine must not hold (empty when all is well)."""
+        problems = self._vllm_problems() + self._offload_problems()
+        if not problems:
+            problems += self._content_problems()
+        return problems
+
+    def _vllm_problems(self) -> list[str]:
+        sched, out = self.scheduler, []
+        left = {rid: r.status.name for rid, r in sched.requests.items()}
+        if left:
+            out.append(f"requests left in vLLM's scheduler: {left}")
+        for name in ("waiting", "kv_holding_waiting", "running", "_inflight_prefills",
+                     "finished_recving_kv_req_ids", "failed_recving_kv_req_ids"):
+            if len(getattr(sched, name)):
+                out.append(f"vLLM's scheduler.{name} is not empty")
+        pool = sched.kv_cache_manager.block_pool
+        if pool.get_num_free_blocks() != pool.num_gpu_blocks - 1:
+            out.append(f"vLLM's block pool: {pool.get_num_free_blocks()} free blocks of "
+                       f"{pool.num_gpu_blocks - 1}")
+        return out
+
+    def _offload_problems(self) -> list[str]:
+        planner, out = self.scheduler_side, []
+        counts = planner.cpu.counts()
+        for what in ("pinned", "storing", "staging", "discarded"):
+            if counts.get(what):
+                out.append(f"CPU tier: {counts[what]} {what} entries ({counts})")
+        if planner.has_pending_work():
+            out.append(f"scheduler side: {planner.num_pending_jobs()} jobs pending")
+        if planner.disk is not None:
+            stats = planner.disk.stats()
+            if stats["pinned"] or stats["reserved"]:
+                out.append(f"disk index: {stats['pinned']} pins, {stats['reserved']} reserved")
+        if self.worker.has_pending_jobs() or self.executor.num_pending():
+            out.append("worker side: jobs or background tasks pending")
+        if getattr(planner.counters, "hook_errors", 0):
+            out.append(f"{planner.counters.hook_errors} exceptions caught in connector hooks")
+        return out
+
+    def _content_problems(self) -> list[str]:
+        """Load every CPU and disk slot into scratch engine blocks (all free now) and
+        compare with the KV of its key's tokens."""
+        chunks = self._chunks_by_key()
+        planner, out = self.scheduler_side, []
+        for key, (end, hashes) in chunks.items():
+            for hit in planner.cpu.lookup_prefix([key]):
+                if not self._slot_holds(hit.slot, hashes, end):
+                    out.append(f"CPU slot {hit.slot} does not hold the KV of its key")
+        if planner.disk is None or not planner.disk_enabled:
+            return out
+        from kv_offload.disk import iter_entries
+
+        scratch = 0  # a CPU slot to read disk slots into, restored afterwards
+        view = self.worker.host.slot_view(scratch)
+        saved = bytes(view)
+        for entry, _ in iter_entries(self.offload.disk_path, self.scheduler.connector.namespace):
+            if entry.key not in chunks:
+                out.append(f"disk slot {entry.slot} holds an unknown key")
+                continue
+            end, hashes = chunks[entry.key]
+            ok = self.worker.slab.unfaulty.read(entry.slot, view, entry.checksums[0])
+            if not ok or not self._slot_holds(scratch, hashes, end):
+                out.append(f"disk slot {entry.slot} does not hold the KV of its key")
+        view[:] = saved
+        return out
+
+    def _chunks_by_key(self) -> dict[bytes, tuple[int, list[int]]]:
+        """Chunk key -> (chunk end, prefix hashes of the tokens), over every request."""
+        chunks: dict[bytes, tuple[int, list[int]]] = {}
+        for request in self.requests.values():
+            tokens = list(request.all_token_ids)
+            keys = chunk_keys(request.block_hashes, tokens_per_hash=self.block_size,
+                              chunk_tokens=self.chunk_tokens)
+            hashes = prefix_hashes(tokens, [])
+            for i, key in enumerate(keys):
+                chunks[key] = ((i + 1) * self.chunk_tokens, hashes)
+        return chunks
+
+    def _slot_holds(self, slot: int, hashes: list[int], end: int) -> bool:
+        blocks_per_chunk = self.chunk_tokens // self.block_size
+        scratch = np.arange(1, 1 + blocks_per_chunk, dtype=np.int64)
+        saved = [layer[scratch].clone() for layer in self.kv]  # free blocks stay cached
+        engine = self.worker.engine.unfaulty
+        engine.wait(engine.load(np.array([slot], dtype=np.int64), scratch[None, :]))
+        start = end - self.chunk_tokens
+        try:
+            return all(np.array_equal(layer.numpy()[scratch].reshape(self.chunk_tokens, -1),
+                                      kv_rows(hashes[start:end], i))
+                       for i, layer in enumerate(self.kv))
+        finally:
+            for layer, old in zip(self.kv, saved):
+                layer[scratch] = old
+
+    def close(self) -> None:
+        self.worker_connector.shutdown()
+        self.scheduler.shutdown()
+
+
+def build_vllm_config(offload: OffloadConfig, *, block_size: int, max_num_batched_tokens: int,
+                      max_num_seqs: int) -> Any:
+    """A VllmConfig for kv-offload over the tiny test model (no engine is started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kv_offload.testing.tiny_model import make_tiny_model
+
+    args = EngineArgs(model=str(make_tiny_model()), block_size=block_size, max_model_len=512,
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      enable_prefix_caching=True, dtype="float32", enforce_eager=True,
+                      kv_transfer_config=offload.to_kv_transfer_config())
+    config = args.create_engine_config()
+    config.cache_config.kv_cache_layout = "LBHNC"  # resolved by the engine before connectors
+    return config
+
+
+def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
+    """One full-attention group of NUM_LAYERS layers, one KV head of size 4."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4,
+                             dtype=torch.float32)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])

@@ -1,0 +1,150 @@
+"""kv-offload under vLLM's real Scheduler and AsyncScheduler, without a model.
+
+``SchedulerHarness`` (kv_offload/testing) runs vLLM's scheduler with kv-offload on both
+sides, a fake model runner whose KV is a function of the tokens, and deterministic
+background tasks and faults. Seeded random workloads (shared prefixes, aborts also while
+loading, preemption under a small block pool, prefix-cache resets, slow, corrupt and
+failing reads, copy failures, a full disk) must end idle: no request stuck, vLLM's block
+pool free, no pins, reservations or jobs on either side, every CPU and disk slot holding
+the KV of its key; every token is computed on the right KV (checked as it is computed).
+
+More seeds: KV_OFFLOAD_HARNESS_SEEDS=200 (a count) or =100-300 (a range).
+The regressions of issue 17 follow the random runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from harness_workload import run_workload
+from vllm.v1.request import RequestStatus
+
+from kv_offload.testing.scheduler_harness import Faults, SchedulerHarness
+
+FAULTS = dict(delay=0.3, slow=0.05, corrupt_read=0.05, failed_read=0.05, copy_failure=0.05,
+              enospc=0.05)
+
+
+def _seeds() -> list[int]:
+    spec = os.environ.get("KV_OFFLOAD_HARNESS_SEEDS", "20")
+    if "-" in spec:
+        low, high = (int(x) for x in spec.split("-"))
+        return list(range(low, high))
+    return list(range(int(spec)))
+
+
+@pytest.fixture
+def harness_factory(tmp_path):
+    made: list[SchedulerHarness] = []
+
+    def make(**kwargs) -> SchedulerHarness:
+        harness = SchedulerHarness(tmp_path / f"h{len(made)}", **kwargs)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+@pytest.fixture(autouse=True)
+def quiet_injected_faults(caplog):
+    """Injected faults log errors by design; keep the test output readable."""
+    caplog.set_level(logging.CRITICAL, logger="kv_offload")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seed", _seeds())
+def test_random_workload_ends_idle_with_every_token_on_the_right_kv(
+        harness_factory, seed, async_scheduling):
+    faults = Faults(seed=seed, **FAULTS) if seed % 2 else Faults(seed=seed, delay=0.3)
+    harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
+                              faults=faults)
+    stats = run_workload(harness, seed, num_requests=60, p_abort=0.05,
+                         p_reset=0.2 if async_scheduling else 0.05)
+    assert harness.check_idle() == [], f"seed {seed}: {stats}"
+    assert harness.runner.num_checked_tokens > 0
+
+
+def _store_on_disk_only(harness: SchedulerHarness, prompt: list[int]) -> None:
+    """Compute ``prompt`` once (its chunks reach the CPU tier and the disk), then drop
+    vLLM's prefix cache and the CPU tier: the disk alone holds it."""
+    harness.add("writer", prompt, max_tokens=1)
+    harness.run()
+    assert harness.reset_prefix_cache(reset_connector=True)
+
+
+def _doc(n: int, base: int) -> list[int]:
+    return [3 + (base + 7 * i) % 997 for i in range(n)]
+
+
+def test_a_cpu_chunk_past_a_cpu_miss_does_not_crash_the_scheduler(harness_factory):
+    """Issue 17, bug 1: disk holds chunks 0 and 1, the CPU tier chunk 1 only, with a free
+    slot; a request on that prefix made plan_load raise KeyError out of
+    Scheduler.schedule(), which kills vLLM's engine core."""
+    harness = harness_factory(cpu_slots=4, num_blocks=64)
+    prefix = _doc(32, 0)  # chunks 0 and 1
+    writer = harness.add("a", prefix + [5], max_tokens=1)
+    harness.run()
+    harness.scheduler_side.cpu.discard(writer.block_hashes[1])  # chunk 0 left the CPU tier
+    assert harness.reset_prefix_cache(reset_connector=False)  # vLLM's own cache only
+    harness.add("b", prefix + [9], max_tokens=2)
+    harness.run()
+    assert harness.check_idle() == []
+    counters = harness.scheduler_side.counters
+    assert counters.hit_tokens_disk == 16 and counters.hit_tokens_cpu == 16
+
+
+def test_a_load_that_fails_from_its_first_block_does_not_stall_vllm(harness_factory):
+    """Issue 17, bug 3: after a load failed from its first block, vLLM 0.32 re-admitted
+    the request with a new asynchronous hit and counted its whole need twice (it stays in
+    _inflight_prefills); with a pool smaller than twice that need it waited forever, and
+    every request behind it too. kv-offload now answers "later", then a miss."""
+    harness = harness_factory(num_blocks=24, faults=Faults(copy_failure=1.0))
+    prompt = _doc(96, 0) + [5]  # 13 blocks of 8: twice that exceeds the 23 usable
+    _store_on_disk_only(harness, prompt)
+    harness.add("again", prompt, max_tokens=2)
+    harness.add("behind", _doc(20, 500), max_tokens=2)
+    harness.run(max_steps=400)
+    assert harness.check_idle() == []
+    assert harness.scheduler_side.counters.loads_given_up == 1
+
+
+def test_a_shared_staging_slot_is_not_reused_under_a_waiting_job(harness_factory):
+    """Issue 17, bug 2: job A stages a chunk from disk; job B hits it while it stages.
+    A times out (its reads outlast load_timeout_s) although they succeed; A's report
+    discarded the chunk and freed its slot with B's pin on it, a store took the slot
+    and B copied the store's bytes into the engine: B computed on wrong KV silently."""
+    fired: dict[str, int] = {"read": 0, "b_copy": 0}
+
+    def delays(fn, args):
+        name = getattr(fn, "__name__", "")
+        if name == "_read_chunk":
+            fired["read"] += 1
+            return 8  # past the timeout of 5 steps
+        job = getattr(args[0], "job", None) if args else None
+        if name == "_run_load" and getattr(job, "req_id", None) == "b":
+            fired["b_copy"] += 1
+            return 2  # B copies after a store could take a freed slot
+        return None
+
+    harness = harness_factory(num_blocks=64, cpu_slots=6, load_timeout_steps=5,
+                              delay_rule=delays)
+    prefix = _doc(32, 0)
+    _store_on_disk_only(harness, prefix + [5])
+    harness.add("a", prefix + [6], max_tokens=1)
+    harness.step()
+    assert harness.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    start = harness.step_index
+    while harness.step_index < start + 5:
+        harness.step()
+    harness.add("b", prefix + [7], max_tokens=1)
+    while harness.step_index < start + 8:
+        harness.step()
+    harness.add("c", _doc(20, 300), max_tokens=1)  # its store runs before B's copy
+    harness.run()
+    assert fired["read"] == 2 and fired["b_copy"] == 1, "the scripted delays did not apply"
+    assert harness.scheduler_side.counters.hit_tokens_cpu >= 32, "B shared A's staging"
+    assert harness.check_idle() == []
