@@ -148,3 +148,34 @@ def test_a_shared_staging_slot_is_not_reused_under_a_waiting_job(harness_factory
     assert fired["read"] == 2 and fired["b_copy"] == 1, "the scripted delays did not apply"
     assert harness.scheduler_side.counters.hit_tokens_cpu >= 32, "B shared A's staging"
     assert harness.check_idle() == []
+
+
+def test_exceptions_in_connector_hooks_never_reach_vllm(harness_factory, monkeypatch):
+    """Every scheduler hook degrades to a miss: a lookup that raises is a miss; a load
+    plan that raises after vLLM was told to wait fails the load (recomputed, not hung);
+    a step plan that raises still hands out the queued loads."""
+    harness = harness_factory(num_blocks=64)
+    prefix = _doc(32, 0)
+    _store_on_disk_only(harness, prefix + [5])
+    planner = harness.scheduler_side
+    calls = {"plan_load": 0, "plan_step": 0}
+
+    def failing(name, real):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            if calls[name] == 1:
+                raise RuntimeError(f"injected {name} bug")
+            return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(planner, "plan_load", failing("plan_load", planner.plan_load))
+    monkeypatch.setattr(planner, "plan_step", failing("plan_step", planner.plan_step))
+    harness.add("a", prefix + [6], max_tokens=2)
+    harness.run()
+    monkeypatch.setattr(planner, "num_matched_tokens", lambda *a: 1 // 0)
+    harness.add("b", prefix + [7], max_tokens=2)
+    harness.run()
+    assert all(harness.requests[r].is_finished() for r in ("a", "b"))
+    assert harness.check_idle() == [f"{planner.counters.hook_errors} exceptions caught in "
+                                    "connector hooks"]
+    assert planner.counters.hook_errors >= 3
