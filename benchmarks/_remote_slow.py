@@ -1,10 +1,12 @@
 """bench_remote's slow-server TTFT: two engines side by side, one with the remote tier
 behind a proxy that holds every Redis reply 50-200 ms, one without a remote tier.
 
-Per round (engine order alternating), vLLM's prefix cache is dropped and each engine
-runs, one request at a time with max_tokens=1: the "local" prompts (stored in its CPU
-tier by a first pass: local hits) and "fresh" prompts (never seen: no reuse anywhere).
-Median TTFT per kind and length, and remote / plain (target: <= 1.2). The tokens of
+Per round, vLLM's prefix caches are dropped and the engines run, one request at a time
+with max_tokens=1, alternating request by request (which engine goes first alternates
+too): the "local" prompts (stored in the CPU tier by a first pass: local hits) and
+"fresh" prompts (never seen: no reuse anywhere). Median TTFT per kind and length,
+remote / plain of the medians (target: <= 1.2) and the median of the per-request
+ratios (paired samples: robust to load from other processes). The tokens of
 both engines must be equal (the script reports it).
 """
 
@@ -58,16 +60,18 @@ def bench_slow_ttft(args: Any, server_port: int, base: Path, model: Path,
             _flush(eng, 60_000)
         for rnd in range(args.rounds):
             fresh = [_prompt(n, 70_000 + 100 * rnd + n) for n in lengths]
-            order = list(engines.items())
-            for name, eng in order if rnd % 2 == 0 else order[::-1]:
+            for eng in engines.values():
                 eng.reset()
-                for kind, prompts in (("local", local), ("fresh", fresh)):
-                    out = eng.generate(prompts, max_tokens=1, one_by_one=True)
-                    tokens[name].append(out["tokens"])
-                    if kind == "local":
-                        local_hits[name] += out["metrics"]["hits_host"]
-                    for n, t in zip(lengths, out["latency_s"]):
-                        samples[name][kind].setdefault(n, []).append(t)
+            for kind, prompts in (("local", local), ("fresh", fresh)):
+                for i, (n, prompt) in enumerate(zip(lengths, prompts)):
+                    # Request by request, engines alternating first: paired samples.
+                    names = list(engines) if (rnd + i) % 2 == 0 else list(engines)[::-1]
+                    for name in names:
+                        out = engines[name].generate([prompt], max_tokens=1, one_by_one=True)
+                        tokens[name].append(out["tokens"])
+                        if kind == "local":
+                            local_hits[name] += out["metrics"]["hits_host"]
+                        samples[name][kind].setdefault(n, []).append(out["latency_s"][0])
     finally:
         for eng in engines.values():
             eng.close()
@@ -77,7 +81,11 @@ def bench_slow_ttft(args: Any, server_port: int, base: Path, model: Path,
     ratios = {kind: {str(n): round(medians["remote"][kind][str(n)]
                                    / medians["plain"][kind][str(n)], 3) for n in lengths}
               for kind in ("local", "fresh")}
+    paired = {kind: {str(n): round(statistics.median(
+        r / p for r, p in zip(samples["remote"][kind][n], samples["plain"][kind][n])), 3)
+        for n in lengths} for kind in ("local", "fresh")}
     return {"delay_ms": [d * 1e3 for d in DELAY_S], "lengths": lengths, "rounds": args.rounds,
-            "median_s": medians, "ratios": ratios, "local_hit_tokens": local_hits,
+            "median_s": medians, "ratios": ratios, "paired_ratio_medians": paired,
+            "local_hit_tokens": local_hits,
             "tokens_equal": tokens["plain"] == tokens["remote"],
             "samples_s": samples}

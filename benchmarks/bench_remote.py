@@ -598,13 +598,15 @@ def print_slow_ttft(slow: dict | None) -> None:
     print(f"\nTTFT with Redis replies held {low:.0f}-{high:.0f} ms, median ms over "
           f"{slow['rounds']} rounds (remote tier on vs none; tokens equal: "
           f"{slow['tokens_equal']}; local hits: {slow['local_hit_tokens']})")
-    print(f"{'kind':<7} {'length':>7} {'no remote':>10} {'remote':>8} {'ratio':>7}")
+    print(f"{'kind':<7} {'length':>7} {'no remote':>10} {'remote':>8} {'ratio':>7} "
+          f"{'paired':>7}")
     for kind in ("local", "fresh"):
         for n in slow["lengths"]:
             plain = slow["median_s"]["plain"][kind][str(n)] * 1e3
             remote = slow["median_s"]["remote"][kind][str(n)] * 1e3
             print(f"{kind:<7} {n:>7} {plain:>10.1f} {remote:>8.1f} "
-                  f"{slow['ratios'][kind][str(n)]:>7.3f}")
+                  f"{slow['ratios'][kind][str(n)]:>7.3f} "
+                  f"{slow['paired_ratio_medians'][kind][str(n)]:>7.3f}")
 
 
 def warn_hits(ttft: dict) -> None:
