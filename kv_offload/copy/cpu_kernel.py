@@ -52,22 +52,33 @@ else:
     _VEC = ir.VectorType(ir.IntType(64), 8)  # 64 bytes: one cache line, one zmm register
 
     @intrinsic
-    def _stream_lines(typingctx, dst, src, num_lines):
+    def _stream_lines(typingctx, dst, src, num_lines, ahead, ahead_bytes):
         """Copy ``num_lines`` x 64 bytes with non-temporal stores (``dst`` 64-aligned):
         the destination's lines are not read first nor kept in cache, a third less
-        memory traffic than ``memmove`` for copies larger than the caches."""
+        memory traffic than ``memmove`` for copies larger than the caches. Line k also
+        prefetches line k of the ``ahead_bytes`` at ``ahead`` (the next piece's source)
+        into L2, so shuffled pieces do not each start with a cold stream."""
         def codegen(context, builder, signature, args):
-            d, s, n = args
+            d, s, n, pf, pf_bytes = args
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]),
+                "llvm.prefetch.p0")
+            nontemporal = builder.module.add_metadata([ir.Constant(i32, 1)])
             with cgutils.for_range(builder, n) as loop:
-                off = builder.mul(loop.index, ir.Constant(ir.IntType(64), 64))
+                off = builder.mul(loop.index, ir.Constant(i64, 64))
+                with builder.if_then(builder.icmp_signed("<", off, pf_bytes)):
+                    builder.call(prefetch, [builder.inttoptr(builder.add(pf, off),
+                                                             cgutils.voidptr_t),
+                                            ir.Constant(i32, 0), ir.Constant(i32, 2),
+                                            ir.Constant(i32, 1)])
                 src_ptr = builder.inttoptr(builder.add(s, off), _VEC.as_pointer())
                 dst_ptr = builder.inttoptr(builder.add(d, off), _VEC.as_pointer())
                 value = builder.load(src_ptr, align=1)
                 store = builder.store(value, dst_ptr, align=64)
-                store.set_metadata("nontemporal", builder.module.add_metadata(
-                    [ir.Constant(ir.IntType(32), 1)]))
+                store.set_metadata("nontemporal", nontemporal)
             return context.get_dummy_value()
-        return types.void(dst, src, num_lines), codegen
+        return types.void(dst, src, num_lines, ahead, ahead_bytes), codegen
 
     @intrinsic
     def _store_fence(typingctx):
@@ -101,7 +112,7 @@ else:
             address += 4096
 
     @numba.njit(nogil=True, cache=True, inline="always")
-    def _copy(dst, src, nbytes, stream):  # pragma: no cover - compiled
+    def _copy(dst, src, nbytes, stream, ahead, ahead_bytes):  # pragma: no cover - compiled
         if not stream or nbytes < 1024:
             _memmove(_as_pointer(dst), _as_pointer(src), nbytes)
             return
@@ -109,7 +120,7 @@ else:
         if head:
             _memmove(_as_pointer(dst), _as_pointer(src), head)
         lines = (nbytes - head) >> 6
-        _stream_lines(dst + head, src + head, lines)
+        _stream_lines(dst + head, src + head, lines, ahead, ahead_bytes)
         done = head + (lines << 6)
         if done < nbytes:
             _memmove(_as_pointer(dst + done), _as_pointer(src + done), nbytes - done)
@@ -137,19 +148,23 @@ else:
                         j += 1
                 engine = plane_addr[p] + b * stride
                 host = host0 + i * pb
-                if j < bpc:  # the next piece: in this row, or the next item's first
+                # the next piece's engine rows (shuffled ids: pages the TLB has not seen)
+                nxt, nxt_bytes = 0, 0
+                if j < bpc:
                     if block_ids[c, j] >= 0:
-                        _touch_pages(plane_addr[p] + block_ids[c, j] * stride, pb)
+                        nxt, nxt_bytes = plane_addr[p] + block_ids[c, j] * stride, pb
                 elif item + 1 < hi:
                     c2 = (item + 1) // num_planes
                     p2 = item + 1 - c2 * num_planes
                     if block_ids[c2, 0] >= 0:
-                        _touch_pages(plane_addr[p2] + block_ids[c2, 0] * row_stride[p2],
-                                     plane_bytes[p2])
+                        nxt = plane_addr[p2] + block_ids[c2, 0] * row_stride[p2]
+                        nxt_bytes = plane_bytes[p2]
+                if nxt_bytes:
+                    _touch_pages(nxt, nxt_bytes)
                 if store:
-                    _copy(host, engine, (j - i) * pb, stream)
+                    _copy(host, engine, (j - i) * pb, stream, nxt, nxt_bytes)
                 else:
-                    _copy(engine, host, (j - i) * pb, stream)
+                    _copy(engine, host, (j - i) * pb, stream, 0, 0)
                 i = j
         if stream:
             _store_fence()
