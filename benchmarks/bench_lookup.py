@@ -104,9 +104,9 @@ class Bench:
     def _fill_cpu(self, keys: list[bytes]) -> None:
         cpu = self.sched.cpu
         for key in keys:
-            cpu.reserve(key, SlotState.STORING)
-            cpu.publish(key)
-            cpu.unpin([key])
+            slot = cpu.reserve(key, SlotState.STORING)
+            cpu.publish(slot)
+            cpu.unpin([slot])
 
     def _fill_disk(self, keys: list[bytes]) -> None:
         slots = self.disk.allocate(keys)

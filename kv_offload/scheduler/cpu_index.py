@@ -6,6 +6,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kv_offload.keys import ChunkKey
 
@@ -26,9 +27,9 @@ class _Entry:
     listed: bool = True  # False once discarded: invisible, slot freed at the last unpin
 
 
-@dataclass(frozen=True, slots=True)
-class CpuHit:
-    """A CPU-tier hit: the slot, and the load job still filling it (None when READY)."""
+class CpuHit(NamedTuple):
+    """A CPU-tier hit: the slot, and the load job still filling it (None when READY).
+    A NamedTuple: built on every lookup, it must be cheap."""
 
     key: ChunkKey
     slot: int
@@ -75,17 +76,34 @@ class CpuIndex:
 
     def lookup_prefix(self, keys: Sequence[ChunkKey]) -> list[CpuHit]:
         """Hits for the longest prefix of ``keys`` that is READY or STAGING. Read-only."""
-        hits: list[CpuHit] = []
+        hits = self.hits(keys)
+        return hits[:hits.index(None)] if None in hits else hits  # type: ignore[return-value]
+
+    def hits(self, keys: Sequence[ChunkKey]) -> list[CpuHit | None]:
+        """Per key of ``keys``, its hit (READY or STAGING) or None (absent), up to the
+        first STORING key, excluded: a chunk being stored can be neither loaded nor
+        staged. Read-only."""
+        out: list[CpuHit | None] = []
+        get, storing, staging = self._entries.get, SlotState.STORING, SlotState.STAGING
         for key in keys:
-            found = self.hit(key)
-            if found is None:
+            entry = get(key)
+            if entry is None:
+                out.append(None)
+            elif entry.state is storing:
                 break
-            hits.append(found)
-        return hits
+            else:
+                job = entry.staging_job if entry.state is staging else None
+                out.append(CpuHit(key, entry.slot, job))
+        return out
 
     def state(self, key: ChunkKey) -> SlotState | None:
         entry = self._entries.get(key)
         return None if entry is None else entry.state
+
+    @property
+    def num_free(self) -> int:
+        """Slots that hold no entry at all."""
+        return len(self._free)
 
     def num_reservable(self, keep: Iterable[CpuHit] = ()) -> int:
         """Slots ``reserve`` could hand out now if the entries of ``keep`` were pinned

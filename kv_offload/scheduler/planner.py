@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kv_offload.disk.errors import StoreError
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StepPlan, StoreJob, WorkerReport
@@ -56,10 +56,9 @@ class _Request:
     load_given_up: bool | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Source:
+class _Source(NamedTuple):
     """Where one chunk of a loadable run comes from: a CPU hit, a disk entry, or the
-    remote tier."""
+    remote tier (a NamedTuple: built per chunk on every lookup)."""
 
     key: ChunkKey
     cpu: CpuHit | None = None
@@ -168,28 +167,31 @@ class OffloadScheduler:
     def _local_run(self, keys: Sequence[ChunkKey]) -> list[_Source]:
         """Leading chunks of ``keys`` in the CPU tier or, for those the CPU tier lacks,
         on disk (a CPU entry past a CPU miss is used as it is: never staged twice)."""
-        hits: list[CpuHit | None] = []
-        for key in keys:
-            hit = self.cpu.hit(key)
-            if hit is None and key in self.cpu:
-                break  # STORING: neither loadable nor stageable
-            hits.append(hit)
+        hits = self.cpu.hits(keys)
+        if None not in hits:
+            return [_Source(h.key, h) for h in hits]  # type: ignore[union-attr]
         wanted = [k for k, h in zip(keys, hits) if h is None]
         on_disk: list = []
         if wanted and self.disk_enabled:
             with self._disk_guard("lookup"):
                 on_disk = self.disk.find_prefix(wanted)
         run: list[_Source] = []
-        found = iter(on_disk)
+        num_disk = 0
         for key, hit in zip(keys, hits):
-            disk = None if hit is not None else next(found, None)
-            if hit is None and disk is None:
+            if hit is not None:
+                run.append(_Source(key, hit))
+            elif num_disk < len(on_disk):
+                run.append(_Source(key, None, on_disk[num_disk]))
+                num_disk += 1
+            else:
                 break
-            run.append(_Source(key, cpu=hit, disk=disk))
         return run
 
     def _cut_to_budget(self, run: list[_Source]) -> list[_Source]:
         """``run`` up to the first chunk that would find no CPU slot to stage into."""
+        num_staged = sum(s.cpu is None for s in run)
+        if num_staged <= self.cpu.num_free:
+            return run
         budget = self.cpu.num_reservable(s.cpu for s in run if s.cpu is not None)
         for i, source in enumerate(run):
             if source.cpu is None:
