@@ -162,6 +162,21 @@ def test_prompts_just_found_cold_are_misses_at_once_until_the_ttl(setup):
     assert lookups.ask("r3", keys("c", 3)) is None, "the cold entry expired"
 
 
+def test_a_cold_answer_is_kept_no_longer_than_the_budget(setup):
+    """Regression: with a 1 s memory, a prefix this engine computed and stored right
+    after its lookup, then dropped from the CPU tier (reset_connector), was answered a
+    miss again when asked about within that second: no remote hit."""
+    lookups, tier, clock = setup
+    lookups.ask("cold", keys("m", 3))
+    lookups.run_once()
+    assert lookups.ask("cold", keys("m", 3)) == 0
+    tier.keys.update(keys("m", 3))  # stored by this engine (or another) meanwhile
+    clock.now += BUDGET
+    assert lookups.ask("again", keys("m", 3)) is None
+    lookups.run_once()
+    assert lookups.ask("again", keys("m", 3)) == 3
+
+
 def test_a_failed_lookup_is_a_miss_but_not_remembered_as_cold(setup):
     lookups, tier, _ = setup
     tier.down = True
