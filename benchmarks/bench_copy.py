@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="chunk sizes in KiB (multiples of one block of every layer)")
     parser.add_argument("--total-mib", type=float, default=64.0,
                         help="bytes moved per call (default 64 MiB; --quick: 8)")
-    parser.add_argument("--reps", type=int, default=9,
+    parser.add_argument("--reps", type=int, default=15,
                         help="interleaved rounds; the fastest of each contender is kept")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=2)

@@ -63,14 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=4,
                         help="I/O threads for the 'ours, N threads' row (default 4)")
     parser.add_argument("--repeat", type=int, default=None,
-                        help="runs per I/O contender, best kept (default 2, --quick 1)")
+                        help="runs per I/O contender, best kept (default 3, --quick 1)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache once at start (root only)")
     args = parser.parse_args(argv)
     args.total_mib = args.total_mib or (8 if args.quick else 256)
     sizes = args.lookup_keys or ("1000,10000" if args.quick else "10000,100000,1000000")
     args.lookup_keys = [int(x) for x in sizes.split(",")]
-    args.repeat = args.repeat or (1 if args.quick else 2)
+    args.repeat = args.repeat or (1 if args.quick else 3)
     return args
 
 
