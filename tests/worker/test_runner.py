@@ -21,6 +21,7 @@ from kv_offload.disk import SlabFile
 from kv_offload.host_buffer import allocate_host_slots
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
 from kv_offload.worker import OffloadWorker
+from kv_offload.worker.runner import DISK_BROKEN_AFTER
 
 NUM_BLOCKS, PLANE_BYTES, BPC = 16, 128, 2
 SLOT_BYTES = 2 * PLANE_BYTES * BPC  # two planes (layers)
@@ -130,6 +131,36 @@ def test_unreadable_chunk_counts_a_read_error_not_a_checksum_failure(planes, tmp
     assert failed == {11, 12}
     stats = worker.take_stats()
     assert stats["disk_read_errors"] == 1 and not stats.get("checksum_failures")
+    worker.close()
+
+
+def test_store_moved_away_under_the_worker_reports_a_broken_disk(planes, tmp_path):
+    """Regression (engine test of a store deleted under a running engine): with the slab
+    file system lazily unmounted, or the store moved away, the open slab file keeps its
+    link. Its reads must still fail (MISSING) so that DISK_BROKEN_AFTER of them in a row
+    report the disk broken and the scheduler disables the tier; they were served from
+    the detached file, and the tier stayed on."""
+    slab = SlabFile(tmp_path / "store", namespace_id=NS, rank=0, num_ranks=1,
+                    slot_bytes=SLOT_BYTES)
+    worker = make_worker(planes, slab)
+    worker.run_stores([StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, i) for i in range(4)))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    checksums = next(x for x in reports if x.disk_stored).disk_stored[1][0]
+    os.rename(tmp_path / "store", tmp_path / "moved")
+    before = blocks_of(planes, [12, 13])
+    reports = []
+    for job in range(DISK_BROKEN_AFTER):
+        slot = job % 4
+        load = LoadJob(10 + job, f"r{job}", (ChunkMove((12, 13), slot, slot, (checksums[slot],)),))
+        worker.start_loads([load])
+        more, _, failed = drain(worker, until=lambda r, f, b, j=job: f"r{j}" in f)
+        assert failed == {12, 13}
+        reports += more
+    reports += drain(worker, until=lambda r, f, b: not worker.has_pending_jobs())[0]
+    broken = [x.disk_broken for x in reports if x.disk_broken]
+    assert len(broken) == 1 and "MISSING" in broken[0]
+    for p, orig in zip(planes, before):
+        assert torch.equal(p[[12, 13]], orig)
     worker.close()
 
 
