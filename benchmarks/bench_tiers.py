@@ -437,10 +437,10 @@ def notes(result: dict) -> list[str]:
         "written), while it is in cache, so hashing never reads memory twice. Cold reads "
         "and writes with fsync are disk-bound: there the hash is a few percent.",
         "**Before (issue 15, idle machine):** warm reads 0.59-0.70x of the raw file, writes "
-        "0.62-0.88x, whole path. Changes since: the per-call liveness check of the slab is "
-        "an `fstat` of the open descriptor (~1 us) instead of a path `stat` (~3 us, 10% of a "
-        "256 KiB page-cache read), and the benchmark now separates the slab's I/O from the "
-        "index.",
+        "0.62-0.88x, whole path. Changes since: the benchmark separates the slab's I/O from "
+        "the index. The slab still looks its path up per call (a `stat`, ~2-3 us): an "
+        "`fstat` of the open descriptor (~1 us) was tried and reverted, because a store "
+        "moved away or lazily unmounted keeps the open file linked and it was still served.",
         "Reproduce: `.venv/bin/python benchmarks/bench_tiers.py --json docs/bench-data/"
         "tiers.json` (`--total-mib`, `--repeat`, `--threads`).",
     ]
