@@ -1,0 +1,118 @@
+"""DiskTier: the disk index as the planner uses it, turned off for good by a failure.
+
+A disk index that fails (``StoreError``: a full or read-only file system under the
+index, a corrupted environment) turns the disk tier off for the rest of the run, with
+one error line; serving goes on from the CPU tier. It never escapes into vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Collection, Iterator, Sequence
+
+from kv_offload.disk.errors import StoreError
+from kv_offload.scheduler.tiers import DiskEntryLike, DiskIndexLike
+
+logger = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """Wraps a disk index (or None: tier off). Scheduler thread only.
+
+    While ``enabled``, lookups and allocations go to the index. Once a call raised
+    ``StoreError`` (or ``disable`` was called) they answer "nothing" (no hit, no slot),
+    while what jobs in flight hold is still unpinned, committed, released or dropped.
+    Every call swallows ``StoreError`` (the caller's fallback stands).
+    """
+
+    def __init__(self, index: DiskIndexLike | None) -> None:
+        self.index = index
+        self.enabled = index is not None
+
+    def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]:
+        if not (self.enabled and keys):
+            return []
+        with self._guard("lookup"):
+            return self.index.find_prefix(keys)  # type: ignore[union-attr]
+        return []
+
+    def count_lookup(self, hits: int, misses: int) -> None:
+        if self.enabled and (hits or misses):
+            with self._guard("count_lookup"):
+                self.index.count_lookup(hits=hits, misses=misses)  # type: ignore[union-attr]
+
+    def allocate(self, keys: Sequence[bytes]) -> list[int | None]:
+        """A slot (or None) per key; all None while the tier is off."""
+        if self.enabled and keys:
+            with self._guard("allocate"):
+                return list(self.index.allocate(keys))  # type: ignore[union-attr]
+        return [None] * len(keys)
+
+    def pin(self, slots: Sequence[int]) -> None:
+        self._call("pin", "pin", slots)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        self._call("unpin", "unpin", slots)
+
+    def release(self, slots: Sequence[int]) -> None:
+        if slots:
+            self._call("release", "release", slots)
+
+    def commit(self, items: Sequence[tuple[bytes, int, tuple[int, ...]]]) -> None:
+        """Commit (also after ``disable``: jobs in flight finish what they wrote)."""
+        if items:
+            self._call("commit", "commit", items)
+
+    def commit_written(self, keys: Sequence[bytes], slots: Sequence[int | None],
+                       sums_by_rank: dict[int, tuple[int | None, ...]],
+                       failed: Collection[int] = ()) -> int:
+        """Commit the slots whose chunk every rank wrote (a checksum from each rank in
+        ``sums_by_rank``, per chunk index), release the others and those in ``failed``;
+        returns how many were committed."""
+        ranks = sorted(sums_by_rank)
+        commits, releases = [], []
+        for i, (key, slot) in enumerate(zip(keys, slots)):
+            if slot is None:
+                continue
+            sums = tuple(sums_by_rank[r][i] for r in ranks)
+            if i not in failed and all(s is not None for s in sums):
+                commits.append((key, slot, sums))
+            else:
+                releases.append(slot)
+        self.commit(commits)  # type: ignore[arg-type]
+        self.release(releases)
+        return len(commits)
+
+    def drop(self, key: bytes, slot: int) -> None:
+        self._call("drop", "drop", key, slot)
+
+    def flush_access(self, *, also_when_off: bool = False) -> None:
+        if self.enabled or also_when_off:
+            self._call("flush_access", "flush_access")
+
+    def close(self) -> None:
+        self._call("flush_access", "flush_access")
+        self._call("close", "close")
+
+    def disable(self, reason: str) -> None:
+        """Stop using the disk tier for the rest of the run; logs once."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        logger.error(
+            "kv-offload: the disk tier keeps failing (%s); it is disabled for this run and "
+            "serving continues from the CPU tier. Fix the store directory (deleted, "
+            "read-only, full or failing disk) and restart to use it again.", reason)
+
+    def _call(self, what: str, method: str, *args: object) -> None:
+        if self.index is not None:
+            with self._guard(what):
+                getattr(self.index, method)(*args)
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except StoreError as exc:
+            self.disable(f"disk index {what}: {exc}")

@@ -1,0 +1,78 @@
+"""Which chunks a load can take now, and from which tier (the planner's lookup).
+
+Pure over its collaborators: reads the CPU index and the disk index, asks the remote
+tier through a callable, mutates nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from kv_offload.keys import ChunkKey
+from kv_offload.scheduler.cpu_index import CpuHit, CpuIndex
+from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.scheduler.tiers import DiskEntryLike
+
+
+class Source(NamedTuple):
+    """Where one chunk of a loadable run comes from: a CPU hit, a disk entry, or the
+    remote tier (a NamedTuple: built per chunk on every lookup)."""
+
+    key: ChunkKey
+    cpu: CpuHit | None = None
+    disk: DiskEntryLike | None = None
+    remote: bool = False
+
+
+def loadable_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey], first: int,
+                 remote_hits: Callable[[int], int]) -> list[Source]:
+    """The chunks of ``keys[first:]`` a load can take now, each with its tier: the
+    longest run held by the CPU tier (READY or STAGING), the disk or the remote tier,
+    cut where no CPU slot is left to stage a disk or remote chunk into, so a hit
+    reported to vLLM can always be staged and pinned. ``remote_hits(start)``: how many
+    chunks from ``keys[start]`` on the remote tier holds. Read-only."""
+    run = _local_run(cpu, disk, keys[first:])
+    start = first + len(run)
+    if len(run) == len(keys) - first or cpu.state(keys[start]) is not None:
+        return _cut_to_budget(cpu, run)  # the end, or a STORING chunk: the run ends
+    for key in keys[start:start + remote_hits(start)]:
+        hit = cpu.hit(key)
+        if hit is None and key in cpu:
+            break
+        run.append(Source(key, hit, None, hit is None))
+    return _cut_to_budget(cpu, run)
+
+
+def _local_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey]) -> list[Source]:
+    """Leading chunks of ``keys`` in the CPU tier or, for those the CPU tier lacks, on
+    disk (a CPU entry past a CPU miss is used as it is: never staged twice)."""
+    hits = cpu.hits(keys)
+    if None not in hits:
+        return [Source(h.key, h) for h in hits]  # type: ignore[union-attr]
+    on_disk = disk.find_prefix([k for k, h in zip(keys, hits) if h is None])
+    run: list[Source] = []
+    num_disk = 0
+    for key, hit in zip(keys, hits):
+        if hit is not None:
+            run.append(Source(key, hit))
+        elif num_disk < len(on_disk):
+            run.append(Source(key, None, on_disk[num_disk]))
+            num_disk += 1
+        else:
+            break
+    return run
+
+
+def _cut_to_budget(cpu: CpuIndex, run: list[Source]) -> list[Source]:
+    """``run`` up to the first chunk that would find no CPU slot to stage into."""
+    num_staged = sum(s.cpu is None for s in run)
+    if num_staged <= cpu.num_free:
+        return run
+    budget = cpu.num_reservable(s.cpu for s in run if s.cpu is not None)
+    for i, source in enumerate(run):
+        if source.cpu is None:
+            if budget == 0:
+                return run[:i]
+            budget -= 1
+    return run

@@ -1,0 +1,88 @@
+"""The planner's records: what it remembers per request and per job in flight.
+
+One record type per kind of job, its phase an enum, each field meaning one thing.
+Scheduler thread only; never crosses the process boundary (``kv_offload.jobs`` does).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_offload.jobs import SKIP_BLOCK, ChunkMove
+from kv_offload.keys import ChunkKey
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the planner keeps about one request between vLLM's calls."""
+
+    request: Any  # a RequestLike (vLLM's Request)
+    next_store_chunk: int = 0  # chunks before it are stored or were skipped
+    lookup: tuple[int, int] | None = None  # (num_computed_tokens, hit tokens) of the last ask
+    remote: tuple[int, int, frozenset] | None = None  # (first chunk, num keys, hit keys) memo
+    disk_outcome: tuple[int, int] = (0, 0)  # (hits, misses) of the last disk lookup
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of the last planned load
+    loading: bool = False  # a load was planned and the request has not run since
+    # True: vLLM gave the last load up as a whole (freed its blocks, asked again), so
+    # the request is answered a miss until it runs; None: no such load.
+    load_given_up: bool | None = None
+
+
+class LoadPhase(enum.Enum):
+    LOADING = "loading"  # workers read and copy; waiting for every rank's report
+    FILLING = "filling"  # applied; remote chunks still being written to the local disk
+
+
+@dataclass(slots=True)
+class LoadRecord:
+    """A load job in flight: what it pins and what every rank reported."""
+
+    keys: tuple[ChunkKey, ...]
+    moves: tuple[ChunkMove, ...]
+    staged: frozenset[int]  # chunk indexes read from disk or remote into a new CPU slot
+    phase: LoadPhase = LoadPhase.LOADING
+    failed_by_rank: dict[int, frozenset[int]] = field(default_factory=dict)
+    bad_reads: set[int] = field(default_factory=set)  # staged reads that failed on a rank
+    fill_sums_by_rank: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
+    fill_pinned: set[int] = field(default_factory=set)  # CPU pins kept for disk fills
+
+    @property
+    def has_fills(self) -> bool:
+        return any(m.fill_disk_slot is not None for m in self.moves)
+
+
+class StorePhase(enum.Enum):
+    COPYING = "copying"  # engine -> host copies; waiting for every rank
+    WRITING = "writing"  # published in the CPU tier; disk and remote writes pending
+
+
+@dataclass(slots=True)
+class StoreRecord:
+    """A store job in flight: its CPU slots, and what every rank reported."""
+
+    keys: tuple[ChunkKey, ...]
+    moves: tuple[ChunkMove, ...]
+    phase: StorePhase = StorePhase.COPYING
+    ranks_copied: int = 0
+    disk_sums_by_rank: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
+    remote_ok_by_rank: dict[int, tuple[bool, ...]] = field(default_factory=dict)
+
+    @property
+    def has_disk(self) -> bool:
+        return any(m.disk_slot is not None for m in self.moves)
+
+    @property
+    def has_remote(self) -> bool:
+        return any(m.remote_key is not None for m in self.moves)
+
+
+def chunk_blocks(block_ids: Sequence[int], chunk_index: int, *, blocks_per_chunk: int,
+                 block_size: int, skip_before: int) -> tuple[int, ...]:
+    """The engine blocks of chunk ``chunk_index``; ``SKIP_BLOCK`` for those wholly
+    before token ``skip_before`` (already computed)."""
+    first = chunk_index * blocks_per_chunk
+    return tuple(SKIP_BLOCK if (b + 1) * block_size <= skip_before else int(block_ids[b])
+                 for b in range(first, first + blocks_per_chunk))

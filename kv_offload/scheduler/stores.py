@@ -1,0 +1,105 @@
+"""StorePlanner: reserves CPU (and disk) slots for completed chunks, and publishes,
+commits and releases them as workers report their copies and writes.
+
+Scheduler thread only. A chunk is visible to lookups only once every rank copied it
+(invariant 1); its slot stays pinned while disk or remote writes read it (invariant 2).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kv_offload.jobs import ChunkMove, StoreJob
+from kv_offload.keys import ChunkKey
+from kv_offload.scheduler.counters import SchedulerCounters
+from kv_offload.scheduler.cpu_index import CpuIndex, SlotState
+from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.scheduler.records import StorePhase, StoreRecord
+
+
+class StorePlanner:
+    """Plans stores and completes them (see the module docstring)."""
+
+    def __init__(self, *, cpu: CpuIndex, disk: DiskTier, counters: SchedulerCounters,
+                 job_ids: itertools.count, num_ranks: int, with_remote: bool) -> None:
+        self.cpu, self.disk, self.counters = cpu, disk, counters
+        self.num_ranks = num_ranks
+        self.with_remote = with_remote
+        self.records: dict[int, StoreRecord] = {}
+        self._job_ids = job_ids
+
+    def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...]]]) -> StoreJob | None:
+        """One StoreJob for ``chunks`` (key, engine blocks), each once; a chunk that
+        finds no CPU slot is skipped (counted). None when none found a slot."""
+        seen: set[ChunkKey] = set()
+        unique = [(k, b) for k, b in chunks if not (k in seen or seen.add(k))]
+        disk_slots = self.disk.allocate([k for k, _ in unique])
+        job_id = next(self._job_ids)
+        keys, moves, unused_disk = [], [], []
+        for (key, blocks), disk_slot in zip(unique, disk_slots):
+            evictions = self.cpu.num_evictions
+            slot = self.cpu.reserve(key, SlotState.STORING)
+            self.counters.evictions_cpu += self.cpu.num_evictions - evictions
+            if slot is None:
+                self.counters.skipped_stores += 1
+                if disk_slot is not None:
+                    unused_disk.append(disk_slot)
+                continue
+            keys.append(key)
+            moves.append(ChunkMove(blocks, slot, disk_slot,
+                                   remote_key=key if self.with_remote else None))
+        self.disk.release(unused_disk)
+        if not moves:
+            return None
+        self.records[job_id] = StoreRecord(tuple(keys), tuple(moves))
+        return StoreJob(job_id, tuple(moves))
+
+    def on_copied(self, job_id: int, num_ranks: int) -> None:
+        """``num_ranks`` more ranks copied the job's engine blocks to their host slots;
+        once all did, its chunks are published (COPYING -> WRITING)."""
+        record = self.records.get(job_id)
+        if record is None:
+            return
+        record.ranks_copied += num_ranks
+        if record.ranks_copied < self.num_ranks or record.phase is not StorePhase.COPYING:
+            return
+        record.phase = StorePhase.WRITING
+        self.counters.chunks_stored_cpu += len(record.keys)
+        for move in record.moves:
+            self.cpu.publish(move.cpu_slot)
+            if move.disk_slot is None and move.remote_key is None:
+                self.cpu.unpin([move.cpu_slot])
+        self._maybe_finish(job_id, record)
+
+    def on_disk_written(self, job_id: int, per_rank: dict[int, tuple[int | None, ...]]) -> None:
+        record = self.records.get(job_id)
+        if record is not None:
+            record.disk_sums_by_rank.update(per_rank)
+            self._maybe_finish(job_id, record)
+
+    def on_remote_written(self, job_id: int, per_rank: dict[int, tuple[bool, ...]]) -> None:
+        record = self.records.get(job_id)
+        if record is not None:
+            record.remote_ok_by_rank.update(per_rank)
+            self._maybe_finish(job_id, record)
+
+    def _maybe_finish(self, job_id: int, record: StoreRecord) -> None:
+        """Once every rank copied, wrote the disk and wrote the remote tier: release the
+        CPU pins held for those writes, commit the disk slots that all ranks wrote."""
+        ranks = self.num_ranks
+        if (record.phase is not StorePhase.WRITING
+                or (record.has_disk and len(record.disk_sums_by_rank) < ranks)
+                or (record.has_remote and len(record.remote_ok_by_rank) < ranks)):
+            return
+        del self.records[job_id]
+        self.cpu.unpin(m.cpu_slot for m in record.moves
+                       if m.disk_slot is not None or m.remote_key is not None)
+        if record.has_remote:
+            per_rank = list(record.remote_ok_by_rank.values())
+            self.counters.chunks_stored_remote += sum(
+                all(r[i] for r in per_rank) for i, m in enumerate(record.moves)
+                if m.remote_key is not None)
+        if record.has_disk:
+            self.counters.chunks_stored_disk += self.disk.commit_written(
+                record.keys, [m.disk_slot for m in record.moves], record.disk_sums_by_rank)

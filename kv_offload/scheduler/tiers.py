@@ -1,0 +1,81 @@
+"""What the planner needs of its collaborators: requests, the disk index, the remote tier.
+
+Protocols only (the planner imports neither vLLM nor the disk or remote packages at run
+time): ``kv_offload.disk.DiskIndex`` and ``kv_offload.remote.RemoteTier`` satisfy them,
+and so do the fakes of the unit tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class RequestLike(Protocol):
+    """A vLLM request as the planner reads it."""
+
+    request_id: str
+    block_hashes: Sequence[bytes]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class DiskEntryLike(Protocol):
+    """A committed disk chunk (``kv_offload.disk.DiskEntry``)."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def slot(self) -> int: ...
+
+    @property
+    def checksums(self) -> tuple[int, ...]: ...
+
+
+class DiskIndexLike(Protocol):
+    """The disk tier's index (``kv_offload.disk.DiskIndex``): which key lives in which
+    slot. Any method may raise ``StoreError`` (see ``DiskTier``)."""
+
+    def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]: ...
+
+    def count_lookup(self, *, hits: int, misses: int) -> None: ...
+
+    def pin(self, slots: Sequence[int]) -> None: ...
+
+    def unpin(self, slots: Sequence[int]) -> None: ...
+
+    def allocate(self, keys: Sequence[bytes]) -> list[int | None]: ...
+
+    def commit(self, items: Sequence[tuple[bytes, int, tuple[int, ...]]]) -> list[bool]: ...
+
+    def release(self, slots: Sequence[int]) -> None: ...
+
+    def drop(self, key: bytes, slot: int) -> bool: ...
+
+    def flush_access(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class RemoteHealthLike(Protocol):
+    num_failures: int
+
+    @property
+    def up(self) -> bool: ...
+
+
+class RemoteTierLike(Protocol):
+    """The remote tier as the scheduler uses it (``kv_offload.remote.RemoteTier``)."""
+
+    health: RemoteHealthLike
+
+    def lookup(self, chunk_keys: Sequence[bytes]) -> int: ...
+
+    def close(self) -> None: ...
