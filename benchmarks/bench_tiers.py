@@ -433,7 +433,7 @@ def notes(result: dict) -> list[str]:
         "GIL; a page-cache read copies ~10-12 GB/s, so hashing the bytes after the kernel "
         "copied them adds ~20% to a warm read on one thread: one thread cannot reach 0.9x "
         "of an unverified raw read from the page cache unless the hash runs 9x faster than "
-        "the copy. Each 1 MiB piece is hashed right after it is read (writes: before it is "
+        "the copy. Each 256 KiB piece is hashed right after it is read (writes: before it is "
         "written), while it is in cache, so hashing never reads memory twice. Cold reads "
         "and writes with fsync are disk-bound: there the hash is a few percent.",
         "**Before (issue 15, idle machine):** warm reads 0.59-0.70x of the raw file, writes "
