@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 from kv_offload.remote.bulk import RespErrorReply, read_value_into
 from kv_offload.remote.cluster import ClusterCounter, ClusterTopologyChanged, node_pool
 from kv_offload.remote.health import RemoteHealth
+from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.remote.resp import (
     Joined,
     RespPacker,
@@ -174,6 +175,16 @@ class RemoteTier:
             return self._cluster.counts(client, names, per)
         commands = [(b"EXISTS", *names[i:i + per]) for i in range(0, len(names), per)]
         return pipeline_on_connection(client.connection_pool, commands)
+
+    def async_lookups(self, *, budget_s: float | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> RemoteLookups:
+        """A ``RemoteLookups`` over this tier (its lookup threads start now): what the
+        scheduler asks instead of calling ``lookup`` on its own thread. ``budget_s``:
+        the total time a request may wait for its answer; None: this tier's timeout
+        (the connector builds the scheduler's tier with ``remote_lookup_budget_ms`` as
+        its timeout). The caller closes it (before closing the tier)."""
+        return RemoteLookups(self, budget_s=self.timeout_s if budget_s is None else budget_s,
+                             clock=clock)
 
     def warm(self) -> bool:
         """Open a pooled connection now (one per node on a cluster), so that the next

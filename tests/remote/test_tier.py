@@ -297,3 +297,20 @@ def test_key_slot_agrees_with_redis_py():
     tier = tier_for(RemoteTarget(cluster_nodes=("127.0.0.1:1",)))
     names = [tier.name(key(i), 0) for i in range(500)] + [b"plain", b"{}x", b"a{b}c{d}"]
     assert [key_slot(n) for n in names] == [redis_key_slot(n) for n in names]
+
+
+def test_async_lookups_answer_from_the_server(redis_server):
+    tier = tier_for(RemoteTarget(redis_server.url), timeout_s=0.5)
+    assert tier.write(key(1500), 0, memoryview(payload(1500)))
+    lookups = tier.async_lookups()
+    try:
+        assert lookups.budget_s == 0.5, "the tier's timeout is the budget by default"
+        answer = lookups.ask("r", [key(1500), key(1501)])
+        deadline = time.monotonic() + 10
+        while answer is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+            answer = lookups.ask("r", [key(1500), key(1501)])
+        assert answer == 1
+    finally:
+        lookups.close()
+        tier.close()
