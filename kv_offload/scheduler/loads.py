@@ -126,7 +126,7 @@ class LoadPlanner:
             return
         del self.records[job_id]
         if record.has_fills:
-            self.cpu.unpin(record.moves[i].cpu_slot for i in record.fill_pinned)
+            self.cpu.unpin(record.fill_pinned)
             self.counters.chunks_stored_disk += self.disk.commit_written(
                 record.keys, [m.fill_disk_slot for m in record.moves],
                 record.fill_sums_by_rank, record.bad_reads)
@@ -156,6 +156,6 @@ class LoadPlanner:
                 else:
                     self.cpu.publish(move.cpu_slot)
                 if move.fill_disk_slot is not None:
-                    record.fill_pinned.add(i)
+                    record.fill_pinned.add(move.cpu_slot)
                     continue
             self.cpu.unpin([move.cpu_slot])

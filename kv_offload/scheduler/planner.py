@@ -265,15 +265,15 @@ class OffloadScheduler:
             self.disk_tier.disable(report.disk_broken)
         for job_id, count in report.host_stored.items():
             self.stores.on_copied(job_id, count)
-        for job_id, per_rank in report.disk_stored.items():
+        for job_id, sums in report.disk_stored.items():
             if job_id in self.loads.records:  # a load's disk fills
-                self.loads.on_fills(job_id, per_rank)
+                self.loads.on_fills(job_id, sums)
             else:
-                self.stores.on_disk_written(job_id, per_rank)
+                self.stores.on_disk_written(job_id, sums)
         for job_id, oks in report.remote_stored.items():
             self.stores.on_remote_written(job_id, oks)
-        for job_id, per_rank in report.bad_reads.items():
-            self.loads.on_bad_reads(job_id, per_rank)
+        for job_id, bad in report.bad_reads.items():
+            self.loads.on_bad_reads(job_id, bad)
         for job_id, failed in report.loaded.items():
             self.loads.on_loaded(job_id, failed)
 

@@ -47,7 +47,7 @@ class LoadRecord:
     failed_by_rank: dict[int, frozenset[int]] = field(default_factory=dict)
     bad_reads: set[int] = field(default_factory=set)  # staged reads that failed on a rank
     fill_sums_by_rank: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
-    fill_pinned: set[int] = field(default_factory=set)  # CPU pins kept for disk fills
+    fill_pinned: set[int] = field(default_factory=set)  # CPU slots kept pinned for fills
 
     @property
     def has_fills(self) -> bool:
@@ -64,6 +64,7 @@ class StoreRecord:
     """A store job in flight: its CPU slots, and what every rank reported."""
 
     keys: tuple[ChunkKey, ...]
+    slots: tuple[int, ...]  # the CPU slot of each chunk
     moves: tuple[ChunkMove, ...]
     phase: StorePhase = StorePhase.COPYING
     ranks_copied: int = 0

@@ -32,12 +32,13 @@ class StorePlanner:
     def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...]]]) -> StoreJob | None:
         """One StoreJob for ``chunks`` (key, engine blocks), each once; a chunk that
         finds no CPU slot is skipped (counted). None when none found a slot."""
-        seen: set[ChunkKey] = set()
-        unique = [(k, b) for k, b in chunks if not (k in seen or seen.add(k))]
-        disk_slots = self.disk.allocate([k for k, _ in unique])
+        unique: dict[ChunkKey, tuple[int, ...]] = {}
+        for key, blocks in chunks:
+            unique.setdefault(key, blocks)
+        disk_slots = self.disk.allocate(list(unique))
         job_id = next(self._job_ids)
-        keys, moves, unused_disk = [], [], []
-        for (key, blocks), disk_slot in zip(unique, disk_slots):
+        keys, slots, moves, unused_disk = [], [], [], []
+        for (key, blocks), disk_slot in zip(unique.items(), disk_slots):
             evictions = self.cpu.num_evictions
             slot = self.cpu.reserve(key, SlotState.STORING)
             self.counters.evictions_cpu += self.cpu.num_evictions - evictions
@@ -47,12 +48,13 @@ class StorePlanner:
                     unused_disk.append(disk_slot)
                 continue
             keys.append(key)
+            slots.append(slot)
             moves.append(ChunkMove(blocks, slot, disk_slot,
                                    remote_key=key if self.with_remote else None))
         self.disk.release(unused_disk)
         if not moves:
             return None
-        self.records[job_id] = StoreRecord(tuple(keys), tuple(moves))
+        self.records[job_id] = StoreRecord(tuple(keys), tuple(slots), tuple(moves))
         return StoreJob(job_id, tuple(moves))
 
     def on_copied(self, job_id: int, num_ranks: int) -> None:
@@ -66,10 +68,10 @@ class StorePlanner:
             return
         record.phase = StorePhase.WRITING
         self.counters.chunks_stored_cpu += len(record.keys)
-        for move in record.moves:
-            self.cpu.publish(move.cpu_slot)
+        for slot, move in zip(record.slots, record.moves):
+            self.cpu.publish(slot)
             if move.disk_slot is None and move.remote_key is None:
-                self.cpu.unpin([move.cpu_slot])
+                self.cpu.unpin([slot])
         self._maybe_finish(job_id, record)
 
     def on_disk_written(self, job_id: int, per_rank: dict[int, tuple[int | None, ...]]) -> None:
@@ -93,7 +95,7 @@ class StorePlanner:
                 or (record.has_remote and len(record.remote_ok_by_rank) < ranks)):
             return
         del self.records[job_id]
-        self.cpu.unpin(m.cpu_slot for m in record.moves
+        self.cpu.unpin(slot for slot, m in zip(record.slots, record.moves)
                        if m.disk_slot is not None or m.remote_key is not None)
         if record.has_remote:
             per_rank = list(record.remote_ok_by_rank.values())

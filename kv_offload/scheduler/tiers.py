@@ -65,7 +65,10 @@ class DiskIndexLike(Protocol):
 
 
 class RemoteHealthLike(Protocol):
-    num_failures: int
+    """Failures of the remote tier so far, and whether it is usable now."""
+
+    @property
+    def num_failures(self) -> int: ...
 
     @property
     def up(self) -> bool: ...
@@ -74,7 +77,8 @@ class RemoteHealthLike(Protocol):
 class RemoteTierLike(Protocol):
     """The remote tier as the scheduler uses it (``kv_offload.remote.RemoteTier``)."""
 
-    health: RemoteHealthLike
+    @property
+    def health(self) -> RemoteHealthLike: ...
 
     def lookup(self, chunk_keys: Sequence[bytes]) -> int: ...
 
