@@ -81,6 +81,8 @@ def read_value_into(conn: Any, name: bytes, out: memoryview, *,
     a closed connection or RespProtocolError leave it disconnected, like any
     ValueCheck other than OK or MISSING (the rest of the reply was not read).
     """
+    if out.format != "B" or out.ndim != 1:
+        out = out.cast("B")  # lengths in bytes, whatever the slot's element type
     conn.send_packed_command(pack_command(b"GET", name))
     clean = False
     try:

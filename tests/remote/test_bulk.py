@@ -164,3 +164,11 @@ def test_closed_or_timed_out_mid_value_disconnects(pieces, error):
     with pytest.raises(error):
         read_value_into(conn, NAME, memoryview(bytearray(SLOT)))
     assert conn.disconnected
+
+
+def test_a_slot_of_wider_elements_is_filled_byte_for_byte():
+    data = payload()
+    out = np.zeros(SLOT // 4, dtype=np.float32)
+    conn = FakeConn([bulk(value(data))])
+    assert read_value_into(conn, NAME, memoryview(out)) is ValueCheck.OK
+    assert out.tobytes() == data
