@@ -136,7 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default 2048,4096; --quick 256,512)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="TTFT rounds (cold pass + remote pass; default 5, --quick 1)")
-    parser.add_argument("--no-engine", action="store_true", help="skip the TTFT part")
+    parser.add_argument("--no-engine", action="store_true", help="skip the TTFT parts")
+    parser.add_argument("--no-slow-ttft", action="store_true",
+                        help="skip the slow-server TTFT (two more engines)")
     parser.add_argument("--maxmemory", type=str, default=None,
                         help="the Redis server's maxmemory (default 4gb, --quick 512mb)")
     parser.add_argument("--timeout-s", type=float, default=10.0,
@@ -697,7 +699,8 @@ def main(argv: list[str] | None = None) -> dict:
             failed = "error" in result["ttft"] and not args.no_engine
             warn_hits(result["ttft"])
             try:
-                result["slow_ttft"] = slow_ttft(args, server.port, base)
+                if not args.no_slow_ttft:
+                    result["slow_ttft"] = slow_ttft(args, server.port, base)
             except Exception as exc:  # keep the other figures; fail at the end
                 result["slow_ttft"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 print(str(exc)[-4000:], file=sys.stderr)

@@ -3,8 +3,8 @@
 vLLM asks a connector how many tokens it can load (``get_num_new_matched_tokens``) on
 its scheduler thread, once per step while a request waits; answering ``None`` means
 "not yet, ask again next step". ``ask`` never touches the network: the first call
-queues the request's keys for the lookup thread and answers None; later calls answer
-the memoised count once the thread has it, or 0 (a miss) once the request's total
+queues the request's keys for the lookup threads and answers None; later calls answer
+the memoised count once a thread has it, or 0 (a miss) once the request's total
 budget has passed. A request is never held longer than the budget, and no other
 request waits for it.
 
