@@ -144,7 +144,7 @@ def bench_torch(model: Model, chunks_kib: list[int], total_mib: float, reps: int
     return cases
 
 
-def best_interleaved(contenders: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+def best_interleaved(contenders: dict, reps: int) -> dict:
     """Fastest seconds of each contender over ``reps`` rounds; every round runs each once,
     in an order rotated from round to round, so all see the same machine load and none
     always follows another (torch's OpenMP threads spin for a while after torch.copy_)."""
@@ -162,24 +162,30 @@ def best_interleaved(contenders: dict[str, Callable[[], object]], reps: int) -> 
 
 def _bench_torch_pass(model: Model, chunks_kib: list[int], total_mib: float, reps: int,
                       num_threads: int | None, *, strategies: bool) -> list[Case]:
+    """Every case of every chunk size in one set of interleaved rounds, so that a burst
+    of load on the shared machine hits all cases alike instead of the last few."""
     rng = np.random.default_rng(0)
-    cases: list[Case] = []
+    contenders: dict[tuple, Callable[[], object]] = {}
+    sizes: dict[int, tuple[int, list[str]]] = {}  # chunk KiB -> (bytes, baseline names)
+    engines: list[TorchCopyEngine] = []
     for chunk_kib in chunks_kib:
         bpc, n = chunk_plan(model, chunk_kib, total_mib)
         num_blocks, planes, layout, host = cpu_setup(model, bpc, n)
-        engines = {name: TorchCopyEngine(planes, host, bpc, strategy=strategy,
-                                         num_threads=num_threads)
-                   for name, strategy in (("torch", "compiled"), ("torch:numpy", "numpy"))
-                   if strategy != "compiled" or cpu_kernel.AVAILABLE}
+        mine = {name: TorchCopyEngine(planes, host, bpc, strategy=strategy,
+                                      num_threads=num_threads)
+                for name, strategy in (("torch", "compiled"), ("torch:numpy", "numpy"))
+                if strategy != "compiled" or cpu_kernel.AVAILABLE}
+        engines += mine.values()
         total = n * layout.chunk_bytes
         src = torch.ones(total, dtype=torch.uint8)
         dst = torch.zeros(total, dtype=torch.uint8)
-        src_np, dst_np = src.numpy(), dst.numpy()
-        baselines = {"np.copyto": partial(np.copyto, dst_np, src_np),
+        baselines = {"np.copyto": partial(np.copyto, dst.numpy(), src.numpy()),
                      "torch.copy_": partial(dst.copy_, src)}
         if cpu_kernel.AVAILABLE:
-            threads = engines["torch"].num_threads
+            threads = mine["torch"].num_threads
             baselines[f"streamed memcpy x{threads}"] = streamed_memcpy(src, dst, threads)
+        sizes[chunk_kib] = (total, list(baselines))
+        contenders.update({(chunk_kib, name): fn for name, fn in baselines.items()})
         for pattern in ("contiguous", "shuffled"):
             ids = block_ids(rng, pattern, n, bpc, num_blocks)
             slots = rng.permutation(2 * n)[:n]
@@ -187,23 +193,31 @@ def _bench_torch_pass(model: Model, chunks_kib: list[int], total_mib: float, rep
                 variants = alternative_strategies(planes, host, layout, ids, slots)
             else:
                 variants = {name: (partial(e.store, ids, slots), partial(e.load, slots, ids))
-                            for name, e in engines.items()}
-            for d, direction in enumerate(("store", "load")):
-                timed = best_interleaved(
-                    {**{name: fns[d] for name, fns in variants.items()}, **baselines}, reps)
-                t_mem = min(timed[b] for b in baselines)
-                t_plain = min(timed["np.copyto"], timed["torch.copy_"])
-                detail = ", ".join(f"{b} {total / timed[b] / 1e9:.2f} GB/s" for b in baselines)
-                cases += [Case(
-                    engine=name if name.startswith("torch") else f"torch:{name}",
-                    chunk_kib=chunk_kib, ids=pattern, direction=direction,
-                    total_mib=total / (1 << 20), engine_gbps=total / timed[name] / 1e9,
-                    memcpy_gbps=total / t_mem / 1e9, ratio=t_mem / timed[name],
-                    target=cpu_target(chunk_kib) if name == "torch" else None,
-                    detail=detail, ratio_plain=t_plain / timed[name]) for name in variants]
-        for engine in engines.values():
-            engine.close()
-    return cases
+                            for name, e in mine.items()}
+            for name, fns in variants.items():
+                for direction, fn in zip(("store", "load"), fns):
+                    contenders[(chunk_kib, pattern, direction, name)] = fn
+    timed = best_interleaved(contenders, reps)
+    for engine in engines:
+        engine.close()
+    cases = []
+    for key, seconds in timed.items():
+        if len(key) != 4:
+            continue
+        chunk_kib, pattern, direction, name = key
+        total, base = sizes[chunk_kib]
+        t_mem = min(timed[(chunk_kib, b)] for b in base)
+        t_plain = min(timed[(chunk_kib, "np.copyto")], timed[(chunk_kib, "torch.copy_")])
+        cases.append(Case(
+            engine=name if name.startswith("torch") else f"torch:{name}",
+            chunk_kib=chunk_kib, ids=pattern, direction=direction,
+            total_mib=total / (1 << 20), engine_gbps=total / seconds / 1e9,
+            memcpy_gbps=total / t_mem / 1e9, ratio=t_mem / seconds,
+            target=cpu_target(chunk_kib) if name == "torch" else None,
+            detail=", ".join(f"{b} {total / timed[(chunk_kib, b)] / 1e9:.2f} GB/s" for b in base),
+            ratio_plain=t_plain / seconds))
+    order = {"contiguous": 0, "shuffled": 1, "store": 0, "load": 1}
+    return sorted(cases, key=lambda c: (c.chunk_kib, order[c.ids], order[c.direction]))
 
 
 def streamed_memcpy(src: torch.Tensor, dst: torch.Tensor, threads: int) -> Callable[[], None]:
