@@ -23,7 +23,8 @@ class WorkloadStats:
 
 
 def run_workload(harness: SchedulerHarness, seed: int, *, num_requests: int = 40,
-                 p_abort: float = 0.03, p_reset: float = 0.03) -> WorkloadStats:
+                 p_abort: float = 0.03, p_reset: float = 0.03, max_tokens: int = 5
+                 ) -> WorkloadStats:
     """Feed ``num_requests`` requests over time, then run until idle (or give up after
     a bounded number of steps: the caller then finds the stuck requests)."""
     rng = random.Random(seed)
@@ -36,15 +37,14 @@ def run_workload(harness: SchedulerHarness, seed: int, *, num_requests: int = 40
             prompt = doc[:rng.randrange(len(doc) // 2, len(doc) + 1)] + [
                 rng.randrange(3, 1000) for _ in range(rng.randrange(1, 24))]
             req_id = f"s{seed}-r{stats.requests}"
-            harness.add(req_id, prompt, max_tokens=rng.randrange(1, 6))
+            harness.add(req_id, prompt, max_tokens=rng.randrange(1, max_tokens + 1))
             live.append(req_id)
             stats.requests += 1
         live = [r for r in live if not harness.requests[r].is_finished()]
         if live and rng.random() < p_abort:
             _abort_one(harness, rng, live, stats)
         if rng.random() < p_reset:
-            harness.reset_prefix_cache(reset_connector=rng.random() < 0.5)
-            stats.resets += 1
+            stats.resets += harness.reset_prefix_cache(reset_connector=rng.random() < 0.5)
         harness.step()
         stats.steps += 1
     stats.preemptions = sum(r.num_preemptions for r in harness.requests.values())

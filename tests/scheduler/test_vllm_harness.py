@@ -62,7 +62,7 @@ def test_random_workload_ends_idle_with_every_token_on_the_right_kv(
     faults = Faults(seed=seed, **FAULTS) if seed % 2 else Faults(seed=seed, delay=0.3)
     harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
                               faults=faults)
-    stats = run_workload(harness, seed, num_requests=60, p_abort=0.05,
+    stats = run_workload(harness, seed, num_requests=60, p_abort=0.05, max_tokens=12,
                          p_reset=0.2 if async_scheduling else 0.05)
     assert harness.check_idle() == [], f"seed {seed}: {stats}"
     assert harness.runner.num_checked_tokens > 0
