@@ -91,6 +91,10 @@ class OffloadConfig:
         store_generated: also store chunks made of generated (decode) tokens.
         load_timeout_s: a load not finished within this many seconds is failed and
             its tokens are recomputed. Default 30.
+        cpu_background_stores: on vLLM's CPU backend, copy stored blocks to the CPU tier
+            on a thread of their own, overlapping the next forward, instead of at the
+            end of the step. Default False (measured: docs/benchmarks.md). On CUDA,
+            copies always run on their own stream.
         disk_allow_unsafe_permissions: open a store directory that belongs to another
             user or is writable by group or others. Default False: such a store is
             refused, because whoever can write it can plant KV that would be served.
@@ -122,6 +126,7 @@ class OffloadConfig:
     namespace_salt: str = ""
     store_generated: bool = False
     load_timeout_s: float = 30.0
+    cpu_background_stores: bool = False
     disk_allow_unsafe_permissions: bool = False
     remote_url: str | None = None
     remote_cluster_nodes: list[str] | None = None
@@ -157,7 +162,7 @@ class OffloadConfig:
             )
         _check_int(self.io_threads, "io_threads", minimum=1)
         for name in ("verify_checksums", "disk_fsync", "store_generated",
-                     "disk_allow_unsafe_permissions"):
+                     "disk_allow_unsafe_permissions", "cpu_background_stores"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         if not isinstance(self.namespace_salt, str):

@@ -208,8 +208,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += [(rid, computed_after(rid, n))
                       for rid, n in zip(cached.req_ids, cached.num_computed_tokens)]
+        preempted = tuple(getattr(scheduler_output, "preempted_req_ids", None) or ())
         plan = self._guard.call("build_connector_meta", lambda: StepPlan(
-            self._scheduler.take_pending_loads()), self._scheduler.plan_step, scheduled)
+            self._scheduler.take_pending_loads()), self._scheduler.plan_step, scheduled,
+            preempted)
         self._guard.call("build_connector_meta (summary)", lambda: None,
                          self._maybe_log_summary)
         return OffloadConnectorMetadata(plan)
@@ -219,17 +221,26 @@ class KVOffloadConnector(KVConnectorBase_V1):
         if isinstance(meta, OffloadWorkerMetadata):
             self._guard.call("update_connector_output", lambda: None,
                              self._scheduler.on_report, meta.report)
+        if connector_output.finished_sending:  # vLLM frees these held requests' blocks
+            self._guard.call("update_connector_output (sent)", lambda: None,
+                             self._scheduler.blocks_released, connector_output.finished_sending)
         stats = connector_output.kv_connector_stats
         if isinstance(stats, OffloadStats):  # worker-side deltas, for the log summary
             _add(self._summary_totals, stats.data)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # Engine -> host copies finish inside the step that planned them (see
-        # OffloadWorker.run_stores), so the blocks can be freed at once (invariant 3).
-        self._guard.call("request_finished", lambda: None,
-                         self._scheduler.request_finished, request.request_id)
-        return False, None
+        # Engine -> host copies run in the background (the step never waits for them):
+        # blocks with a copy in flight are held until every rank reports the request in
+        # finished_sending (invariant 3; scheduler.holds). On a failure, free them.
+        held = self._guard.call("request_finished", lambda: False,
+                                self._scheduler.request_finished, request.request_id)
+        return bool(held), None
+
+    def has_pending_block_frees(self) -> bool:
+        # Held blocks come back within a step or two: vLLM waits rather than preempting.
+        return self._scheduler is not None and bool(self._guard.call(
+            "has_pending_block_frees", lambda: False, self._scheduler.holds.num_held))
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping until workers report their disk writes.
@@ -346,15 +357,18 @@ class KVOffloadConnector(KVConnectorBase_V1):
             self._worker.run_stores(plan.stores)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        if self._worker is not None:
-            self._worker.wait_for_stores()
+        # Called first in every step, before the forward, with this step's plan.
+        plan = getattr(kv_connector_metadata, "plan", None)
+        if self._worker is not None and isinstance(plan, StepPlan):
+            self._worker.fence(plan.preempted)  # their freed blocks may be rewritten now
+            self._worker.hold(plan.held)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
         result = self._worker.poll()
         self._pending_failed_blocks |= result.failed_block_ids
-        return None, (result.finished_req_ids or None)
+        return (result.finished_sending or None), (result.finished_req_ids or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._pending_failed_blocks = self._pending_failed_blocks, set()

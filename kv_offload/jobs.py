@@ -51,21 +51,33 @@ class LoadJob:
 
 @dataclass(frozen=True, slots=True)
 class StoreJob:
-    """Engine blocks -> host slot -> disk slot and remote tier (when set)."""
+    """Engine blocks -> host slot -> disk slot and remote tier (when set).
+
+    ``req_ids``: per chunk, the request whose engine blocks it copies (empty when not
+    known: then no request's blocks wait for this job)."""
 
     job_id: int
     chunks: tuple[ChunkMove, ...]
+    req_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What the workers do this step: loads to start and stores to take after compute."""
+    """What the workers do this step: loads to start and stores to take after compute.
+
+    ``held``: finished requests whose engine blocks vLLM keeps for kv-offload until
+    every rank reports them in ``finished_sending`` (their engine -> host copies were in
+    flight when they finished; invariant 3). ``preempted``: requests vLLM preempted this
+    step; their blocks may be rewritten by this step's forward, so their copies are
+    fenced before it."""
 
     loads: tuple[LoadJob, ...] = ()
     stores: tuple[StoreJob, ...] = ()
+    held: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.loads or self.stores or self.held or self.preempted)
 
 
 @dataclass(slots=True)
@@ -73,6 +85,8 @@ class WorkerReport:
     """What workers finished since their last report (merged over ranks by the connector).
 
     ``host_stored``: store job -> number of ranks whose engine -> host copy finished.
+    ``host_failed``: store job -> number of ranks whose engine -> host copy raised (the
+    job's chunks are then discarded, never published).
     ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed);
     for a load job, the checksums of its ``fill_disk_slot`` writes.
     ``remote_stored``: store job -> rank -> per chunk, whether its remote write succeeded.
@@ -86,6 +100,7 @@ class WorkerReport:
     """
 
     host_stored: dict[int, int] = field(default_factory=dict)
+    host_failed: dict[int, int] = field(default_factory=dict)
     disk_stored: dict[int, dict[int, tuple[int | None, ...]]] = field(default_factory=dict)
     loaded: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
     remote_stored: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
@@ -93,13 +108,15 @@ class WorkerReport:
     disk_broken: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.host_stored or self.disk_stored or self.loaded or self.remote_stored
-                    or self.disk_broken)
+        return bool(self.host_stored or self.host_failed or self.disk_stored or self.loaded
+                    or self.remote_stored or self.disk_broken)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Fold ``other`` (another rank's report) into this one; returns self."""
         for job, count in other.host_stored.items():
             self.host_stored[job] = self.host_stored.get(job, 0) + count
+        for job, count in other.host_failed.items():
+            self.host_failed[job] = self.host_failed.get(job, 0) + count
         for job, per_rank in other.disk_stored.items():
             self.disk_stored.setdefault(job, {}).update(per_rank)
         for job, per_rank in other.loaded.items():

@@ -65,6 +65,12 @@ class CopyEngine(abc.ABC):
     def wait(self, handle: CopyHandle) -> None:
         """Block the calling thread until the copy has completed."""
 
+    def fence(self, handle: CopyHandle) -> None:
+        """Make compute issued later on the calling thread's stream start after this
+        copy. Engines with streams do it device-side (no host wait); the default blocks
+        the calling thread until the copy is done."""
+        self.wait(handle)
+
     def current_stream(self) -> object | None:
         """A token naming the calling thread's compute stream, to order a copy issued
         later from another thread after it (``after=`` of engines that take it). None

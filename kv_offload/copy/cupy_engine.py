@@ -270,6 +270,15 @@ class CupyCopyEngine(CopyEngine):
         """Issue host -> engine copies, ordered like ``store``."""
         return self._submit(Direction.LOAD, block_ids, slots, after)
 
+    def fence(self, handle: CopyHandle) -> None:
+        """Make the calling thread's current stream wait (GPU-side) for this copy;
+        never blocks the host. Unknown or retired handles are done: nothing to wait."""
+        with self._lock:
+            pending = self._pending.get(handle.seq)
+        if pending is not None:
+            with self._device:
+                self._compute_stream(None).wait_event(pending.event)
+
     def current_stream(self) -> int:
         """The raw handle of the calling thread's current CUDA stream (or the fixed
         ``compute_stream``): capture it on vLLM's thread, pass it as ``after`` from

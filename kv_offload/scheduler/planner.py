@@ -20,6 +20,7 @@ from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.scheduler.holds import BlockHolds
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source, loadable_run
 from kv_offload.scheduler.records import RequestState, chunk_blocks
@@ -78,6 +79,7 @@ class OffloadScheduler:
         self.stores = StorePlanner(cpu=self.cpu, disk=self.disk_tier, counters=self.counters,
                                    job_ids=job_ids, num_ranks=config.num_ranks,
                                    with_remote=remote is not None)
+        self.holds = BlockHolds()
         self._block_ids_of = block_ids_of
         self._clock = clock
         self._requests: dict[str, RequestState] = {}
@@ -220,24 +222,31 @@ class OffloadScheduler:
 
     # -- stores ----------------------------------------------------------------------------
 
-    def plan_step(self, scheduled: Iterable[tuple[str, int]]) -> StepPlan:
-        """Build this step's plan: queued loads, plus stores for chunks that this step
-        completes. ``scheduled`` yields (req_id, tokens computed once the step ran)."""
-        stores: list[tuple[ChunkKey, tuple[int, ...]]] = []
+    def plan_step(self, scheduled: Iterable[tuple[str, int]],
+                  preempted: Iterable[str] = ()) -> StepPlan:
+        """Build this step's plan: queued loads, stores for chunks that this step
+        completes, the requests held since the last plan, and ``preempted`` (vLLM's
+        preempted requests of this step) where their blocks are still being copied.
+        ``scheduled`` yields (req_id, tokens computed once the step ran)."""
+        stores: list[tuple[ChunkKey, tuple[int, ...], str]] = []
         for req_id, computed in scheduled:
             state = self._requests.get(req_id)
             if state is not None:
                 state.loading, state.load_given_up = False, None  # it runs: its load is over
                 stores += self._completed_chunks(req_id, state, computed)
         store_job = self.stores.plan(stores) if stores else None
+        if store_job is not None:
+            self.holds.copying(store_job.job_id, store_job.req_ids)
         loads = self.take_pending_loads()
         self._maybe_flush_access()
-        return StepPlan(loads, (store_job,) if store_job is not None else ())
+        fenced = tuple(r for r in preempted if self.holds.is_copying(r))
+        return StepPlan(loads, (store_job,) if store_job is not None else (),
+                        held=self.holds.take_new(), preempted=fenced)
 
     def _completed_chunks(self, req_id: str, state: RequestState, computed: int
-                          ) -> list[tuple[ChunkKey, tuple[int, ...]]]:
+                          ) -> list[tuple[ChunkKey, tuple[int, ...], str]]:
         """The chunks of a request completed by ``computed`` tokens and not yet stored
-        (key, engine blocks); those already in the CPU tier are only touched."""
+        (key, engine blocks, request); those already in the CPU tier are only touched."""
         request = state.request
         limit = computed if self.config.store_generated else min(
             computed, request.num_prompt_tokens)
@@ -253,7 +262,7 @@ class OffloadScheduler:
             if keys[c] in self.cpu:
                 self.cpu.touch([keys[c]])
             else:
-                out.append((keys[c], self._chunk_blocks(block_ids, c, skip_before=0)))
+                out.append((keys[c], self._chunk_blocks(block_ids, c, skip_before=0), req_id))
         state.next_store_chunk = num_done
         return out
 
@@ -263,8 +272,11 @@ class OffloadScheduler:
         """Apply what workers finished: publish, commit, release pins (invariants 1-2)."""
         if report.disk_broken:
             self.disk_tier.disable(report.disk_broken)
-        for job_id, count in report.host_stored.items():
-            self.stores.on_copied(job_id, count)
+        for job_id in report.host_stored.keys() | report.host_failed.keys():
+            if self.stores.on_copied(job_id, report.host_stored.get(job_id, 0)
+                                     + report.host_failed.get(job_id, 0),
+                                     report.host_failed.get(job_id, 0)):
+                self.holds.copied(job_id)
         for job_id, sums in report.disk_stored.items():
             if job_id in self.loads.records:  # a load's disk fills
                 self.loads.on_fills(job_id, sums)
@@ -279,16 +291,23 @@ class OffloadScheduler:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def request_finished(self, req_id: str) -> None:
-        """Forget a finished request. Its jobs keep their pins until they complete."""
+    def request_finished(self, req_id: str) -> bool:
+        """Forget a finished request. Its jobs keep their pins until they complete.
+        True when vLLM must keep its blocks until the workers report it sent (a copy
+        of them may still be running: ``BlockHolds``)."""
         self._requests.pop(req_id, None)
+        return self.holds.finish(req_id)
+
+    def blocks_released(self, req_ids: Iterable[str]) -> None:
+        """vLLM freed the blocks of these held requests (``finished_sending``)."""
+        self.holds.released(req_ids)
 
     def num_pending_jobs(self) -> int:
         """Jobs planned or in flight (loads not yet handed out count too)."""
         return len(self.loads.records) + len(self.stores.records)
 
     def has_pending_work(self) -> bool:
-        return bool(self.loads.has_pending() or self.stores.records)
+        return bool(self.loads.has_pending() or self.stores.records or self.holds.num_held())
 
     def reset_cpu_tier(self) -> int:
         """Drop unpinned READY CPU entries (vLLM ``reset_prefix_cache(reset_connector=True)``)."""

@@ -67,7 +67,8 @@ class StoreRecord:
     slots: tuple[int, ...]  # the CPU slot of each chunk
     moves: tuple[ChunkMove, ...]
     phase: StorePhase = StorePhase.COPYING
-    ranks_copied: int = 0
+    ranks_copied: int = 0  # ranks whose engine -> host copy ended, well or not
+    copy_failed: bool = False  # some rank's copy raised: the chunks are discarded
     disk_sums_by_rank: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
     remote_ok_by_rank: dict[int, tuple[bool, ...]] = field(default_factory=dict)
 

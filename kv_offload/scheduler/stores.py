@@ -29,16 +29,16 @@ class StorePlanner:
         self.records: dict[int, StoreRecord] = {}
         self._job_ids = job_ids
 
-    def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...]]]) -> StoreJob | None:
-        """One StoreJob for ``chunks`` (key, engine blocks), each once; a chunk that
-        finds no CPU slot is skipped (counted). None when none found a slot."""
-        unique: dict[ChunkKey, tuple[int, ...]] = {}
-        for key, blocks in chunks:
-            unique.setdefault(key, blocks)
+    def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...], str]]) -> StoreJob | None:
+        """One StoreJob for ``chunks`` (key, engine blocks, request), each key once; a
+        chunk that finds no CPU slot is skipped (counted). None when none found a slot."""
+        unique: dict[ChunkKey, tuple[tuple[int, ...], str]] = {}
+        for key, blocks, req_id in chunks:
+            unique.setdefault(key, (blocks, req_id))
         disk_slots = self.disk.allocate(list(unique))
         job_id = next(self._job_ids)
-        keys, slots, moves, unused_disk = [], [], [], []
-        for (key, blocks), disk_slot in zip(unique.items(), disk_slots):
+        keys, slots, moves, unused_disk, req_ids = [], [], [], [], []
+        for (key, (blocks, req_id)), disk_slot in zip(unique.items(), disk_slots):
             evictions = self.cpu.num_evictions
             slot = self.cpu.reserve(key, SlotState.STORING)
             self.counters.evictions_cpu += self.cpu.num_evictions - evictions
@@ -49,30 +49,42 @@ class StorePlanner:
                 continue
             keys.append(key)
             slots.append(slot)
+            req_ids.append(req_id)
             moves.append(ChunkMove(blocks, slot, disk_slot,
                                    remote_key=key if self.with_remote else None))
         self.disk.release(unused_disk)
         if not moves:
             return None
         self.records[job_id] = StoreRecord(tuple(keys), tuple(slots), tuple(moves))
-        return StoreJob(job_id, tuple(moves))
+        return StoreJob(job_id, tuple(moves), tuple(req_ids))
 
-    def on_copied(self, job_id: int, num_ranks: int) -> None:
-        """``num_ranks`` more ranks copied the job's engine blocks to their host slots;
-        once all did, its chunks are published (COPYING -> WRITING)."""
+    def on_copied(self, job_id: int, num_ranks: int, num_failed: int = 0) -> bool:
+        """``num_ranks`` more ranks finished the job's engine -> host copy, ``num_failed``
+        of them with an error; once all did, True is returned and its chunks are
+        published (COPYING -> WRITING), or discarded if any rank's copy failed."""
         record = self.records.get(job_id)
         if record is None:
-            return
+            return False
         record.ranks_copied += num_ranks
+        record.copy_failed = record.copy_failed or num_failed > 0
         if record.ranks_copied < self.num_ranks or record.phase is not StorePhase.COPYING:
-            return
+            return False
         record.phase = StorePhase.WRITING
+        if record.copy_failed:  # the slots hold no chunk: never visible
+            self.counters.skipped_stores += len(record.keys)
+            for slot, move in zip(record.slots, record.moves):
+                self.cpu.discard_slot(slot)
+                if move.disk_slot is None and move.remote_key is None:
+                    self.cpu.unpin([slot])
+            self._maybe_finish(job_id, record)
+            return True
         self.counters.chunks_stored_cpu += len(record.keys)
         for slot, move in zip(record.slots, record.moves):
             self.cpu.publish(slot)
             if move.disk_slot is None and move.remote_key is None:
                 self.cpu.unpin([slot])
         self._maybe_finish(job_id, record)
+        return True
 
     def on_disk_written(self, job_id: int, per_rank: dict[int, tuple[int | None, ...]]) -> None:
         record = self.records.get(job_id)

@@ -23,6 +23,7 @@ import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.remote.values import ValueCheck
+from kv_offload.worker.host_copies import HostCopies, HostCopy
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class _Load:
 @dataclass(slots=True)
 class _Store:
     job: StoreJob
-    handle: Any
+    copy: HostCopy
     writes: list[Future | None]
     remote_writes: list[Future | None]
     host_reported: bool = False
@@ -60,6 +61,7 @@ class PollResult:
 
     finished_req_ids: set[str]
     failed_block_ids: set[int]
+    finished_sending: set[str] = field(default_factory=set)  # held requests now free
 
 
 class OffloadWorker:
@@ -82,6 +84,7 @@ class OffloadWorker:
         io_threads: int = 4,
         load_timeout_s: float = 30.0,
         verify_checksums: bool = True,
+        background_stores: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank = rank
@@ -94,6 +97,7 @@ class OffloadWorker:
         self._clock = clock
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-copy")
+        self._copies = HostCopies(engine, background=background_stores)
         self._lock = threading.Lock()
         self._loads: dict[int, _Load] = {}
         self._stores: dict[int, _Store] = {}
@@ -269,15 +273,15 @@ class OffloadWorker:
     # -- stores ----------------------------------------------------------------------------
 
     def run_stores(self, jobs: Sequence[StoreJob]) -> None:
-        """Copy engine blocks to host slots for ``jobs`` (after this step's compute),
-        then queue slab writes. The engine copy is issued before returning; on the
-        torch engine it is complete on return (invariant 3)."""
+        """Start copying engine blocks to host slots for ``jobs`` (ordered after this
+        step's compute), then queue slab and remote writes behind each copy. Never waits
+        for a copy: its blocks are protected by ``fence`` and ``hold`` (invariant 3)."""
         for job in jobs:
             slots = np.array([m.cpu_slot for m in job.chunks], dtype=np.int64)
             blocks = np.array([m.block_ids for m in job.chunks], dtype=np.int64)
             start = self._clock()
-            handle = self.engine.store(blocks, slots)
-            # Issue time on CUDA (the copy is asynchronous); copy time on the torch engine.
+            handle = self._copies.issue(blocks, slots, job.req_ids)
+            # Issue time (the copy runs in the background, or inline on a sync engine).
             self._count(bytes_store=self._chunk_bytes(blocks), seconds_store=self._clock() - start)
             writes: list[Future | None] = []
             for move in job.chunks:
@@ -290,15 +294,22 @@ class OffloadWorker:
                              else self._io.submit(self._write_remote, handle, m)
                              for m in job.chunks]
             self._stores[job.job_id] = _Store(job, handle, writes, remote_writes)
-        if jobs:
-            # Blocks copied out may be freed and reused by the very next forward.
-            self.engine.order_before_compute()
 
-    def _write_remote(self, handle: Any, move: ChunkMove) -> bool:
+    def fence(self, req_ids: Sequence[str]) -> None:
+        """Order this step's forward after the copies of these (preempted) requests'
+        blocks, which vLLM freed and may give to this forward. vLLM's thread."""
+        self._copies.fence(req_ids)
+
+    def hold(self, req_ids: Sequence[str]) -> None:
+        """The scheduler held these finished requests' blocks: ``poll`` reports each in
+        ``finished_sending`` once this rank's copies of its blocks are done."""
+        self._copies.hold(req_ids)
+
+    def _write_remote(self, handle: HostCopy, move: ChunkMove) -> bool:
         """Write one chunk to the remote tier (I/O thread); False when it failed or the
         tier is backing off (a skipped store, counted)."""
         try:
-            self.engine.wait(handle)
+            handle.wait()
         except Exception:
             return False
         view = self.host.slot_view(move.cpu_slot)
@@ -309,10 +320,10 @@ class OffloadWorker:
         self._count(bytes_remote_write=len(view), seconds_remote_write=self._clock() - start)
         return True
 
-    def _write_chunk(self, handle: Any, move: ChunkMove) -> int | None:
+    def _write_chunk(self, handle: HostCopy, move: ChunkMove) -> int | None:
         """Write one chunk to the slab once its engine copy is done (I/O thread)."""
         try:
-            self.engine.wait(handle)
+            handle.wait()
         except Exception as exc:
             logger.warning("kv-offload: engine copy of a stored chunk failed: %s", exc)
             return None
@@ -345,11 +356,6 @@ class OffloadWorker:
                     exc, self._write_errors)
             return None
 
-    def wait_for_stores(self) -> None:
-        """Block until engine -> host copies issued so far are complete (preemption)."""
-        for store in list(self._stores.values()):
-            self.engine.wait(store.handle)
-
     # -- completion ------------------------------------------------------------------------
 
     def poll(self) -> PollResult:
@@ -381,9 +387,13 @@ class OffloadWorker:
                         self._report.bad_reads[job_id] = {self.rank: frozenset(load.bad_reads)}
                     del self._loads[job_id]
         for job_id, store in list(self._stores.items()):
-            if not store.host_reported and self.engine.is_done(store.handle):
+            if not store.host_reported and store.copy.done():
                 store.host_reported = True
-                self._report.host_stored[job_id] = 1
+                if store.copy.failed():
+                    self._log_store_failure(job_id, store.copy)
+                    self._report.host_failed[job_id] = 1
+                else:
+                    self._report.host_stored[job_id] = 1
             if store.host_reported and _all_done(store.writes + store.remote_writes):
                 if any(w is not None for w in store.writes):
                     self._report.disk_stored[job_id] = {self.rank: _results(store.writes)}
@@ -397,7 +407,14 @@ class OffloadWorker:
                     self._report.disk_stored[job_id] = {self.rank: _results(fills)}
                     del self._fills[job_id]
         self._prune_staged(now)
-        return PollResult(finished, failed_blocks)
+        return PollResult(finished, failed_blocks, self._copies.take_sent())
+
+    def _log_store_failure(self, job_id: int, copy: HostCopy) -> None:
+        try:
+            copy.wait()
+        except Exception:
+            logger.exception("kv-offload: copying store job %d to the CPU tier failed; its "
+                             "chunks are not stored", job_id)
 
     def take_report(self) -> WorkerReport | None:
         """The report accumulated since the last call (None when empty)."""
@@ -431,7 +448,7 @@ class OffloadWorker:
                 self._stats[name] = self._stats.get(name, 0) + value
 
     def has_pending_jobs(self) -> bool:
-        return bool(self._loads or self._stores or self._fills)
+        return bool(self._loads or self._stores or self._fills or self._copies.num_pending())
 
     def _prune_staged(self, now: float) -> None:
         for key, (fut, t0) in list(self._staged.items()):
@@ -445,6 +462,7 @@ class OffloadWorker:
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Finish queued disk and remote writes (bounded by ``timeout_s``), then stop."""
         deadline = self._clock() + timeout_s
+        self._copies.close()  # copies already issued finish (the writes read them)
         pending = [w for s in list(self._stores.values()) for w in s.writes + s.remote_writes]
         pending += [f for fills in list(self._fills.values()) for f in fills]
         for w in pending:

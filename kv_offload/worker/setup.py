@@ -122,4 +122,5 @@ def build_worker(
                 rank, len(planes), host.num_slots, type(engine).__name__)
     return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
                          io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
-                         verify_checksums=config.verify_checksums)
+                         verify_checksums=config.verify_checksums,
+                         background_stores=config.cpu_background_stores and not on_cuda)

@@ -172,6 +172,8 @@ class Rig:
     def step(self, scheduled: list[tuple[str, int]] = ()) -> None:
         """One engine step: plan, run jobs on the worker, poll, report back."""
         plan = self.sched.plan_step(list(scheduled))
+        self.worker.fence(plan.preempted)  # what the connector's handle_preemptions does
+        self.worker.hold(plan.held)
         if plan.loads:
             self.worker.start_loads(plan.loads)
         if plan.stores:
@@ -185,6 +187,8 @@ class Rig:
         report = self.worker.take_report()
         if report:
             self.sched.on_report(report)
+        if result.finished_sending:  # vLLM frees the held blocks
+            self.sched.blocks_released(result.finished_sending)
 
     def drain(self, timeout_s: float = 10.0) -> None:
         """Step until neither side has a job in flight; AssertionError on timeout."""

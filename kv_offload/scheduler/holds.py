@@ -1,0 +1,72 @@
+"""BlockHolds: which requests' engine blocks must outlive the request (invariant 3).
+
+A store job copies engine blocks to host slots after the forward that wrote them, in
+the background: the step never waits for it. Blocks of a running request are never
+rewritten, so only blocks that vLLM frees can be overwritten under a copy: those of a
+request that finishes (or is aborted) while a copy of its blocks is in flight. Such a
+request is *held*: ``KVOffloadConnector.request_finished`` tells vLLM to keep its blocks
+until every rank reports it in ``finished_sending``, which a worker does once its own
+copies of that request's blocks are done. Preempted requests are fenced by the workers
+instead (their blocks are freed at once, before this step's forward).
+
+Scheduler thread only. Pure bookkeeping: no I/O, no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class BlockHolds:
+    """Store jobs whose engine -> host copy is not yet reported done by every rank, per
+    request; and the finished requests held for them."""
+
+    def __init__(self) -> None:
+        self._jobs_of: dict[str, set[int]] = {}  # request -> copying store jobs
+        self._reqs_of: dict[int, set[str]] = {}  # copying store job -> requests
+        self._held: set[str] = set()  # finished, blocks kept until finished_sending
+        self._new_held: list[str] = []  # held since the last plan
+
+    def copying(self, job_id: int, req_ids: Iterable[str]) -> None:
+        """A store job of the blocks of ``req_ids`` was planned (its copy starts now)."""
+        reqs = set(req_ids)
+        if not reqs:
+            return
+        self._reqs_of[job_id] = reqs
+        for req in reqs:
+            self._jobs_of.setdefault(req, set()).add(job_id)
+
+    def copied(self, job_id: int) -> None:
+        """Every rank finished the job's engine -> host copy. Unknown ids are ignored."""
+        for req in self._reqs_of.pop(job_id, ()):
+            jobs = self._jobs_of.get(req)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._jobs_of[req]
+
+    def finish(self, req_id: str) -> bool:
+        """``req_id`` finished: True when its blocks must be held (a copy of them may
+        still be running on some rank), and then it goes out with the next plan."""
+        if req_id not in self._jobs_of or req_id in self._held:
+            return False
+        self._held.add(req_id)
+        self._new_held.append(req_id)
+        return True
+
+    def take_new(self) -> tuple[str, ...]:
+        """The requests held since the last call (each handed to the workers once)."""
+        out, self._new_held = tuple(self._new_held), []
+        return out
+
+    def released(self, req_ids: Iterable[str]) -> None:
+        """vLLM freed these requests' blocks (every rank reported them sent)."""
+        for req in req_ids:
+            self._held.discard(req)
+            self._jobs_of.pop(req, None)
+
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def is_copying(self, req_id: str) -> bool:
+        return req_id in self._jobs_of

@@ -1,0 +1,121 @@
+"""HostCopies: a worker's engine -> host copies in flight, per request (invariant 3).
+
+The step never waits for its stores: a copy runs behind the forward (on a CUDA stream,
+or on a store thread of its own on vLLM's CPU backend) and its engine blocks stay safe
+because they are never freed under it:
+
+- a request that finishes while copies of its blocks run is *held* by the scheduler
+  (vLLM keeps its blocks); ``hold`` names it here, and ``take_sent`` reports it once
+  this rank's copies of its blocks are done (vLLM's ``finished_sending``);
+- a preempted request's blocks are freed at once and may be rewritten by this step's
+  forward: ``fence`` orders that forward after its copies (GPU-side on CUDA).
+
+Blocks of running requests are never rewritten, so nothing else waits. vLLM's worker
+thread only (the store thread only runs copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+
+class HostCopy:
+    """One engine -> host copy: the future of an engine handle (done at once when the
+    engine's ``store`` ran on the calling thread). ``wait`` raises what the copy raised."""
+
+    __slots__ = ("_engine", "_future")
+
+    def __init__(self, engine: Any, future: Future) -> None:
+        self._engine, self._future = engine, future
+
+    def done(self) -> bool:
+        """Finished, successfully or not (never blocks)."""
+        if not self._future.done():
+            return False
+        if self._future.exception() is not None:
+            return True
+        return bool(self._engine.is_done(self._future.result()))
+
+    def failed(self) -> bool:
+        """Done with an error (the host slots hold no chunk). Never blocks."""
+        return self._future.done() and self._future.exception() is not None
+
+    def wait(self) -> None:
+        """Block until the bytes are in the host slots; raises if the copy failed."""
+        self._engine.wait(self._future.result())
+
+    def fence(self) -> None:
+        """Make later compute on the calling thread's stream start after this copy
+        (GPU-side with streams; a host wait otherwise). Never raises."""
+        if self._future.exception() is not None:  # waits for a background copy
+            return  # a failed copy reads no block any more
+        self._engine.fence(self._future.result())
+
+
+class HostCopies:
+    """Issues store copies and tracks them per request (see the module docstring).
+
+    ``background``: run each copy on a store thread of its own (engines whose copies
+    complete inside ``store``, i.e. vLLM's CPU backend), so ``issue`` returns at once.
+    """
+
+    def __init__(self, engine: Any, *, background: bool) -> None:
+        self.engine = engine
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="kv-offload-store")
+                        if background else None)
+        self._by_req: dict[str, list[HostCopy]] = {}
+        self._held: set[str] = set()
+
+    def issue(self, block_ids: np.ndarray, slots: np.ndarray, req_ids: Iterable[str]
+              ) -> HostCopy:
+        """Start copying ``block_ids`` into ``slots`` (the engine's ``store``), ordered
+        after the compute issued so far; the blocks belong to ``req_ids``."""
+        if self._thread is None:
+            future: Future = Future()
+            try:
+                future.set_result(self.engine.store(block_ids, slots))
+            except Exception as exc:  # reported as a failed copy, never raised into vLLM
+                future.set_exception(exc)
+        else:
+            future = self._thread.submit(self.engine.store, block_ids, slots)
+        copy = HostCopy(self.engine, future)
+        for req in set(req_ids):
+            self._by_req.setdefault(req, []).append(copy)
+        return copy
+
+    def fence(self, req_ids: Iterable[str]) -> None:
+        """Order the next forward after every copy of these requests' blocks."""
+        for req in req_ids:
+            for copy in self._by_req.pop(req, ()):
+                copy.fence()
+
+    def hold(self, req_ids: Iterable[str]) -> None:
+        """The scheduler held these finished requests: report each in ``take_sent``
+        once this rank's copies of its blocks are done."""
+        self._held.update(req_ids)
+
+    def take_sent(self) -> set[str]:
+        """Held requests whose copies are all done (each returned once); forgets done
+        copies."""
+        for req in list(self._by_req):
+            pending = [c for c in self._by_req[req] if not c.done()]
+            if pending:
+                self._by_req[req] = pending
+            else:
+                del self._by_req[req]
+        sent = {req for req in self._held if req not in self._by_req}
+        self._held -= sent
+        return sent
+
+    def num_pending(self) -> int:
+        """Requests with copies in flight or held."""
+        return len(self._by_req.keys() | self._held)
+
+    def close(self) -> None:
+        """Let copies already issued finish; no new ones."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
