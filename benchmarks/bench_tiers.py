@@ -63,14 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=4,
                         help="I/O threads for the 'ours, N threads' row (default 4)")
     parser.add_argument("--repeat", type=int, default=None,
-                        help="runs per I/O contender, best kept (default 3, --quick 1)")
+                        help="runs per I/O contender, best kept (default 5, --quick 1)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache once at start (root only)")
     args = parser.parse_args(argv)
     args.total_mib = args.total_mib or (8 if args.quick else 256)
     sizes = args.lookup_keys or ("1000,10000" if args.quick else "10000,100000,1000000")
     args.lookup_keys = [int(x) for x in sizes.split(",")]
-    args.repeat = args.repeat or (1 if args.quick else 3)
+    args.repeat = args.repeat or (1 if args.quick else 5)
     return args
 
 
@@ -437,10 +437,12 @@ def notes(result: dict) -> list[str]:
         "written), while it is in cache, so hashing never reads memory twice. Cold reads "
         "and writes with fsync are disk-bound: there the hash is a few percent.",
         "**Before (issue 15, idle machine):** warm reads 0.59-0.70x of the raw file, writes "
-        "0.62-0.88x, whole path. Changes since: the benchmark separates the slab's I/O from "
-        "the index. The slab still looks its path up per call (a `stat`, ~2-3 us): an "
-        "`fstat` of the open descriptor (~1 us) was tried and reverted, because a store "
-        "moved away or lazily unmounted keeps the open file linked and it was still served.",
+        "0.62-0.88x, whole path. Changes since: I/O pieces of 256 KiB instead of 1 MiB (each "
+        "hashed while it is in L2), and the benchmark separates the slab's I/O from the "
+        "index, with unverified reads and a threaded raw file for reference. Per call the "
+        "slab pays ~4-5 us besides the I/O (~2.5 us of it the path `stat` that notices a "
+        "store deleted or moved away under a running engine; an `fstat` of the open file "
+        "was tried and reverted because it does not), ~15% of a 256 KiB page-cache read.",
         "Reproduce: `.venv/bin/python benchmarks/bench_tiers.py --json docs/bench-data/"
         "tiers.json` (`--total-mib`, `--repeat`, `--threads`).",
     ]
