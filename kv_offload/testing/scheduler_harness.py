@@ -99,7 +99,8 @@ class SchedulerHarness:
                  block_size: int = 8, cpu_slots: int = 12, disk: bool = True,
                  load_timeout_steps: int = 5, faults: Faults = Faults(),
                  max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
-                 delay_rule: Callable[[Callable, tuple], int | None] | None = None) -> None:
+                 delay_rule: Callable[[Callable, tuple], int | None] | None = None,
+                 background_stores: bool = False) -> None:
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
         self.delay_rule = delay_rule  # scripted delays of background tasks (regressions)
@@ -112,7 +113,8 @@ class SchedulerHarness:
         self.offload = OffloadConfig(
             cpu_size=cpu_slots * slot_bytes, chunk_tokens=self.chunk_tokens,
             disk_path=str(tmp_path / "store") if disk else None, disk_size=256 * slot_bytes,
-            load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1)
+            load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1,
+            cpu_background_stores=background_stores)
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)
@@ -121,6 +123,7 @@ class SchedulerHarness:
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = self._build_scheduler()
         self.executor = StepExecutor(self._delay)
+        self.store_executor = StepExecutor(self._delay, run_when_waited_for=True)
         self.kv = make_kv_tensors(NUM_LAYERS, num_blocks, block_size)
         self.worker_connector, self.worker = self._build_worker()
         self.runner = FakeModelRunner(self.worker_connector, self.kv, block_size,
@@ -160,6 +163,10 @@ class SchedulerHarness:
                     raise AttributeError(f"OffloadWorker has no {pool}; update the harness")
                 getattr(worker, pool).shutdown(wait=False)
                 setattr(worker, pool, self.executor)
+            copies = worker._copies
+            if copies._thread is not None:  # background store copies: deterministic too
+                copies._thread.shutdown(wait=False)
+                copies._thread = self.store_executor  # a fence's wait runs the copy
             built.append(worker)
             return worker
 
@@ -185,6 +192,7 @@ class SchedulerHarness:
         return 1 + self.rng.randrange(2) if self.draw("delay") else 0
 
     def _background(self) -> None:
+        self.store_executor.run_due(self.step_index)
         self.executor.run_due(self.step_index)
 
     # -- the engine core's view ------------------------------------------------------------
@@ -295,7 +303,8 @@ class SchedulerHarness:
             stats = planner.disk.stats()
             if stats["pinned"] or stats["reserved"]:
                 out.append(f"disk index: {stats['pinned']} pins, {stats['reserved']} reserved")
-        if self.worker.has_pending_jobs() or self.executor.num_pending():
+        if (self.worker.has_pending_jobs() or self.executor.num_pending()
+                or self.store_executor.num_pending()):
             out.append("worker side: jobs or background tasks pending")
         if getattr(planner.counters, "hook_errors", 0):
             out.append(f"{planner.counters.hook_errors} exceptions caught in connector hooks")

@@ -15,6 +15,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kv_offload.worker.host_copies import HostCopy
+
 
 @dataclass(slots=True)
 class _Task:
@@ -24,12 +26,33 @@ class _Task:
     due: int  # the first step at which it may run
 
 
-class StepExecutor:
-    """Executor whose tasks run in ``run_due``; not thread-safe (one test thread)."""
+class _RunsWhenWaitedFor(Future):
+    """A task's future whose blocking wait runs the task: the waiter gets what a thread
+    finishing it would have given (the worker's fence of a background copy)."""
 
-    def __init__(self, delay_of: Callable[[Callable, tuple], int] = lambda fn, args: 0
-                 ) -> None:
+    def __init__(self, executor: StepExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._executor.run_now([self])
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self._executor.run_now([self])
+        return super().exception(timeout)
+
+
+class StepExecutor:
+    """Executor whose tasks run in ``run_due``; not thread-safe (one test thread).
+    ``run_when_waited_for``: a blocking wait on a task's future runs it at once."""
+
+    def __init__(self, delay_of: Callable[[Callable, tuple], int] = lambda fn, args: 0,
+                 *, run_when_waited_for: bool = False) -> None:
         self._delay_of = delay_of
+        self._run_when_waited_for = run_when_waited_for
         self._tasks: list[_Task] = []
         self._step = 0
         self._shut = False
@@ -39,7 +62,7 @@ class StepExecutor:
         (as ThreadPoolExecutor)."""
         if self._shut:
             raise RuntimeError("cannot schedule new futures after shutdown")
-        future: Future = Future()
+        future = _RunsWhenWaitedFor(self) if self._run_when_waited_for else Future()
         self._tasks.append(_Task(future, fn, args, self._step + self._delay_of(fn, args)))
         return future
 
@@ -63,6 +86,19 @@ class StepExecutor:
             else:
                 task.future.set_result(result)
 
+    def run_now(self, futures: list[Future]) -> None:
+        """Run the tasks of ``futures`` at once, due or not (what a thread blocking on
+        them would wait for), in submission order; tasks not of this executor are
+        ignored."""
+        wanted = set(map(id, futures))
+        for task in [t for t in self._tasks if id(t.future) in wanted]:
+            self._tasks.remove(task)
+            if task.future.set_running_or_notify_cancel():
+                try:
+                    task.future.set_result(task.fn(*task.args))
+                except BaseException as exc:  # noqa: BLE001 - its future carries it
+                    task.future.set_exception(exc)
+
     def num_pending(self) -> int:
         return len(self._tasks)
 
@@ -75,4 +111,5 @@ class StepExecutor:
 
 
 def _ready(args: tuple) -> bool:
-    return all(a.done() for a in args if isinstance(a, Future))
+    """A task waits for the futures and host copies among its arguments."""
+    return all(a.done() for a in args if isinstance(a, (Future, HostCopy)))

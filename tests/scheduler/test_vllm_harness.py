@@ -8,7 +8,8 @@ failing reads, copy failures, a full disk) must end idle: no request stuck, vLLM
 pool free, no pins, reservations or jobs on either side, every CPU and disk slot holding
 the KV of its key; every token is computed on the right KV (checked as it is computed).
 
-More seeds: KV_OFFLOAD_HARNESS_SEEDS=200 (a count) or =100-300 (a range).
+More seeds: KV_OFFLOAD_HARNESS_SEEDS=200 (a count) or =100-300 (a range); the runs with
+store copies behind the forward take the first KV_OFFLOAD_BG_SEEDS (default 10) of them.
 The regressions of issue 17 follow the random runs.
 """
 
@@ -179,3 +180,40 @@ def test_exceptions_in_connector_hooks_never_reach_vllm(harness_factory, monkeyp
     assert harness.check_idle() == [f"{planner.counters.hook_errors} exceptions caught in "
                                     "connector hooks"]
     assert planner.counters.hook_errors >= 3
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seed", _seeds()[:int(os.environ.get("KV_OFFLOAD_BG_SEEDS", "10"))])
+def test_random_workload_with_store_copies_behind_the_forward(harness_factory, seed,
+                                                               async_scheduling):
+    """Store copies run on their own thread and finish steps later (cpu_background_stores;
+    as CUDA streams do): blocks of finished requests are held, preempted ones fenced, so
+    no copy ever reads a block that another request already rewrote."""
+    faults = Faults(seed=seed, delay=0.5)
+    harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
+                              faults=faults, background_stores=True)
+    stats = run_workload(harness, seed, num_requests=60, p_abort=0.05, max_tokens=12,
+                         p_reset=0.05)
+    assert harness.check_idle() == [], f"seed {seed}: {stats}"
+
+
+def test_blocks_freed_under_a_slow_store_copy_are_reused_only_after_it(harness_factory):
+    """Issue 15: request A finishes while the copy of its blocks to the CPU tier is still
+    running (held back 4 steps); B needs every free block at once. A's blocks go back to
+    vLLM only once the copy is done, so the CPU tier holds A's KV, not B's, and both
+    requests' tokens are computed on the right KV."""
+    def slow_store(fn, args):
+        return 4 if getattr(fn, "__name__", "") == "store" else None
+
+    harness = harness_factory(num_blocks=12, cpu_slots=8, background_stores=True,
+                              delay_rule=slow_store, disk=False)
+    harness.add("a", _doc(40, 0), max_tokens=1)  # 5 of the 11 usable blocks
+    harness.step()
+    harness.step()
+    assert harness.requests["a"].is_finished()
+    assert harness.scheduler_side.holds.num_held() == 1  # its copy is still running
+    harness.add("b", _doc(80, 400), max_tokens=1)  # 10 blocks: needs A's
+    harness.run()
+    assert harness.requests["b"].is_finished()
+    assert harness.check_idle() == []  # every CPU slot holds its key's KV
+    assert harness.scheduler_side.counters.chunks_stored_cpu == 2 + 5
