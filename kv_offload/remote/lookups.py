@@ -263,6 +263,11 @@ class RemoteLookups:
                 return
             self._send(batch, slot)
 
+    @property
+    def running(self) -> bool:
+        """Whether a lookup thread is still alive (False after ``close``)."""
+        return any(t.is_alive() for t in self._threads)
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the lookup threads (a round trip in flight finishes first, up to
         ``timeout_s``). Pending questions stay unanswered: ``ask`` then answers 0 once

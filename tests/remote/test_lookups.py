@@ -280,3 +280,4 @@ def test_the_scheduler_thread_never_waits_for_the_server():
     finally:
         tier.release.set()
         lookups.close()
+    assert not lookups.running, "close stops every lookup thread"
