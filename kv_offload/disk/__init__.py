@@ -8,7 +8,8 @@ transactions), ``namespace`` (the record changes of one namespace in a transacti
 See docs/disk-tier.md for the store layout, crash safety and sharing rules.
 """
 
-from kv_offload.disk.admin import clear, iter_entries, list_namespaces
+from typing import TYPE_CHECKING, Any
+
 from kv_offload.disk.errors import (
     NamespaceMismatchError,
     StoreCorruptError,
@@ -16,9 +17,29 @@ from kv_offload.disk.errors import (
     StorePathError,
     StoreVersionError,
 )
-from kv_offload.disk.index import DiskIndex
-from kv_offload.disk.records import DiskEntry
-from kv_offload.disk.slab import ReadResult, SlabFile
+
+if TYPE_CHECKING:
+    from kv_offload.disk.admin import clear, iter_entries, list_namespaces
+    from kv_offload.disk.index import DiskIndex
+    from kv_offload.disk.records import DiskEntry
+    from kv_offload.disk.slab import ReadResult, SlabFile
+
+# Loaded on first use: importing the errors (the scheduler does) needs no lmdb.
+_LAZY = {
+    "clear": "kv_offload.disk.admin", "iter_entries": "kv_offload.disk.admin",
+    "list_namespaces": "kv_offload.disk.admin", "DiskIndex": "kv_offload.disk.index",
+    "DiskEntry": "kv_offload.disk.records", "ReadResult": "kv_offload.disk.slab",
+    "SlabFile": "kv_offload.disk.slab",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DiskEntry",
