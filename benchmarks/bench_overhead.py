@@ -1,23 +1,30 @@
-"""What our connector costs when nothing is reused, and what it gains with 50% reuse.
+"""What our connector costs when nothing is reused or every request stores, and what it
+gains with 50% reuse.
 
-Two engines of the same process kind run side by side: plain vLLM (no connector) and
-vLLM with kv-offload (CPU tier and disk tier on, stores on). Each round gives both the
-same batch of prompts, alternating which one goes first, and every round uses new prompts:
+Three engines of the same process kind run side by side: plain vLLM (no connector),
+vLLM with kv-offload (CPU and disk tier on, generated tokens stored too, chunks of 64
+tokens) copying stores synchronously at the end of the step (``ours``), and the same with
+``cpu_background_stores=True`` (``ours_bg``: copies on a store thread, overlapping the
+next forward). Each round gives all three the same batches, rotating which one goes
+first, and every round uses new prompts:
 
   no_reuse   32 distinct prompts of 1k tokens (+16-token suffix), 8 output tokens each:
              everything is computed, and ours also stores every chunk to CPU and disk
   reuse_50   after reset_prefix_cache() on both: 16 prompts repeat a prefix of this
              round's no_reuse batch with a new suffix, 16 are new. vLLM's own cache
              was reset (as if evicted), so plain recomputes them; ours loads them
+  store_heavy 16 prompts of 3 chunks + 0..63 tokens (staggered, so that decode steps
+             complete chunks all the time), 192 output tokens each: ours stores every
+             prompt and generated chunk while decoding
 
 Throughput is (prompt + output tokens) / wall seconds of the batch; TTFT is vLLM's
 per-request first_token_latency (queueing included, all requests arrive at once).
 Before each batch the other engine gets SETTLE_S to stop spinning (see _engine.Turns).
-Ratios ours/plain are taken per round (paired) and the median is reported. Target:
-no_reuse throughput >= 0.97x plain.
+Ratios ours/plain are taken per round (paired) and the median is reported. Targets
+(issue 15): no_reuse and store_heavy throughput >= 0.97x plain.
 
     python benchmarks/bench_overhead.py --quick --json /tmp/overhead.json
-    python benchmarks/bench_overhead.py --json overhead.json          # ~4 min, 2 cores
+    python benchmarks/bench_overhead.py --json overhead.json          # ~10 min, 2 cores
 """
 
 from __future__ import annotations
@@ -46,8 +53,11 @@ from kv_offload.testing.engine import (
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
 SUFFIX_TOKENS = 16
-TARGET_NO_REUSE = 0.97
-WORKLOADS = ("no_reuse", "reuse_50")
+TARGET = 0.97  # issue 15: no_reuse and store_heavy throughput ours/plain
+WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
+CONTENDERS = ("plain", "ours", "ours_bg")
+VARIANTS = {"ours": False, "ours_bg": True}  # name -> cpu_background_stores
+GRADED = ("no_reuse", "store_heavy")
 
 
 def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -58,13 +68,16 @@ def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
     def suffix(i: int, variant: int) -> str:
         return make_prompt(SUFFIX_TOKENS, seed=700_000 + round_ * 1000 + i * 10 + variant)
 
-    n = args.num_prompts
+    n, h = args.num_prompts, args.heavy_prompts
     no_reuse = [prefix(i) + suffix(i, 0) for i in range(n)]
     reuse = []
     for i in range(n):  # alternate: a repeated prefix with a new suffix, then a new prompt
         reuse.append(prefix(i // 2) + suffix(i // 2, 1) if i % 2 == 0
                      else prefix(n + i) + suffix(n + i, 0))
-    return {"no_reuse": no_reuse, "reuse_50": reuse}
+    # lengths spread over one chunk: requests complete their chunks on different steps
+    heavy = [make_prompt(args.heavy_prompt_tokens + i * args.chunk_tokens // h,
+                         seed=900_000 + round_ * 1000 + i) for i in range(h)]
+    return {"no_reuse": no_reuse, "reuse_50": reuse, "store_heavy": heavy}
 
 
 def run_batch(engine: EngineProcess, prompts: list[str], max_tokens: int) -> dict[str, Any]:
@@ -75,78 +88,105 @@ def run_batch(engine: EngineProcess, prompts: list[str], max_tokens: int) -> dic
             "output_tok_s": out["num_output_tokens"] / out["seconds"],
             "mean_ttft_s": statistics.fmean(out["ttft_s"]) if out["ttft_s"] else None,
             "external_hit_tokens": int(out["metrics"]["external_hits"]),
-            "vllm_hit_tokens": int(out["metrics"]["prefix_cache_hits"])}
+            "vllm_hit_tokens": int(out["metrics"]["prefix_cache_hits"]),
+            # reported by the time the batch returned; readable in-process only
+            "chunks_stored": out["kv_offload"].get("kv_offload_chunks_stored_total{tier=cpu}")}
 
 
-def run_rounds(args: argparse.Namespace, plain: EngineProcess, ours: EngineProcess,
+def run_rounds(args: argparse.Namespace, engines: dict[str, EngineProcess],
                turns: Turns) -> list[dict]:
+    """Every workload on every engine per round; the engines' order rotates per round."""
     rounds = []
+    names = list(engines)
+    max_tokens = {"no_reuse": args.max_tokens, "reuse_50": args.max_tokens,
+                  "store_heavy": args.heavy_max_tokens}
     for r in range(args.rounds):
         batches = prompts_for(r, args)
-        order = [("plain", plain), ("ours", ours)]
-        if r % 2:
-            order.reverse()
-        row: dict[str, Any] = {"round": r, "first": order[0][0]}
+        order = names[r % len(names):] + names[:r % len(names)]
+        row: dict[str, Any] = {"round": r, "order": order}
         for workload in WORKLOADS:
             if workload == "reuse_50":
-                for _, engine in order:
-                    turns.take(engine)
-                    if not engine.reset():
+                for name in order:
+                    turns.take(engines[name])
+                    if not engines[name].reset():
                         raise EngineError("vLLM refused reset_prefix_cache: blocks in use")
-            for name, engine in order:
-                turns.take(engine)
+            for name in order:
+                turns.take(engines[name])
                 row.setdefault(workload, {})[name] = run_batch(
-                    engine, batches[workload], args.max_tokens)
+                    engines[name], batches[workload], max_tokens[workload])
         rounds.append(row)
         print(f"  round {r + 1}/{args.rounds} done", flush=True)
     return rounds
 
 
+def paired(rows: list[dict], key: str, num: str, den: str) -> float | None:
+    """Median over rounds of ``num``'s ``key`` over ``den``'s in the same round."""
+    ratios = [x[num][key] / x[den][key] for x in rows if x[num][key] and x[den][key]]
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize(rounds: list[dict]) -> dict[str, dict[str, Any]]:
-    """Per workload: medians per engine and the median of the paired ours/plain ratios."""
+    """Per workload: medians per engine and the medians of the paired ratios (ours/plain,
+    ours_bg/plain, ours_bg/ours)."""
     out: dict[str, dict[str, Any]] = {}
     for workload in WORKLOADS:
         rows = [r[workload] for r in rounds]
         summary: dict[str, Any] = {}
-        for name in ("plain", "ours"):
+        for name in CONTENDERS:
             summary[name] = {
                 key: statistics.median(x[name][key] for x in rows)
                 for key in ("throughput_tok_s", "output_tok_s", "seconds")
             }
             ttfts = [x[name]["mean_ttft_s"] for x in rows if x[name]["mean_ttft_s"] is not None]
             summary[name]["mean_ttft_s"] = statistics.median(ttfts) if ttfts else None
-            summary[name]["external_hit_tokens"] = sum(x[name]["external_hit_tokens"]
-                                                       for x in rows)
-        summary["throughput_ratio"] = statistics.median(
-            x["ours"]["throughput_tok_s"] / x["plain"]["throughput_tok_s"] for x in rows)
-        ttft = [x["ours"]["mean_ttft_s"] / x["plain"]["mean_ttft_s"] for x in rows
-                if x["ours"]["mean_ttft_s"] and x["plain"]["mean_ttft_s"]]
-        summary["ttft_ratio"] = statistics.median(ttft) if ttft else None
+            for key in ("external_hit_tokens", "chunks_stored"):
+                counts = [x[name].get(key) for x in rows]
+                summary[name][key] = None if None in counts else int(sum(counts))
+        for num, den, suffix in (("ours", "plain", ""), ("ours_bg", "plain", "_bg"),
+                                 ("ours_bg", "ours", "_bg_vs_sync")):
+            summary["throughput_ratio" + suffix] = paired(rows, "throughput_tok_s", num, den)
+            summary["ttft_ratio" + suffix] = paired(rows, "mean_ttft_s", num, den)
         out[workload] = summary
     return out
+
+
+RATIO_ROWS = (("ours/plain", ""), ("ours_bg/plain", "_bg"), ("ours_bg/ours", "_bg_vs_sync"))
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     """This benchmark's section of docs/benchmarks.md (no plot: ``img`` is unused)."""
     rows = []
     for workload, s in data["summary"].items():
-        for name in ("plain", "ours"):
+        for name in CONTENDERS:
             e = s[name]
             ttft = e["mean_ttft_s"] and e["mean_ttft_s"] * 1e3
             rows.append([workload, name, fmt(e["throughput_tok_s"], ".0f"), fmt(ttft, ".0f"),
-                         e["external_hit_tokens"], ""])
-        rows.append([workload, "ours/plain", fmt(s["throughput_ratio"]), fmt(s["ttft_ratio"]),
-                     "", "paired per round, median"])
-    v = data["verdict"]
-    targets.add("Zero-hit overhead: " + v["target"], v["value"], f">= {v['limit']}", v["pass"],
-                "bench_overhead")
+                         e["external_hit_tokens"], fmt(e.get("chunks_stored")), ""])
+        for label, suffix in RATIO_ROWS:
+            rows.append([workload, label, fmt(s["throughput_ratio" + suffix]),
+                         fmt(s["ttft_ratio" + suffix]), "", "", "paired per round, median"])
+    for v in data["verdicts"]:
+        targets.add(v["target"], v["value"], f">= {v['limit']}", v["pass"], "bench_overhead")
     targets.add("50% reuse: throughput ours/plain (gain shown, no target)",
                 data["summary"]["reuse_50"]["throughput_ratio"], "-", None, "bench_overhead")
-    header = ["workload", "engine", "tokens/s", "mean TTFT (ms)", "external hit tokens", "note"]
+    sync = {w: s["throughput_ratio_bg_vs_sync"] for w, s in data["summary"].items()}
+    load = data["machine"]
+    header = ["workload", "engine", "tokens/s", "mean TTFT (ms)", "external hit tokens",
+              "chunks stored (CPU)", "note"]
     return fill("overhead", num_prompts=data["num_prompts"], prompt_tokens=data["prompt_tokens"],
                 suffix_tokens=data["suffix_tokens"], max_tokens=data["max_tokens"],
-                ours_config=data["ours_config"], rounds=data["rounds"], env=data["env"],
-                table="\n".join(table(header, rows)))
+                heavy_prompts=data["heavy_prompts"],
+                heavy_prompt_tokens=data["heavy_prompt_tokens"],
+                heavy_max_tokens=data["heavy_max_tokens"], ours_config=data["ours_config"],
+                rounds=data["rounds"], env=data["env"],
+                topology="one process per engine (--in-process)" if data["in_process"]
+                else "vLLM's default engine processes",
+                command=data["command"],
+                loadavg=" -> ".join(f"{x:.2f}" for x in (load["loadavg_start"][0],
+                                                          load["loadavg_end"][0])),
+                bg_vs_sync=", ".join(f"{w} {fmt(v)}" for w, v in sync.items()),
+                table="\n".join(table(header, rows)),
+                notes="\n\n".join(data.get("notes", [])))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -159,7 +199,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="prefix tokens per prompt (default 1024)")
     parser.add_argument("--max-tokens", type=int, default=None, help="output tokens (default 8)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 6)")
+    parser.add_argument("--heavy-prompts", type=int, default=None,
+                        help="store_heavy: prompts per batch (default 16)")
+    parser.add_argument("--heavy-prompt-tokens", type=int, default=None,
+                        help="store_heavy: shortest prompt (default 3 chunks); the others "
+                             "are longer by up to one chunk")
+    parser.add_argument("--heavy-max-tokens", type=int, default=None,
+                        help="store_heavy: output tokens (default 192)")
+    parser.add_argument("--chunk-tokens", type=int, default=64,
+                        help="kv-offload's chunk_tokens (default 64)")
     parser.add_argument("--vllm-default-binding", action="store_true",
                         help="leave vLLM's CPU thread binding alone: on 2 cores an engine "
                              "with any connector then gets 2 unbound OpenMP threads, one "
@@ -173,56 +222,79 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or (4 if args.quick else 32)
     args.prompt_tokens = args.prompt_tokens or (256 if args.quick else 1024)
     args.max_tokens = args.max_tokens or (4 if args.quick else 8)
-    args.rounds = args.rounds or (1 if args.quick else 4)  # even: each engine first as often
+    args.rounds = args.rounds or (1 if args.quick else 6)  # each engine first as often
+    args.heavy_prompts = args.heavy_prompts or (2 if args.quick else 16)
+    args.heavy_prompt_tokens = args.heavy_prompt_tokens or (
+        args.chunk_tokens if args.quick else 3 * args.chunk_tokens)
+    args.heavy_max_tokens = args.heavy_max_tokens or (2 * args.chunk_tokens if args.quick
+                                                      else 192)
     args.in_process = args.in_process or args.quick
     return args
+
+
+def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One verdict per graded workload and kv-offload variant."""
+    out = []
+    for workload in GRADED:
+        for name, suffix in (("ours", ""), ("ours_bg", "_bg")):
+            value = summary[workload]["throughput_ratio" + suffix]
+            out.append({"target": f"{workload} throughput {name}/plain >= {TARGET}",
+                        "value": value, "limit": TARGET,
+                        "pass": value is not None and value >= TARGET})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="kv-offload-overhead-", dir=args.dir))
-    ours_cfg = {"cpu_size": "1GiB", "disk_path": str(base / "store"), "disk_size": "4GiB"}
+    ours_cfg = {"cpu_size": "1GiB", "disk_size": "4GiB", "chunk_tokens": args.chunk_tokens,
+                "store_generated": True}
+    transfers = {"plain": None, **{  # each variant has a store of its own: no shared hits
+        name: offload_transfer({**ours_cfg, "disk_path": str(base / f"store-{name}"),
+                                "cpu_background_stores": background})
+        for name, background in VARIANTS.items()}}
     model = make_tiny_model()
     engine = engine_kwargs(in_process=args.in_process)
     env = benchmark_env(in_process=args.in_process,
                         vllm_default_binding=args.vllm_default_binding)
-    started = time.perf_counter()
-    plain, ours = start_engines([
+    started, loadavg_start = time.perf_counter(), os.getloadavg()
+    engines = dict(zip(CONTENDERS, start_engines([
         EngineProcess(model, log_path=base / "logs" / f"{name}.log", engine=engine,
-                      transfer=transfer, in_process=args.in_process, env=env)
-        for name, transfer in (("plain", None), ("ours", offload_transfer(ours_cfg)))])
+                      transfer=transfers[name], in_process=args.in_process, env=env)
+        for name in CONTENDERS])))
     ok = False
     try:
         turns = Turns(0.0) if args.quick else Turns()  # --quick: no figures to protect
         warmup = [make_prompt(64, seed=3 + i) for i in range(4)]
-        for e in (plain, ours):
+        for e in engines.values():
             turns.take(e)
             e.generate(warmup, max_tokens=2, one_by_one=False)
-        rounds = run_rounds(args, plain, ours, turns)
+        rounds = run_rounds(args, engines, turns)
         ok = True
     finally:
-        plain.close()
-        ours.close()
+        for e in engines.values():
+            e.close()
         if ok:
             shutil.rmtree(base, ignore_errors=True)
         else:
             print(f"bench_overhead failed; engine logs kept in {base / 'logs'}", file=sys.stderr)
     summary = summarize(rounds)
-    value = summary["no_reuse"]["throughput_ratio"]
     result = {
         "bench": "overhead",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start,
+                    "loadavg_end": os.getloadavg()},
         "model": {"name": "test default", "path": str(model)},
         "engine": engine, "env": env, "in_process": args.in_process,
-        "ours_config": {k: v for k, v in ours_cfg.items() if k != "disk_path"},
+        "ours_config": ours_cfg, "variants": {n: {"cpu_background_stores": b}
+                                              for n, b in VARIANTS.items()},
         "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
         "suffix_tokens": SUFFIX_TOKENS, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "startup_s": {"plain": plain.startup_s, "ours": ours.startup_s},
-        "per_round": rounds, "summary": summary,
-        "verdict": {"target": f"no_reuse throughput ours/plain >= {TARGET_NO_REUSE}",
-                    "value": value, "limit": TARGET_NO_REUSE, "pass": value >= TARGET_NO_REUSE},
+        "heavy_prompts": args.heavy_prompts, "heavy_prompt_tokens": args.heavy_prompt_tokens,
+        "heavy_max_tokens": args.heavy_max_tokens,
+        "startup_s": {name: e.startup_s for name, e in engines.items()},
+        "per_round": rounds, "summary": summary, "verdicts": verdicts(summary),
         "seconds": round(time.perf_counter() - started, 1),
     }
     targets = Targets()
