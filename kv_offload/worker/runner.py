@@ -10,40 +10,34 @@ for the scheduler side.
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.remote.values import ValueCheck
+from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies, HostCopy
+from kv_offload.worker.loads import WorkerLoad, when_all_done
+
+if TYPE_CHECKING:
+    from kv_offload.copy.base import CopyEngine
+    from kv_offload.disk.slab import ReadResult, SlabFile
+    from kv_offload.host_buffer import HostSlots
+    from kv_offload.remote.tier import RemoteTier
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DISK_BROKEN_AFTER", "STAGED_READ_TTL_S", "OffloadWorker", "PollResult"]
+
 STAGED_READ_TTL_S = 300.0
-DISK_BROKEN_AFTER = 8  # consecutive I/O errors (not checksum mismatches) before giving up
-_BROKEN_ERRNOS = {errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EBADF,
-                  errno.ENOTDIR, errno.ESTALE}
-_READING, _COPYING, _DONE, _CANCELLED = "reading", "copying", "done", "cancelled"
-
-
-@dataclass(slots=True)
-class _Load:
-    job: LoadJob
-    started: float
-    stream: Any = None  # the compute stream current when vLLM handed the job out
-    future: Future | None = None
-    state: str = _READING
-    failed: set[int] = field(default_factory=set)
-    bad_reads: set[int] = field(default_factory=set)  # disk reads that failed verification
-    reported_to_vllm: bool = False
 
 
 @dataclass(slots=True)
@@ -77,10 +71,10 @@ class OffloadWorker:
         self,
         *,
         rank: int,
-        engine: Any,
-        host: Any,
-        slab: Any | None,
-        remote: Any | None = None,
+        engine: CopyEngine,
+        host: HostSlots,
+        slab: SlabFile | None,
+        remote: RemoteTier | None = None,
         io_threads: int = 4,
         load_timeout_s: float = 30.0,
         verify_checksums: bool = True,
@@ -99,17 +93,13 @@ class OffloadWorker:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-copy")
         self._copies = HostCopies(engine, background=background_stores)
         self._lock = threading.Lock()
-        self._loads: dict[int, _Load] = {}
+        self._loads: dict[int, WorkerLoad] = {}
         self._stores: dict[int, _Store] = {}
         self._staged: dict[tuple[int, int], tuple[Future, float]] = {}
         self._fills: dict[int, list[Future | None]] = {}  # load job -> fill_disk_slot writes
         self._remote_misses = 0
         self._report = WorkerReport()
-        self._write_errors = 0
-        self._write_burst = False  # the last write failed (a failure burst is logged once)
-        self._read_failures = 0
-        self._io_errors_in_a_row = 0
-        self._disk_broken_reported = False
+        self._disk = DiskHealth(rank)
         self._stats: dict[str, float] = {}
 
     # -- loads -----------------------------------------------------------------------------
@@ -122,7 +112,7 @@ class OffloadWorker:
         copies of other jobs. Returns at once."""
         now = self._clock()
         for job in jobs:
-            load = _Load(job, now, self.engine.current_stream())
+            load = WorkerLoad(job, now, self.engine.current_stream())
             reads: dict[int, Future] = {}
             needed: list[Future] = []
             fills: list[Future | None] = []
@@ -147,9 +137,9 @@ class OffloadWorker:
                 self._loads[job.job_id] = load
                 if any(f is not None for f in fills):
                     self._fills[job.job_id] = fills
-            _when_all_done(needed, lambda load=load, reads=reads: self._queue_copy(load, reads))
+            when_all_done(needed, functools.partial(self._queue_copy, load, reads))
 
-    def _queue_copy(self, load: _Load, reads: dict[int, Future]) -> None:
+    def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future]) -> None:
         """Queue the engine copy of ``load`` (its reads are done); any thread."""
         try:
             future = self._copier.submit(self._run_load, load, reads)
@@ -159,37 +149,28 @@ class OffloadWorker:
             load.future = future
 
     def _read_chunk(self, move: ChunkMove) -> bool:
-        if self.slab is None or move.checksums is None:
+        """Read a chunk from its disk slot into its host slot (I/O thread)."""
+        if (self.slab is None or move.checksums is None or move.cpu_slot is None
+                or move.disk_slot is None):
             return False
         view = self.host.slot_view(move.cpu_slot)
         start = self._clock()
+        result: ReadResult | Exception
         try:
             expected = move.checksums[self.rank] if self.verify_checksums else None
             result = self.slab.read(move.disk_slot, view, expected)
         except Exception as exc:  # any I/O failure is a miss; vLLM recomputes
             result = exc
         self._count(bytes_disk_read=len(view), seconds_disk_read=self._clock() - start)
-        self._note_io(ok=bool(result) and not isinstance(result, Exception),
-                      io_error=isinstance(result, Exception)
-                      or getattr(result, "name", "") in ("IO_ERROR", "MISSING"),
-                      what=str(result))
-        if not result or isinstance(result, Exception):
-            self._read_failures += 1
-            if getattr(result, "name", "") == "CHECKSUM_MISMATCH":
-                self._count(checksum_failures=1)
-            else:  # I/O error, slab file missing or cut short
-                self._count(disk_read_errors=1)
-            if self._read_failures == 1 or self._read_failures % 1000 == 0:
-                logger.warning(
-                    "kv-offload: disk chunk in slot %d could not be read (%s); its tokens "
-                    "are recomputed and the entry is dropped (%d failures so far)",
-                    move.disk_slot, result, self._read_failures)
+        if isinstance(result, Exception) or not result:
+            self._count(**{self._disk.read_failed(move.disk_slot, result): 1})
             return False
+        self._disk.read_ok()
         return True
 
     def _read_remote(self, move: ChunkMove) -> bool:
         """Fetch a chunk from the remote tier into its host slot (I/O thread)."""
-        if self.remote is None:
+        if self.remote is None or move.cpu_slot is None or move.remote_key is None:
             return False
         view = self.host.slot_view(move.cpu_slot)
         start = self._clock()
@@ -219,33 +200,17 @@ class OffloadWorker:
             ok = read.result()
         except Exception:
             ok = False
-        if not ok or self.slab is None:
+        if not ok or self.slab is None or move.cpu_slot is None or move.fill_disk_slot is None:
             return None
         return self._write_slot(move.cpu_slot, move.fill_disk_slot)
 
-    def _run_load(self, load: _Load, reads: dict[int, Future]) -> None:
+    def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
+        """Copy the chunks of ``load`` whose reads succeeded into the engine (copy thread)."""
         job = load.job
-        ok_rows: list[int] = []
-        for i, move in enumerate(job.chunks):
-            if move.cpu_slot is None:
-                load.failed.add(i)
-            elif i in reads:
-                if not _succeeded(reads[i]):
-                    load.failed.add(i)
-                    load.bad_reads.add(i)  # disk or remote: the staged slot is invalid
-                else:
-                    ok_rows.append(i)
-            elif move.after_job is not None:
-                if self._wait_staged(move.after_job, move.cpu_slot):
-                    ok_rows.append(i)
-                else:
-                    load.failed.add(i)
-            else:
-                ok_rows.append(i)
+        ok_rows = load.sort_rows(reads, self._wait_staged)
         with self._lock:
-            if load.state == _CANCELLED:
+            if not load.begin_copy():
                 return
-            load.state = _COPYING
         if ok_rows:
             slots = np.array([job.chunks[i].cpu_slot for i in ok_rows], dtype=np.int64)
             blocks = np.array([job.chunks[i].block_ids for i in ok_rows], dtype=np.int64)
@@ -259,7 +224,7 @@ class OffloadWorker:
                 logger.exception("kv-offload: copying job %d into the engine failed", job.job_id)
                 load.failed.update(ok_rows)
         with self._lock:
-            load.state = _DONE
+            load.end_copy()
 
     def _wait_staged(self, job_id: int, cpu_slot: int) -> bool:
         entry = self._staged.get((job_id, cpu_slot))
@@ -312,6 +277,8 @@ class OffloadWorker:
             handle.wait()
         except Exception:
             return False
+        if self.remote is None or move.cpu_slot is None or move.remote_key is None:
+            return False  # never queued so
         view = self.host.slot_view(move.cpu_slot)
         start = self._clock()
         if not self.remote.write(move.remote_key, self.rank, view):
@@ -327,34 +294,27 @@ class OffloadWorker:
         except Exception as exc:
             logger.warning("kv-offload: engine copy of a stored chunk failed: %s", exc)
             return None
+        if move.cpu_slot is None or move.disk_slot is None:
+            return None  # never queued so
         return self._write_slot(move.cpu_slot, move.disk_slot)
 
     def _write_slot(self, cpu_slot: int, disk_slot: int) -> int | None:
         """Write a host slot to a slab slot (I/O thread); its checksum, or None if it
         failed. Any exception is a failed store: a full disk (ENOSPC) only for this
         chunk, any other error also counts towards DISK_BROKEN_AFTER."""
+        if self.slab is None:
+            return None  # never queued without a slab
         try:
             view = self.host.slot_view(cpu_slot)
             start = self._clock()
             checksum = self.slab.write(disk_slot, view)
-            self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
-            self._note_io(ok=True, io_error=False, what="")
-            with self._lock:
-                self._write_burst = False
-            return checksum
         except Exception as exc:  # OSError, StorePathError (directory re-creation)...
-            per_chunk = isinstance(exc, OSError) and exc.errno not in _BROKEN_ERRNOS
-            self._note_io(ok=False, io_error=not per_chunk, what=str(exc))
-            with self._lock:
-                self._write_errors += 1
-                first_of_burst, self._write_burst = not self._write_burst, True
+            self._disk.write_failed(exc)
             self._count(disk_write_errors=1)
-            if first_of_burst:
-                logger.warning(
-                    "kv-offload: disk write failed (%s); %d failures so far; the chunk "
-                    "stays in the CPU tier only (logged again after writes recover)",
-                    exc, self._write_errors)
             return None
+        self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
+        self._disk.write_ok()
+        return checksum
 
     # -- completion ------------------------------------------------------------------------
 
@@ -367,22 +327,15 @@ class OffloadWorker:
         now = self._clock()
         with self._lock:
             for job_id, load in list(self._loads.items()):
-                if load.state == _READING and now - load.started > self.load_timeout_s:
-                    load.state = _CANCELLED
+                if load.cancel_if_overdue(now, self.load_timeout_s):
                     logger.warning("kv-offload: load job %d timed out after %.1fs; "
                                    "recomputing", job_id, self.load_timeout_s)
-                if load.state == _CANCELLED and not load.reported_to_vllm:
-                    load.reported_to_vllm = True
+                blocks = load.take_failed_blocks()
+                if blocks is not None:
                     finished.add(load.job.req_id)
-                    failed_blocks.update(_blocks_of(load.job.chunks))
-                if load.future is not None and load.future.done():
-                    if not load.reported_to_vllm:
-                        finished.add(load.job.req_id)
-                        failed_blocks.update(
-                            _blocks_of(load.job.chunks[i] for i in load.failed))
-                    failed = set(range(len(load.job.chunks))) if (
-                        load.state == _CANCELLED) else load.failed
-                    self._report.loaded[job_id] = {self.rank: frozenset(failed)}
+                    failed_blocks.update(blocks)
+                if load.copy_ended():
+                    self._report.loaded[job_id] = {self.rank: load.failed_rows()}
                     if load.bad_reads:
                         self._report.bad_reads[job_id] = {self.rank: frozenset(load.bad_reads)}
                     del self._loads[job_id]
@@ -418,23 +371,12 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport | None:
         """The report accumulated since the last call (None when empty)."""
+        broken = self._disk.take_broken()
         with self._lock:
+            if broken is not None:
+                self._report.disk_broken = broken
             report, self._report = self._report, WorkerReport()
         return report if report else None
-
-    def _note_io(self, *, ok: bool, io_error: bool, what: str) -> None:
-        """Track consecutive I/O errors; past DISK_BROKEN_AFTER the disk is reported broken.
-        Checksum mismatches and a full disk (ENOSPC) do not count: they are per chunk."""
-        with self._lock:
-            if ok:
-                self._io_errors_in_a_row = 0
-                return
-            if not io_error:
-                return
-            self._io_errors_in_a_row += 1
-            if self._io_errors_in_a_row >= DISK_BROKEN_AFTER and not self._disk_broken_reported:
-                self._disk_broken_reported = True
-                self._report.disk_broken = f"rank {self.rank}: {what}"
 
     def take_stats(self) -> dict[str, float]:
         """Counter deltas since the last call (names of ``kv_offload.metrics.COUNTERS``)."""
@@ -478,34 +420,6 @@ class OffloadWorker:
         self.engine.close()
 
 
-def _when_all_done(futures: Sequence[Future], fn: Callable[[], None]) -> None:
-    """Call ``fn()`` once every future is done: at once if none is pending, else on the
-    thread that completes the last one."""
-    pending = [f for f in futures if not f.done()]
-    if not pending:
-        fn()
-        return
-    left, lock = [len(pending)], threading.Lock()
-
-    def one_done(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            fn()
-
-    for future in pending:
-        future.add_done_callback(one_done)
-
-
-def _succeeded(read: Future) -> bool:
-    """Whether a done read future returned success (an exception is a failed read)."""
-    try:
-        return bool(read.result())
-    except Exception:
-        return False
-
-
 def _all_done(futures: Sequence[Future | None]) -> bool:
     return all(f is None or f.done() for f in futures)
 
@@ -513,7 +427,3 @@ def _all_done(futures: Sequence[Future | None]) -> bool:
 def _results(futures: Sequence[Future | None]) -> tuple:
     """Results of done futures, None for absent ones (their functions never raise)."""
     return tuple(None if f is None else f.result() for f in futures)
-
-
-def _blocks_of(moves: Any) -> set[int]:
-    return {b for m in moves for b in m.block_ids if b != SKIP_BLOCK}

@@ -1,0 +1,131 @@
+"""One load job on a worker: its phase (reading, copying, done or cancelled) and results.
+
+A load is READING while its disk and remote reads (and the reads of jobs it shares
+chunks with) run; its engine copy moves it to COPYING, then DONE. A load still READING
+past the worker's timeout is CANCELLED: all its blocks are reported failed at once and
+its copy never runs. The worker changes a load's phase under its own lock only.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob
+
+
+class LoadPhase(enum.Enum):
+    READING = "reading"  # disk / remote reads in flight; the engine copy is not queued
+    COPYING = "copying"  # the engine copy runs on the copy thread
+    DONE = "done"  # the copy ended (well or not): ``failed`` is final
+    CANCELLED = "cancelled"  # timed out while reading: every chunk failed, no copy
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """A load job in flight on one rank."""
+
+    job: LoadJob
+    started: float  # worker clock when the job was handed out
+    stream: object | None = None  # the compute stream current when vLLM handed it out
+    future: Future[None] | None = None  # the engine copy on the copy thread, once queued
+    phase: LoadPhase = LoadPhase.READING
+    failed: set[int] = field(default_factory=set)  # chunk indexes not loaded
+    bad_reads: set[int] = field(default_factory=set)  # staged reads that failed
+    reported_to_vllm: bool = False
+
+    def sort_rows(self, reads: dict[int, Future[bool]],
+                  wait_staged: Callable[[int, int], bool]) -> list[int]:
+        """The chunk indexes to copy into the engine, once this job's reads are done;
+        marks the others failed (and failed reads bad). ``wait_staged(job, slot)``
+        waits for the read of a job this one shares a chunk with. Copy thread."""
+        ok_rows: list[int] = []
+        for i, move in enumerate(self.job.chunks):
+            if move.cpu_slot is None:
+                self.failed.add(i)
+            elif i in reads:
+                if succeeded(reads[i]):
+                    ok_rows.append(i)
+                else:
+                    self.failed.add(i)
+                    self.bad_reads.add(i)  # disk or remote: the staged slot is invalid
+            elif move.after_job is not None and not wait_staged(move.after_job, move.cpu_slot):
+                self.failed.add(i)
+            else:
+                ok_rows.append(i)
+        return ok_rows
+
+    def begin_copy(self) -> bool:
+        """READING -> COPYING; False (no change) when the load was cancelled meanwhile."""
+        if self.phase is LoadPhase.CANCELLED:
+            return False
+        self.phase = LoadPhase.COPYING
+        return True
+
+    def end_copy(self) -> None:
+        """COPYING -> DONE: the engine copy ended (its failures are in ``failed``)."""
+        self.phase = LoadPhase.DONE
+
+    def cancel_if_overdue(self, now: float, timeout_s: float) -> bool:
+        """READING -> CANCELLED when the load has read for more than ``timeout_s``;
+        whether it was cancelled now."""
+        if self.phase is LoadPhase.READING and now - self.started > timeout_s:
+            self.phase = LoadPhase.CANCELLED
+            return True
+        return False
+
+    def copy_ended(self) -> bool:
+        """The copy thread is finished with this load (copied, failed or cancelled)."""
+        return self.future is not None and self.future.done()
+
+    def take_failed_blocks(self) -> set[int] | None:
+        """The engine blocks to report failed to vLLM with the request's completion, once:
+        all of them when cancelled, those of failed chunks when the copy ended; None
+        before either, and after they were taken."""
+        if self.reported_to_vllm:
+            return None
+        if self.phase is LoadPhase.CANCELLED:
+            moves: Iterable[ChunkMove] = self.job.chunks
+        elif self.copy_ended():
+            moves = (self.job.chunks[i] for i in self.failed)
+        else:
+            return None
+        self.reported_to_vllm = True
+        return {b for m in moves for b in m.block_ids if b != SKIP_BLOCK}
+
+    def failed_rows(self) -> frozenset[int]:
+        """The chunk indexes reported to the scheduler as not loaded (all when cancelled)."""
+        if self.phase is LoadPhase.CANCELLED:
+            return frozenset(range(len(self.job.chunks)))
+        return frozenset(self.failed)
+
+
+def when_all_done(futures: Sequence[Future], fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once every future is done: at once if none is pending, else on the
+    thread that completes the last one."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        fn()
+        return
+    left, lock = [len(pending)], threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    for future in pending:
+        future.add_done_callback(one_done)
+
+
+def succeeded(read: Future[bool]) -> bool:
+    """Whether a done read future returned success (an exception is a failed read)."""
+    try:
+        return bool(read.result())
+    except Exception:
+        return False
