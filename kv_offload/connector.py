@@ -30,6 +30,9 @@ from kv_offload.metrics import OffloadPromMetrics, OffloadStats, summarize
 if TYPE_CHECKING:
     import torch
 
+    from kv_offload.scheduler import OffloadScheduler
+    from kv_offload.worker.runner import OffloadWorker
+
 logger = logging.getLogger("kv_offload")
 SUMMARY_INTERVAL_S = 60.0
 DISK_STATS_INTERVAL_S = 5.0
@@ -85,8 +88,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
                         and self._check_hash_reproducible())
         self.persistent = self.config.disk_enabled and reproducible
         self.remote_enabled = self.config.remote_enabled and reproducible
-        self._scheduler = None
-        self._worker = None
+        self._scheduler: OffloadScheduler | None = None
+        self._worker: OffloadWorker | None = None
         self._pending_failed_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
@@ -99,7 +102,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         logger.info(
             "kv-offload %s: chunk %d tokens (%s per rank), CPU tier %s, disk tier %s, "
             "remote tier %s, namespace %s", role.name.lower(), self.layout.chunk_tokens,
-            format_size(self.layout.slot_bytes), format_size(self.config.cpu_size),
+            format_size(self.layout.slot_bytes), format_size(self.config.cpu_bytes),
             self.config.disk_path if self.persistent else "off", remote, self.namespace)
 
     @property
@@ -138,13 +141,13 @@ class KVOffloadConnector(KVConnectorBase_V1):
                 "(OffloadConfig.to_json() does).",
                 self._kv_transfer_config.kv_load_failure_policy)
         disk_index = None
-        if self.persistent:
+        if self.persistent and self.config.disk_path is not None:
             from kv_offload.disk import DiskIndex
 
             disk_index = DiskIndex.open(
                 self.config.disk_path, namespace_id=self.namespace,
                 descriptor=self.layout.descriptor(), slot_bytes=self.layout.slot_bytes,
-                num_ranks=self.layout.tp_size, capacity_bytes=self.config.disk_size,
+                num_ranks=self.layout.tp_size, capacity_bytes=self.config.disk_bytes,
                 allow_unsafe_permissions=self.config.disk_allow_unsafe_permissions)
         remote = None
         if self.remote_enabled:
@@ -170,28 +173,39 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self._disk_gauges: dict[str, int] = {}
         self._disk_gauges_at = 0.0
 
+    @property
+    def _sched(self) -> OffloadScheduler:
+        """The scheduler half; vLLM calls scheduler-side hooks on that role only."""
+        if self._scheduler is None:
+            raise RuntimeError(f"kv-offload: a scheduler-side hook was called on the "
+                               f"{self._role.name.lower()} side or after shutdown")
+        return self._scheduler
+
     def _block_ids_of(self, req_id: str) -> list[int]:
+        if self._kv_cache_manager is None:
+            raise RuntimeError("kv-offload: vLLM has not bound its KV cache manager "
+                               "(bind_kv_cache_manager) before scheduling")
         return self._kv_cache_manager.get_block_ids(req_id)[0]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         hit = self._guard.call("get_num_new_matched_tokens", lambda: 0,
-                               self._scheduler.num_matched_tokens, request, num_computed_tokens)
+                               self._sched.num_matched_tokens, request, num_computed_tokens)
         return (None, False) if hit is None else (hit, hit > 0)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         # Past a failure the request already waits for its load: fail it, never hang.
-        self._guard.call("update_state_after_alloc", lambda: self._scheduler.fail_load(
+        self._guard.call("update_state_after_alloc", lambda: self._sched.fail_load(
             request.request_id, block_ids, num_external_tokens),
-            self._scheduler.plan_load, request, block_ids, num_external_tokens)
+            self._sched.plan_load, request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
-        tiers = self._guard.call("get_external_cache_hit_sources", dict,
-                                 self._scheduler.hit_tokens_by_tier, request.request_id)
+        tiers: dict[str, int] = self._guard.call("get_external_cache_hit_sources", dict,
+                                 self._sched.hit_tokens_by_tier, request.request_id)
         out = {CacheHitSource.HOST: tiers.get("cpu", 0), CacheHitSource.DISK: tiers.get("disk", 0),
                CacheHitSource.EXTERNAL_UNSPECIFIED: tiers.get("remote", 0)}
         return {k: v for k, v in out.items() if v}
@@ -210,7 +224,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
                       for rid, n in zip(cached.req_ids, cached.num_computed_tokens)]
         preempted = tuple(getattr(scheduler_output, "preempted_req_ids", None) or ())
         plan = self._guard.call("build_connector_meta", lambda: StepPlan(
-            self._scheduler.take_pending_loads()), self._scheduler.plan_step, scheduled,
+            self._sched.take_pending_loads()), self._sched.plan_step, scheduled,
             preempted)
         self._guard.call("build_connector_meta (summary)", lambda: None,
                          self._maybe_log_summary)
@@ -220,10 +234,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata):
             self._guard.call("update_connector_output", lambda: None,
-                             self._scheduler.on_report, meta.report)
+                             self._sched.on_report, meta.report)
         if connector_output.finished_sending:  # vLLM frees these held requests' blocks
             self._guard.call("update_connector_output (sent)", lambda: None,
-                             self._scheduler.blocks_released, connector_output.finished_sending)
+                             self._sched.blocks_released, connector_output.finished_sending)
         stats = connector_output.kv_connector_stats
         if isinstance(stats, OffloadStats):  # worker-side deltas, for the log summary
             _add(self._summary_totals, stats.data)
@@ -234,7 +248,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         # blocks with a copy in flight are held until every rank reports the request in
         # finished_sending (invariant 3; scheduler.holds). On a failure, free them.
         held = self._guard.call("request_finished", lambda: False,
-                                self._scheduler.request_finished, request.request_id)
+                                self._sched.request_finished, request.request_id)
         return bool(held), None
 
     def has_pending_block_frees(self) -> bool:
@@ -256,8 +270,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
     # ==== metrics (both sides) ===============================================================
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
-        if self._scheduler is not None:
-            data = self._scheduler_stats()
+        if self._scheduler is not None:  # vLLM calls it in update_from_output: guarded
+            data = self._guard.call("get_kv_connector_stats", dict, self._scheduler_stats)
         elif self._worker is not None:
             data = self._worker.take_stats()
         else:
@@ -276,17 +290,17 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def _scheduler_stats(self) -> dict[str, float]:
         """Counter deltas since the last call, plus current gauges."""
-        now_counters = self._scheduler.counters.snapshot()
+        now_counters = self._sched.counters.snapshot()
         data: dict[str, float] = {k: v - self._last_counters.get(k, 0)
                                   for k, v in now_counters.items()}
         self._last_counters = now_counters
-        cpu = self._scheduler.cpu
-        data["pending_jobs"] = self._scheduler.num_pending_jobs()
+        cpu = self._sched.cpu
+        data["pending_jobs"] = self._sched.num_pending_jobs()
         data["cpu_used_bytes"] = len(cpu) * self.layout.slot_bytes
         data["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
-        if self._scheduler.remote is not None:
-            data["remote_up"] = int(self._scheduler.remote.health.up)
-        disk = self._scheduler.disk
+        if self._sched.remote is not None:
+            data["remote_up"] = int(self._sched.remote.health.up)
+        disk = self._sched.disk
         now = time.monotonic()
         if disk is not None and now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:
             self._disk_gauges_at = now
@@ -303,9 +317,9 @@ class KVOffloadConnector(KVConnectorBase_V1):
             return
         self._last_summary = now
         totals = dict(self._summary_totals)
-        _add(totals, self._scheduler.counters.snapshot())
+        _add(totals, self._sched.counters.snapshot())
         totals.update(self._disk_gauges)
-        cpu = self._scheduler.cpu
+        cpu = self._sched.cpu
         totals["cpu_used_bytes"] = len(cpu) * self.layout.slot_bytes
         totals["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
         logger.info("kv-offload summary since start: %s",
