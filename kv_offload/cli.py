@@ -15,7 +15,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from tqdm import tqdm
 
@@ -50,6 +50,10 @@ def _err(*parts: Any) -> None:
 # -- store helpers -----------------------------------------------------------------------------
 
 
+@overload
+def open_store(path: str, *, broken_ok: Literal[False] = False) -> tuple[Path, list[dict]]: ...
+@overload
+def open_store(path: str, *, broken_ok: bool) -> tuple[Path, list[dict] | None]: ...
 def open_store(path: str, *, broken_ok: bool = False) -> tuple[Path, list[dict] | None]:
     """(root, namespaces) of an existing store; CliError naming the problem if it is not
     one. With ``broken_ok``, a store whose index cannot be read gives (root, None)."""
@@ -178,9 +182,12 @@ def _verify_namespace(root: Path, ns: dict) -> tuple[int, list[tuple]]:
                unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=True,
                disable=not sys.stderr.isatty())
     start = time.monotonic()
+    def advance(num_bad: int) -> None:
+        bar.update(chunk_bytes(ns))
+        bar.set_postfix(bad=num_bad, refresh=False)
+
     with bar:
-        done, bad = scan_namespace(root, ns, on_chunk=lambda num_bad: (
-            bar.update(chunk_bytes(ns)), bar.set_postfix(bad=num_bad, refresh=False)))
+        done, bad = scan_namespace(root, ns, on_chunk=advance)
     rate = done * chunk_bytes(ns) / max(time.monotonic() - start, 1e-9)
     _err(f"verify {nid[:12]}: {done}/{total} chunks, {format_size(int(rate))}/s, "
          f"{len(bad)} bad")

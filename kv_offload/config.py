@@ -198,7 +198,7 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}: expected a positive number, got {value!r}")
-        if self.remote_max_value_size <= 0:
+        if self.remote_max_value_bytes <= 0:
             raise ValueError("remote_max_value_size: must be > 0")
         prefix = self.remote_key_prefix
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", prefix):
@@ -208,6 +208,21 @@ class OffloadConfig:
             _check_int(self.remote_ttl_s, "remote_ttl_s", minimum=1)
 
     # -- derived values -------------------------------------------------------------------
+
+    @property
+    def cpu_bytes(self) -> int:
+        """``cpu_size`` in bytes (validation parsed a size given as a string)."""
+        return parse_size(self.cpu_size, name="cpu_size")
+
+    @property
+    def disk_bytes(self) -> int:
+        """``disk_size`` in bytes."""
+        return parse_size(self.disk_size, name="disk_size")
+
+    @property
+    def remote_max_value_bytes(self) -> int:
+        """``remote_max_value_size`` in bytes."""
+        return parse_size(self.remote_max_value_size, name="remote_max_value_size")
 
     @property
     def disk_enabled(self) -> bool:

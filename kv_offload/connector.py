@@ -204,8 +204,9 @@ class KVOffloadConnector(KVConnectorBase_V1):
                                        ) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
-        tiers: dict[str, int] = self._guard.call("get_external_cache_hit_sources", dict,
-                                 self._sched.hit_tokens_by_tier, request.request_id)
+        tiers: dict[str, int] = self._guard.call(
+            "get_external_cache_hit_sources", dict, self._sched.hit_tokens_by_tier,
+            request.request_id)
         out = {CacheHitSource.HOST: tiers.get("cpu", 0), CacheHitSource.DISK: tiers.get("disk", 0),
                CacheHitSource.EXTERNAL_UNSPECIFIED: tiers.get("remote", 0)}
         return {k: v for k, v in out.items() if v}

@@ -149,7 +149,7 @@ def layer_names(kv_cache_config: Any) -> list[str]:
 
 
 def _model_fingerprint(model_config: Any) -> str:
-    hf_config = getattr(model_config, "hf_config", None)
+    hf_config: Any = getattr(model_config, "hf_config", None)  # None fails below
     try:
         # Not ``_name_or_path``: it is the --model string as typed, and ./m, /abs/m and a
         # symlink to m are one model (``KVLayout.model`` names a directory by its realpath).

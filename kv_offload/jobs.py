@@ -117,13 +117,13 @@ class WorkerReport:
             self.host_stored[job] = self.host_stored.get(job, 0) + count
         for job, count in other.host_failed.items():
             self.host_failed[job] = self.host_failed.get(job, 0) + count
-        for job, per_rank in other.disk_stored.items():
-            self.disk_stored.setdefault(job, {}).update(per_rank)
-        for job, per_rank in other.loaded.items():
-            self.loaded.setdefault(job, {}).update(per_rank)
-        for job, per_rank in other.remote_stored.items():
-            self.remote_stored.setdefault(job, {}).update(per_rank)
-        for job, per_rank in other.bad_reads.items():
-            self.bad_reads.setdefault(job, {}).update(per_rank)
+        for job, sums in other.disk_stored.items():
+            self.disk_stored.setdefault(job, {}).update(sums)
+        for job, failed in other.loaded.items():
+            self.loaded.setdefault(job, {}).update(failed)
+        for job, written in other.remote_stored.items():
+            self.remote_stored.setdefault(job, {}).update(written)
+        for job, bad in other.bad_reads.items():
+            self.bad_reads.setdefault(job, {}).update(bad)
         self.disk_broken = self.disk_broken or other.disk_broken
         return self

@@ -75,10 +75,10 @@ class KVLayout:
 
 def num_cpu_slots(config: OffloadConfig, layout: KVLayout) -> int:
     """CPU-tier slots per rank; ValueError naming ``cpu_size`` when not even one fits."""
-    slots = config.cpu_size // layout.slot_bytes
+    slots = config.cpu_bytes // layout.slot_bytes
     if slots < 1:
         raise ValueError(
-            f"cpu_size: {format_size(config.cpu_size)} holds no chunk of this model "
+            f"cpu_size: {format_size(config.cpu_bytes)} holds no chunk of this model "
             f"({format_size(layout.slot_bytes)} per chunk of {layout.chunk_tokens} tokens); "
             f"raise cpu_size or lower chunk_tokens"
         )

@@ -161,8 +161,10 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
                 for idx, values in per_engine_labelvalues.items()}
         self._gauges: dict[str, dict[int, Any]] = {}
         for short, (name, doc) in GAUGES.items():
-            gauge = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
-                                    multiprocess_mode="mostrecent")
+            # vLLM types _gauge_cls as any of its metric classes; it is prometheus' Gauge.
+            gauge = self._gauge_cls(  # type: ignore[call-arg]
+                name=name, documentation=doc, labelnames=labelnames,
+                multiprocess_mode="mostrecent")
             self._gauges[short] = {idx: gauge.labels(*values)
                                    for idx, values in per_engine_labelvalues.items()}
 

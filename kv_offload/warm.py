@@ -261,7 +261,7 @@ def _tokenize(tokenizer: Any, prompt: WarmPrompt) -> list[int]:
 
 def validate(options: WarmOptions) -> list[WarmPrompt]:
     """Every check that needs no engine; returns the prompts. ValueError names the fix."""
-    if not options.offload.disk_enabled:
+    if options.offload.disk_path is None:
         raise ValueError("warm needs a disk path (--disk-path or disk_path in --config): the "
                          "CPU tier lives in this process and is gone when warm exits")
     try:

@@ -79,8 +79,8 @@ def load_prompts(path: str | os.PathLike) -> list[WarmPrompt]:
         if not files:
             raise ValueError(f"prompt directory {path} has no .txt files; put one document "
                              "per .txt file in it")
-        prompts = [WarmPrompt(text=_read_text(f), origin=f.name) for f in files]
-        prompts = [p for p in prompts if p.text.strip()]
+        texts = [(_read_text(f), f.name) for f in files]
+        prompts = [WarmPrompt(text=text, origin=name) for text, name in texts if text.strip()]
     elif path.suffix == ".jsonl":
         lines = _read_text(path).splitlines()
         prompts = [_jsonl_prompt(line, f"{path}:{i}") for i, line in enumerate(lines, 1)

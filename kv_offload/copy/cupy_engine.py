@@ -393,6 +393,8 @@ class CupyCopyEngine(CopyEngine):
             memcpy_async(d, s, n, _MEMCPY_DEFAULT, stream.ptr)
 
     def _launch_kernel(self, direction: Direction, ranges: ByteRanges, stream: Any) -> Any:
+        if self._kernel is None:  # never: _use_kernel is False without a kernel
+            raise RuntimeError("kv-offload: the CUDA copy kernel was not compiled")
         tiles = split_byte_ranges(ranges, KERNEL_TILE_BYTES)
         src, dst = self._endpoints(direction, tiles, self._host_dev_ptr)
         item = self._tables.take(tiles.num_ranges * 24)

@@ -6,6 +6,7 @@ a store, without the printing (cli.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -198,23 +199,27 @@ def clear(root: str | os.PathLike, namespace_id: str | None = None) -> None:
             root.rmdir()
         return
     validate_namespace_id(namespace_id)
-    prefix = namespace_prefix(namespace_id)
-
-    def delete_batch(txn: lmdb.Transaction) -> bool:
-        left = _CLEAR_BATCH
-        for db in ("entries", "slots", "lru", "free", "reservations", "counters"):
-            cursor = txn.cursor(db=env.dbs[db])
-            while left and cursor.set_range(prefix) and cursor.key().startswith(prefix):
-                cursor.delete()
-                left -= 1
-        if left:
-            txn.delete(namespace_id.encode(), db=env.dbs["namespaces"])
-        return left > 0
-
     with existing_env(root) as env:
-        while env is not None and not env.write(delete_batch):
-            pass
+        if env is not None:
+            batch = functools.partial(_delete_batch, namespace_id=namespace_id, dbs=env.dbs)
+            while not env.write(batch):
+                pass
     shutil.rmtree(slab_dir(root, namespace_id), ignore_errors=True)
+
+
+def _delete_batch(txn: lmdb.Transaction[bytes], *, namespace_id: str,
+                  dbs: dict[str, lmdb._Database]) -> bool:
+    """Delete up to _CLEAR_BATCH records of a namespace, then its record once none is
+    left; whether it is gone."""
+    prefix, left = namespace_prefix(namespace_id), _CLEAR_BATCH
+    for db in ("entries", "slots", "lru", "free", "reservations", "counters"):
+        cursor = txn.cursor(db=dbs[db])
+        while left and cursor.set_range(prefix) and cursor.key().startswith(prefix):
+            cursor.delete()
+            left -= 1
+    if left:
+        txn.delete(namespace_id.encode(), db=dbs["namespaces"])
+    return left > 0
 
 
 def store_users(root: Path, namespace_id: str | None = None) -> dict[int, str]:

@@ -118,7 +118,7 @@ class StoreEnv:
             self.env.close()
             raise
 
-    def _check_format(self, txn: lmdb.Transaction) -> None:
+    def _check_format(self, txn: lmdb.Transaction[bytes]) -> None:
         raw = txn.get(b"format_version", db=self.dbs["meta"])
         if raw is None and not txn.stat(self.dbs["namespaces"])["entries"]:
             for name, value in ((b"format_version", str(FORMAT_VERSION)),
@@ -139,7 +139,7 @@ class StoreEnv:
             )
 
     @contextlib.contextmanager
-    def transaction(self, *, write: bool = False) -> Iterator[lmdb.Transaction]:
+    def transaction(self, *, write: bool = False) -> Iterator[lmdb.Transaction[bytes]]:
         """One LMDB transaction under the store lock: committed when the block ends
         normally (``write``), aborted when it raises.
 
@@ -160,11 +160,11 @@ class StoreEnv:
             except lmdb.Error as exc:
                 raise lmdb_failure(self.root, exc) from exc
 
-    def read(self) -> contextlib.AbstractContextManager[lmdb.Transaction]:
+    def read(self) -> contextlib.AbstractContextManager[lmdb.Transaction[bytes]]:
         """A short read transaction (``transaction()``)."""
         return self.transaction()
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run ``fn(txn)`` in one write transaction and commit; return its result.
 
         Atomic: if ``fn`` raises, nothing is written. A callback rather than a ``with``

@@ -196,7 +196,8 @@ class DiskIndex:
             if record is None:  # cleared under us: start the namespace over
                 logger.warning("disk tier: namespace %s vanished; recreating", op.namespace_id)
                 op.put_record(record := self._record)
-            tick, out, tried_reclaim = self._tick(), [], False
+            tick, tried_reclaim = self._tick(), False
+            out: list[int | None] = []
             for key in keys:
                 if op.get("entries", key) is not None:
                     out.append(None)
@@ -329,7 +330,7 @@ class DiskIndex:
         are cleared once it committed."""
         self._check_open()
 
-        def run(txn: lmdb.Transaction) -> T:
+        def run(txn: lmdb.Transaction[bytes]) -> T:
             op = NamespaceTxn(txn, self._dbs, self._namespace_id)
             op.apply_accesses(self._pending, self._counts)
             result = fn(op)

@@ -38,7 +38,7 @@ class NamespaceTxn:
     """The records of one namespace inside one LMDB transaction. Lives as long as its
     transaction, on its thread; writes only through that transaction."""
 
-    def __init__(self, txn: lmdb.Transaction, dbs: dict, namespace_id: str) -> None:
+    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict, namespace_id: str) -> None:
         self.txn, self.dbs, self.namespace_id = txn, dbs, namespace_id
         self.p = namespace_prefix(namespace_id)
         self.deltas: dict[str, int] = defaultdict(int)

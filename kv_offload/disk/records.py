@@ -19,7 +19,7 @@ import enum
 import functools
 import json
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple, overload
 
 FORMAT_VERSION = 1
 MAX_KEY_BYTES = 64
@@ -151,8 +151,17 @@ class NamespaceRecord:
     def pack(record: dict) -> bytes:
         return json.dumps(record, indent=2, sort_keys=True).encode()
 
+    @overload
     @staticmethod
-    def unpack(value: bytes | None) -> dict | None:
+    def unpack(value: bytes) -> dict[str, Any]: ...
+    @overload
+    @staticmethod
+    def unpack(value: None) -> None: ...
+    @overload
+    @staticmethod
+    def unpack(value: bytes | None) -> dict[str, Any] | None: ...
+    @staticmethod
+    def unpack(value: bytes | None) -> dict[str, Any] | None:
         return None if value is None else json.loads(value)
 
 

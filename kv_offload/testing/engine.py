@@ -110,11 +110,14 @@ class EngineProcess:
             [sys.executable, "-m", "kv_offload.testing.engine_server", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             env=full_env, start_new_session=True)
+        if self.proc.stdin is None or self.proc.stdout is None:  # never: both are pipes
+            raise EngineError("engine process started without its stdin/stdout pipes")
+        self._commands, self._replies = self.proc.stdin, self.proc.stdout
         self._answers: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_answers, daemon=True).start()
 
     def _read_answers(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._replies:
             self._answers.put(line)
         self._answers.put(None)
 
@@ -131,8 +134,8 @@ class EngineProcess:
         if self.proc.poll() is not None:
             raise EngineError(f"engine process exited ({self.proc.returncode})\n{self.log(6000)}")
         try:
-            self.proc.stdin.write(json.dumps(command) + "\n")
-            self.proc.stdin.flush()
+            self._commands.write(json.dumps(command) + "\n")
+            self._commands.flush()
         except OSError as exc:
             raise EngineError(f"engine process gone ({exc})\n{self.log(6000)}") from None
 

@@ -71,8 +71,11 @@ def connector_state(llm: Any) -> dict[str, Any] | None:
         return None
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
+    from kv_offload.connector import KVOffloadConnector
+
     sched = conn._scheduler  # the connector has no public accessor; read-only use
-    worker = get_kv_transfer_group()._worker
+    group = get_kv_transfer_group()
+    worker = group._worker if isinstance(group, KVOffloadConnector) else None
     return {
         "counters": sched.counters.snapshot(),
         "cpu": sched.cpu.counts(),

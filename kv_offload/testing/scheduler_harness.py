@@ -319,7 +319,7 @@ class SchedulerHarness:
             for hit in planner.cpu.lookup_prefix([key]):
                 if not self._slot_holds(hit.slot, hashes, end):
                     out.append(f"CPU slot {hit.slot} does not hold the KV of its key")
-        if planner.disk is None or not planner.disk_enabled:
+        if planner.disk is None or not planner.disk_enabled or self.offload.disk_path is None:
             return out
         from kv_offload.disk import iter_entries
 

@@ -80,12 +80,12 @@ def _byte_chars() -> list[str]:
 def _bpe_merges(count: int) -> list[tuple[str, str]]:
     """Deterministic BPE merges learned from WORDS (Zipf-weighted), letters and spaces only."""
     enc = _byte_chars()
-    words = Counter()
+    words: Counter[tuple[str, ...]] = Counter()
     for rank, w in enumerate(WORDS):
         words[tuple(enc[b] for b in (" " + w).encode())] += 1000 // (rank + 10) + 1
     merges: list[tuple[str, str]] = []
     while len(merges) < count:
-        pairs = Counter()
+        pairs: Counter[tuple[str, str]] = Counter()
         for sym, f in words.items():
             for pair in zip(sym, sym[1:]):
                 pairs[pair] += f
@@ -93,7 +93,7 @@ def _bpe_merges(count: int) -> list[tuple[str, str]]:
             break
         best = max(pairs, key=lambda p: (pairs[p], p))
         merges.append(best)
-        merged = Counter()
+        merged: Counter[tuple[str, ...]] = Counter()
         for sym, f in words.items():
             out, i = [], 0
             while i < len(sym):

@@ -16,11 +16,21 @@ thread only (the store thread only runs copies).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+from kv_offload.copy.base import CopyEngine, CopyHandle
+
+
+class StoreThread(Protocol):
+    """Where background store copies run: a one-thread pool (or a test's executor)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future: ...
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
 
 class HostCopy:
@@ -29,7 +39,7 @@ class HostCopy:
 
     __slots__ = ("_engine", "_future")
 
-    def __init__(self, engine: Any, future: Future) -> None:
+    def __init__(self, engine: CopyEngine, future: Future[CopyHandle]) -> None:
         self._engine, self._future = engine, future
 
     def done(self) -> bool:
@@ -63,9 +73,9 @@ class HostCopies:
     complete inside ``store``, i.e. vLLM's CPU backend), so ``issue`` returns at once.
     """
 
-    def __init__(self, engine: Any, *, background: bool) -> None:
+    def __init__(self, engine: CopyEngine, *, background: bool) -> None:
         self.engine = engine
-        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="kv-offload-store")
+        self._thread: StoreThread | None = (ThreadPoolExecutor(1, thread_name_prefix="kv-offload-store")
                         if background else None)
         self._by_req: dict[str, list[HostCopy]] = {}
         self._held: set[str] = set()
@@ -75,7 +85,7 @@ class HostCopies:
         """Start copying ``block_ids`` into ``slots`` (the engine's ``store``), ordered
         after the compute issued so far; the blocks belong to ``req_ids``."""
         if self._thread is None:
-            future: Future = Future()
+            future: Future[CopyHandle] = Future()
             try:
                 future.set_result(self.engine.store(block_ids, slots))
             except Exception as exc:  # reported as a failed copy, never raised into vLLM

@@ -105,7 +105,7 @@ def build_worker(
     host = allocate_host_slots(num_cpu_slots(config, layout), layout.slot_bytes, pinned=on_cuda)
     engine = make_copy_engine(planes, host, layout.blocks_per_chunk)
     slab = None
-    if persistent:
+    if persistent and config.disk_path is not None:
         from kv_offload.disk import SlabFile
 
         slab = SlabFile(config.disk_path, namespace_id=namespace, rank=rank,
