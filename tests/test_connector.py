@@ -1,0 +1,143 @@
+"""KVOffloadConnector's scheduler side with scheduler outputs built by hand (as vLLM tests
+its connectors): the arithmetic of ``build_connector_meta`` (speculative drafts are not
+stored), holds through ``request_finished`` / ``finished_sending``, preemption fences."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from kv_offload import OffloadConfig
+from kv_offload.connector import KVOffloadConnector, OffloadWorkerMetadata
+from kv_offload.jobs import WorkerReport
+from kv_offload.testing.scheduler_harness import build_kv_cache_config, build_vllm_config
+
+BLOCK = 8
+CHUNK = 2 * BLOCK
+
+
+class FakeCacheManager:
+    """The two things the connector asks vLLM's KV cache manager."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+        self.block_pool = None
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
+        return (self.blocks[req_id],)
+
+
+@pytest.fixture
+def connector(request):
+    extra = getattr(request, "param", {})
+    offload = OffloadConfig(cpu_size=64 * 2 * CHUNK * 4 * 4 * 4, chunk_tokens=CHUNK, **extra)
+    vllm_config = build_vllm_config(offload, block_size=BLOCK, max_num_batched_tokens=64,
+                                    max_num_seqs=8)
+    conn = KVOffloadConnector(vllm_config, KVConnectorRole.SCHEDULER,
+                              build_kv_cache_config(64, BLOCK))
+    manager = FakeCacheManager()
+    conn._kv_cache_manager = manager  # what bind_kv_cache_manager sets
+    yield conn, manager
+    conn.shutdown()
+
+
+def new_request(manager: FakeCacheManager, req_id: str, num_tokens: int, first_block: int):
+    from vllm import SamplingParams
+
+    init_none_hash(sha256)
+    tokens = [(7 * i + len(req_id)) % 500 + 3 for i in range(num_tokens)]
+    request = Request(req_id, tokens, SamplingParams(max_tokens=8), None,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256))
+    manager.blocks[req_id] = list(range(first_block, first_block + num_tokens // BLOCK + 1))
+    return request
+
+
+def scheduler_output(*, new=(), cached=(), spec=None, preempted=()):
+    """The SchedulerOutput fields the connector reads. ``new``: (request, tokens
+    scheduled); ``cached``: (req_id, computed before, tokens scheduled)."""
+    return SimpleNamespace(
+        num_scheduled_tokens={**{r.request_id: n for r, n in new},
+                              **{rid: n for rid, _, n in cached}},
+        scheduled_spec_decode_tokens=spec or {},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=0)
+                            for r, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[rid for rid, _, _ in cached],
+                                              num_computed_tokens=[c for _, c, _ in cached]),
+        preempted_req_ids=set(preempted))
+
+
+def admit(conn, request) -> None:
+    hit, _ = conn.get_num_new_matched_tokens(request, 0)
+    assert hit == 0
+    conn.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+
+
+def test_prefill_stores_every_completed_chunk(connector):
+    conn, manager = connector
+    request = new_request(manager, "a", 3 * CHUNK + 5, first_block=10)
+    admit(conn, request)
+    plan = conn.build_connector_meta(scheduler_output(new=[(request, 3 * CHUNK + 5)])).plan
+    (job,) = plan.stores
+    assert [m.block_ids for m in job.chunks] == [(10, 11), (12, 13), (14, 15)]
+    assert job.req_ids == ("a", "a", "a")
+
+
+@pytest.mark.parametrize("connector", [{"store_generated": True}], indirect=True)
+def test_speculative_drafts_are_not_counted_as_computed(connector):
+    """Regression guard: vLLM schedules drafts as tokens; the KV of rejected drafts must
+    never complete a chunk. A request at 14 computed tokens with 1 new token and 3 drafts
+    reaches 15, not 18: chunk 0 (16 tokens) is not stored yet; the next step reaches 16."""
+    conn, manager = connector
+    request = new_request(manager, "s", 14, first_block=0)
+    admit(conn, request)
+    conn.build_connector_meta(scheduler_output(new=[(request, 14)]))
+    for _ in range(2 + 3):  # tokens the request "generated", drafts included
+        request.append_output_token_ids(11)
+    out = scheduler_output(cached=[("s", 14, 4)], spec={"s": [11, 11, 11]})
+    assert conn.build_connector_meta(out).plan.stores == ()
+    out = scheduler_output(cached=[("s", 15, 2)], spec={"s": [11]})  # reaches 16
+    (job,) = conn.build_connector_meta(out).plan.stores
+    assert [m.block_ids for m in job.chunks] == [(0, 1)]
+
+
+def test_a_request_finishing_under_its_copy_is_held_until_sent(connector):
+    conn, manager = connector
+    request = new_request(manager, "h", 2 * CHUNK + 1, first_block=20)
+    admit(conn, request)
+    plan = conn.build_connector_meta(scheduler_output(new=[(request, 2 * CHUNK + 1)])).plan
+    (job,) = plan.stores
+    assert conn.request_finished(request, manager.blocks["h"]) == (True, None)
+    assert conn.has_pending_block_frees()
+    assert conn.build_connector_meta(scheduler_output()).plan.held == ("h",)
+    report = WorkerReport(host_stored={job.job_id: 1})
+    conn.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=OffloadWorkerMetadata(report), kv_connector_stats=None,
+        finished_sending={"h"}))
+    assert not conn.has_pending_block_frees() and not conn.has_pending_push_work()
+
+
+def test_a_request_whose_copies_are_reported_is_freed_at_once(connector):
+    conn, manager = connector
+    request = new_request(manager, "f", CHUNK + 1, first_block=30)
+    admit(conn, request)
+    (job,) = conn.build_connector_meta(scheduler_output(new=[(request, CHUNK + 1)])).plan.stores
+    conn.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=OffloadWorkerMetadata(WorkerReport(host_stored={job.job_id: 1})),
+        kv_connector_stats=None, finished_sending=None))
+    assert conn.request_finished(request, manager.blocks["f"]) == (False, None)
+
+
+def test_preempted_requests_with_copies_in_flight_are_fenced(connector):
+    conn, manager = connector
+    a = new_request(manager, "p", CHUNK + 1, first_block=40)
+    b = new_request(manager, "q", 4, first_block=50)
+    admit(conn, a)
+    admit(conn, b)
+    conn.build_connector_meta(scheduler_output(new=[(a, CHUNK + 1), (b, 4)]))
+    plan = conn.build_connector_meta(scheduler_output(preempted=["p", "q"])).plan
+    assert plan.preempted == ("p",)  # "q" stored nothing: nothing to fence
