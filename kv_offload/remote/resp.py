@@ -11,7 +11,7 @@ instead of ~15 us). Replies are still parsed by redis-py (hiredis when installed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _INLINE_MAX = 16 * 1024  # smaller arguments are copied into the command buffer
@@ -59,7 +59,7 @@ def pack_command(*args: Any) -> list[Any]:
             out.append(view)
             head = [b"\r\n"]
         else:
-            head.append(b"$%d\r\n%b\r\n" % (len(view), view))
+            head.append(b"$%d\r\n%b\r\n" % (len(view), view.tobytes()))
     out.append(b"".join(head))
     return out
 
@@ -113,7 +113,7 @@ def pipeline_on_connection(pool: Any, commands: Sequence[Sequence[Any]]) -> list
         pool.release(conn)
 
 
-def pipelines_on_connections(batches: dict[Any, Sequence[Sequence[Any]]]
+def pipelines_on_connections(batches: Mapping[Any, Sequence[Sequence[Any]]]
                              ) -> dict[Any, list[Any]]:
     """``pipeline_on_connection`` on several pools at once (the nodes of a cluster):
     every pool's commands are sent before any reply is read, so the round trips overlap

@@ -126,10 +126,10 @@ class RemoteTier:
         try:
             client = self._get_client()
             if not self.target.is_cluster and self._use_script:
-                hits = self._lookup_by_script(client, names)
-                if hits is not None:
+                prefixes = self._lookup_by_script(client, names)
+                if prefixes is not None:
                     self.health.record_success()
-                    return hits
+                    return prefixes
             counts = self._exists_per_chunk(client, [n for group in names for n in group])
         except Exception as exc:  # redis errors, timeouts, refused connections
             if _is_redirect(exc):  # resharded: refresh the topology, no backoff
@@ -360,7 +360,7 @@ def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
 def _packer_init(base: type) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("command_packer", RespPacker())
-        base.__init__(self, *args, **kwargs)
+        base.__init__(self, *args, **kwargs)  # type: ignore[misc]
 
     return __init__
 

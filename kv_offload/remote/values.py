@@ -80,7 +80,7 @@ def check_value(name: bytes, value: bytes | memoryview | None, payload_bytes: in
     return ValueCheck.OK
 
 
-def check_header(name: bytes, head: bytes | memoryview, value_bytes: int,
+def check_header(name: bytes, head: bytes | bytearray | memoryview, value_bytes: int,
                  payload_bytes: int) -> tuple[ValueCheck, int]:
     """Verify the header ``head`` of a value of ``value_bytes`` bytes stored under
     ``name`` before its payload is read; (outcome, the payload's expected checksum).
