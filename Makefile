@@ -33,6 +33,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kv_offload tests examples benchmarks
+	$(VENV)/bin/mypy  # kv_offload/, settings in pyproject.toml [tool.mypy]
 
 pytest: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -46,4 +47,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

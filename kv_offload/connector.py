@@ -272,7 +272,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self._scheduler is not None:  # vLLM calls it in update_from_output: guarded
-            data = self._guard.call("get_kv_connector_stats", dict, self._scheduler_stats)
+            data: dict[str, float] = self._guard.call("get_kv_connector_stats", dict,
+                                                      self._scheduler_stats)
         elif self._worker is not None:
             data = self._worker.take_stats()
         else:
