@@ -53,6 +53,12 @@ class HostSlots:
         self._array: np.ndarray | None = tensor.numpy()
         self._owner = owner
 
+    def as_tensor(self) -> torch.Tensor:
+        """``tensor``, or ValueError after ``close`` (for callers that need the memory)."""
+        if self.tensor is None:
+            raise ValueError("host slots are closed")
+        return self.tensor
+
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.slot_bytes

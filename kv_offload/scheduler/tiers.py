@@ -12,10 +12,13 @@ from typing import Protocol
 
 
 class RequestLike(Protocol):
-    """A vLLM request as the planner reads it."""
+    """A vLLM request as the planner reads it (read-only: the planner never sets these)."""
 
-    request_id: str
-    block_hashes: Sequence[bytes]
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
 
     @property
     def num_tokens(self) -> int: ...
