@@ -29,6 +29,13 @@ from kv_offload.metrics import OffloadPromMetrics, OffloadStats, summarize
 
 if TYPE_CHECKING:
     import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
     from kv_offload.scheduler import OffloadScheduler
     from kv_offload.worker.runner import OffloadWorker
@@ -77,7 +84,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         _adopt_vllm_logging()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = OffloadConfig.from_extra_config(
@@ -187,20 +195,21 @@ class KVOffloadConnector(KVConnectorBase_V1):
                                "(bind_kv_cache_manager) before scheduling")
         return self._kv_cache_manager.get_block_ids(req_id)[0]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         hit = self._guard.call("get_num_new_matched_tokens", lambda: 0,
                                self._sched.num_matched_tokens, request, num_computed_tokens)
         return (None, False) if hit is None else (hit, hit > 0)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         # Past a failure the request already waits for its load: fail it, never hang.
         self._guard.call("update_state_after_alloc", lambda: self._sched.fail_load(
             request.request_id, block_ids, num_external_tokens),
             self._sched.plan_load, request, block_ids, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
@@ -211,7 +220,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
                CacheHitSource.EXTERNAL_UNSPECIFIED: tiers.get("remote", 0)}
         return {k: v for k, v in out.items() if v}
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
 
@@ -231,7 +240,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
                          self._maybe_log_summary)
         return OffloadConnectorMetadata(plan)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata):
             self._guard.call("update_connector_output", lambda: None,
@@ -243,7 +252,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         if isinstance(stats, OffloadStats):  # worker-side deltas, for the log summary
             _add(self._summary_totals, stats.data)
 
-    def request_finished(self, request: Any, block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         # Engine -> host copies run in the background (the step never waits for them):
         # blocks with a copy in flight are held until every rank reports the request in
@@ -356,7 +365,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def restore_kv_caches(self) -> None:
         return  # offloading stays off after unregister_kv_caches (see there)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is not None and plan.loads and self._worker is not None:
             self._worker.start_loads(plan.loads)
@@ -364,7 +373,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: requests wait outside the forward pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kw: Any) -> None:
         return  # stores run once per step in wait_for_save, after the whole forward
 
     def wait_for_save(self) -> None:
@@ -372,7 +381,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         if plan is not None and plan.stores and self._worker is not None:
             self._worker.run_stores(plan.stores)
 
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called first in every step, before the forward, with this step's plan.
         plan = getattr(kv_connector_metadata, "plan", None)
         if self._worker is not None and isinstance(plan, StepPlan):

@@ -9,17 +9,17 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove
 from kv_offload.keys import ChunkKey
+from kv_offload.scheduler.tiers import RequestLike
 
 
 @dataclass(slots=True)
 class RequestState:
     """What the planner keeps about one request between vLLM's calls."""
 
-    request: Any  # a RequestLike (vLLM's Request)
+    request: RequestLike  # vLLM's Request
     next_store_chunk: int = 0  # chunks before it are stored or were skipped
     lookup: tuple[int, int] | None = None  # (num_computed_tokens, hit tokens) of the last ask
     remote: tuple[int, int, frozenset] | None = None  # (first chunk, num keys, hit keys) memo
