@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -38,14 +38,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["DISK_BROKEN_AFTER", "STAGED_READ_TTL_S", "OffloadWorker", "PollResult"]
 
 STAGED_READ_TTL_S = 300.0
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class _Store:
     job: StoreJob
     copy: HostCopy
-    writes: list[Future | None]
-    remote_writes: list[Future | None]
+    writes: list[Future[int | None] | None]  # slab writes: checksum or None
+    remote_writes: list[Future[bool] | None]
     host_reported: bool = False
 
 
@@ -95,8 +96,8 @@ class OffloadWorker:
         self._lock = threading.Lock()
         self._loads: dict[int, WorkerLoad] = {}
         self._stores: dict[int, _Store] = {}
-        self._staged: dict[tuple[int, int], tuple[Future, float]] = {}
-        self._fills: dict[int, list[Future | None]] = {}  # load job -> fill_disk_slot writes
+        self._staged: dict[tuple[int, int], tuple[Future[bool], float]] = {}
+        self._fills: dict[int, list[Future[int | None] | None]] = {}  # load job -> fill_disk_slot writes
         self._remote_misses = 0
         self._report = WorkerReport()
         self._disk = DiskHealth(rank)
@@ -113,9 +114,9 @@ class OffloadWorker:
         now = self._clock()
         for job in jobs:
             load = WorkerLoad(job, now, self.engine.current_stream())
-            reads: dict[int, Future] = {}
-            needed: list[Future] = []
-            fills: list[Future | None] = []
+            reads: dict[int, Future[bool]] = {}
+            needed: list[Future[bool]] = []
+            fills: list[Future[int | None] | None] = []
             for i, move in enumerate(job.chunks):
                 fills.append(None)
                 if move.cpu_slot is None:
@@ -139,7 +140,7 @@ class OffloadWorker:
                     self._fills[job.job_id] = fills
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
 
-    def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future]) -> None:
+    def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done); any thread."""
         try:
             future = self._copier.submit(self._run_load, load, reads)
@@ -193,7 +194,7 @@ class OffloadWorker:
                 "(%d so far)", result.value, misses)
         return False
 
-    def _fill_disk(self, read: Future, move: ChunkMove) -> int | None:
+    def _fill_disk(self, read: Future[bool], move: ChunkMove) -> int | None:
         """Write a chunk fetched from the remote tier to its disk slot once ``read``
         succeeded (I/O thread); its checksum, or None."""
         try:
@@ -248,7 +249,7 @@ class OffloadWorker:
             handle = self._copies.issue(blocks, slots, job.req_ids)
             # Issue time (the copy runs in the background, or inline on a sync engine).
             self._count(bytes_store=self._chunk_bytes(blocks), seconds_store=self._clock() - start)
-            writes: list[Future | None] = []
+            writes: list[Future[int | None] | None] = []
             for move in job.chunks:
                 if move.disk_slot is None or self.slab is None:
                     writes.append(None)
@@ -424,6 +425,6 @@ def _all_done(futures: Sequence[Future | None]) -> bool:
     return all(f is None or f.done() for f in futures)
 
 
-def _results(futures: Sequence[Future | None]) -> tuple:
+def _results(futures: Sequence[Future[T] | None]) -> tuple[T | None, ...]:
     """Results of done futures, None for absent ones (their functions never raise)."""
     return tuple(None if f is None else f.result() for f in futures)
