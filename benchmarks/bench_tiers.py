@@ -1,12 +1,10 @@
-"""Disk-tier benchmarks, every contender measured side by side in one run.
+"""Disk-tier I/O, every contender measured side by side in one run.
 
-1. Store and load N chunks of 256 KiB, 2 MiB and 8 MiB: our DiskIndex + SlabFile path
-   (allocate/write/commit, lookup/read/verify) against raw sequential file I/O of the same
-   bytes in the same directory, vLLM's own filesystem tier I/O
-   (``vllm.v1.kv_offload.tiering.fs.io.batch_store_block`` / ``batch_load_block``) and
-   the rejected alternative design: chunks stored as LMDB values.
-2. Checksum speed on the same bytes (xxh3_64, crc32, ...).
-3. Scheduler lookup cost per key with 10k, 100k and 1M keys in the index.
+Store and load N chunks of 256 KiB, 2 MiB and 8 MiB: our DiskIndex + SlabFile path
+(allocate/write/commit, lookup/read/verify) against raw sequential file I/O of the same
+bytes in the same directory and vLLM's own filesystem tier I/O
+(``vllm.v1.kv_offload.tiering.fs.io.batch_store_block`` / ``batch_load_block``).
+Targets: the slab >= 0.85x the raw file (reads 0.9x), the whole path >= 1.0x vLLM's.
 
 Reads are reported warm (page cache) and cold: after fsync, each contender's own files
 are evicted from the page cache with POSIX_FADV_DONTNEED, which works unprivileged and
@@ -15,61 +13,54 @@ leaves other processes' cache alone (--drop-caches also tries the global
 cache, and including the fsync that makes them durable.
 
     python benchmarks/bench_tiers.py --quick --json /tmp/tiers.json   # seconds
-    python benchmarks/bench_tiers.py --json tiers.json                # ~2-3 min, 2 cores
+    python benchmarks/bench_tiers.py --json tiers.json                # ~2 min, 2 cores
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import mmap
 import os
-import platform
-import random
 import shutil
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
+from typing import Any
 
-import lmdb
 import numpy as np
-import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kv_offload.checksum import checksum  # noqa: E402
+from _common import bench_parser, command_line, finish, span, timed  # noqa: E402
+from _markdown import Targets, fill, fmt, pyplot, save, table, verdict  # noqa: E402
+from bench_copy import chunk_axis  # noqa: E402
+
 from kv_offload.disk import DiskIndex, SlabFile  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 8  # chunks per allocate/commit and per vLLM batch call
+PHASES = ("write", "write_sync", "read_warm", "read_cold")
+SLAB, OURS, RAW = "ours: slab only (1 thread)", "ours (1 thread)", "raw sequential file"
+VLLM = ("vllm fs io (O_DIRECT)", "vllm fs io (buffered)")
+RATIO_PAIRS = (  # (ours, baseline, graded against a target) per chunk size
+    (SLAB, RAW, True), (OURS, RAW, False), (OURS, VLLM[0], True), (OURS, VLLM[1], True))
+TARGETS = (("raw", 0.85), ("vllm", 1.0))  # ratio "vs" prefix -> minimum ratio
+READ_RAW = 0.9  # issue 15: reads >= 0.9x a raw file, writes >= 0.85x
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="toy sizes for a smoke test")
-    parser.add_argument("--json", type=Path, help="write all results to this JSON file")
+def parse_args(argv: list[str] | None = None) -> Any:
+    parser = bench_parser(__doc__)
     parser.add_argument("--dir", type=Path, default=None,
                         help="directory to benchmark in (default: a temp dir under $TMPDIR)")
     parser.add_argument("--total-mib", type=int, default=None,
                         help="bytes stored per chunk size (default 256, --quick 8)")
-    parser.add_argument("--lookup-keys", type=str, default=None,
-                        help="comma-separated index sizes (default 10000,100000,1000000)")
-    parser.add_argument("--threads", type=int, default=4,
-                        help="I/O threads for the 'ours, N threads' row (default 4)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="runs per I/O contender, best kept (default 5, --quick 1)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache once at start (root only)")
     args = parser.parse_args(argv)
     args.total_mib = args.total_mib or (8 if args.quick else 256)
-    sizes = args.lookup_keys or ("1000,10000" if args.quick else "10000,100000,1000000")
-    args.lookup_keys = [int(x) for x in sizes.split(",")]
     args.repeat = args.repeat or (1 if args.quick else 5)
     return args
 
@@ -84,28 +75,14 @@ def aligned(nbytes: int) -> np.ndarray:
     return arr
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def fsync_files(paths) -> None:
+def fsync_files(paths, evict: bool = False) -> None:
+    """fsync ``paths``; ``evict``: then drop their clean pages from the page cache."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def evict_from_cache(paths) -> None:
-    """Drop clean pages of ``paths`` from the page cache (fsync first)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if evict:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
@@ -127,109 +104,82 @@ def chunk_views(buf: np.ndarray, chunk: int) -> list[memoryview]:
     return [view[i : i + chunk] for i in range(0, buf.nbytes, chunk)]
 
 
+def phases(store: Callable[[], object], load: Callable[[], object], files: Callable[[], list],
+           load_cold: Callable[[], object] | None = None) -> dict[str, float]:
+    """Seconds of a contender's four phases: write, write + fsync, warm read, cold read."""
+    out = {"write": timed(store)}
+    out["write_sync"] = out["write"] + timed(lambda: fsync_files(files()))
+    out["read_warm"] = timed(load)
+    fsync_files(files(), evict=True)
+    out["read_cold"] = timed(load_cold or load)
+    return out
+
+
 # -- I/O contenders: each returns {"write", "write_sync", "read_warm", "read_cold"} seconds --
 
 
-def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, threads: int,
-             verify: bool = True) -> dict:
+def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int) -> dict:
     """Store then load every chunk through DiskIndex + SlabFile, as the tier does it.
 
     Returns the times of the whole path and, under "slab", of the SlabFile calls alone
-    (the worker's part: the index runs in vLLM's scheduler process, not in the I/O path;
-    with more than one thread the slab time is the wall time of the parallel calls).
-    ``verify=False`` reads without checksum verification (what checksums cost)."""
+    (the worker's part: the index runs in vLLM's scheduler process, not in the I/O path)."""
     srcs, dsts = chunk_views(src, chunk), chunk_views(dst, chunk)
     keys = [hashlib.sha256(b"chunk-%d" % i).digest() for i in range(len(srcs))]
     ns = f"be0c{chunk:x}"
     index = DiskIndex.open(root, namespace_id=ns, descriptor={"bench": chunk}, slot_bytes=chunk,
                            num_ranks=1, capacity_bytes=src.nbytes)
     slab = SlabFile(root, namespace_id=ns, rank=0, num_ranks=1, slot_bytes=chunk)
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    mapper = pool.map if pool else map
-    slab_s = {"t": 0.0}
-
-    def write(slot: int, i: int) -> int:
-        return slab.write(slot, srcs[i])
-
-    def read(entry, i: int) -> bool:
-        return bool(slab.read(entry.slot, dsts[i], entry.checksums[0] if verify else None))
-
-    def slab_part(fn, *columns) -> list:
-        start = time.perf_counter()
-        out = list(mapper(fn, *columns))
-        slab_s["t"] += time.perf_counter() - start
-        return out
+    slab_s: list[float] = []  # the SlabFile calls' seconds, one figure per phase
 
     def store() -> None:
+        slab_s.append(0.0)
         for b in range(0, len(keys), BATCH):
             batch = keys[b : b + BATCH]
             slots = index.allocate(batch)
-            sums = slab_part(write, slots, range(b, b + len(batch)))
+            start = time.perf_counter()
+            sums = [slab.write(s, srcs[b + i]) for i, s in enumerate(slots)]
+            slab_s[-1] += time.perf_counter() - start
             index.commit([(k, s, (c,)) for k, s, c in zip(batch, slots, sums)])
 
     def load() -> None:
+        slab_s.append(0.0)
         for b in range(0, len(keys), BATCH):
             entries = index.find_prefix(keys[b : b + BATCH])
             index.pin([e.slot for e in entries])
-            ok = slab_part(read, entries, range(b, b + len(entries)))
+            start = time.perf_counter()
+            ok = [slab.read(e.slot, dsts[b + i], e.checksums[0]) for i, e in enumerate(entries)]
+            slab_s[-1] += time.perf_counter() - start
             index.unpin([e.slot for e in entries])
             if len(entries) != len(keys[b : b + BATCH]) or not all(ok):
                 raise RuntimeError("ours: a chunk failed to load")
 
-    def phase(fn) -> tuple[float, float]:
-        slab_s["t"] = 0.0
-        total = timed(fn)
-        return total, slab_s["t"]
-
     files = [slab.path, *sorted((root / "index").glob("*.mdb"))]
-    out: dict = {"slab": {}}
-    out["write"], out["slab"]["write"] = phase(store)
-    sync = timed(lambda: fsync_files(files))
-    out["write_sync"], out["slab"]["write_sync"] = out["write"] + sync, out["slab"]["write"] + sync
-    out["read_warm"], out["slab"]["read_warm"] = phase(load)
-    evict_from_cache(files)
-    out["read_cold"], out["slab"]["read_cold"] = phase(load)
+    out: dict[str, Any] = phases(store, load, lambda: files)
+    sync = out["write_sync"] - out["write"]
+    out["slab"] = dict(zip(PHASES, (slab_s[0], slab_s[0] + sync, slab_s[1], slab_s[2])))
     index.close()
     slab.close()
-    if pool:
-        pool.shutdown()
     return out
 
 
-def run_raw(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, threads: int = 1) -> dict:
-    """One plain file, no checksum: sequential ``os.write`` / ``os.readv`` of each chunk,
-    or with ``threads`` > 1 positional I/O of the chunks from a thread pool (the same
-    concurrency as ours with that many I/O threads)."""
+def run_raw(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int) -> dict:
+    """One plain file, no checksum: sequential ``os.write`` / ``os.readv`` of each chunk."""
     path = root / "raw.bin"
     srcs, dsts = chunk_views(src, chunk), chunk_views(dst, chunk)
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
 
     def store() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        if pool:
-            list(pool.map(lambda i: os.pwritev(fd, [srcs[i]], i * chunk), range(len(srcs))))
-        else:
-            for view in srcs:
-                os.write(fd, view)
+        for view in srcs:
+            os.write(fd, view)
         os.close(fd)
 
     def load() -> None:
         fd = os.open(path, os.O_RDONLY)
-        if pool:
-            list(pool.map(lambda i: os.preadv(fd, [dsts[i]], i * chunk), range(len(dsts))))
-        else:
-            for view in dsts:
-                os.readv(fd, [view])
+        for view in dsts:
+            os.readv(fd, [view])
         os.close(fd)
 
-    out = {"write": timed(store)}
-    out["write_sync"] = out["write"] + timed(lambda: fsync_files([path]))
-    out["read_warm"] = timed(load)
-    evict_from_cache([path])
-    out["read_cold"] = timed(load)
-    if pool:
-        pool.shutdown()
-    return out
+    return phases(store, load, lambda: [path])
 
 
 def run_vllm(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, o_direct: bool) -> dict:
@@ -240,96 +190,45 @@ def run_vllm(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, o_direct:
     paths = [str(root / "vllm" / f"{i // 256:03d}" / f"{i:06d}.kv")
              for i in range(src.nbytes // chunk)]
     offsets = [i * chunk for i in range(len(paths))]
-    src_view, dst_view = memoryview(src), memoryview(dst)
 
-    def store() -> None:
-        for b in range(0, len(paths), BATCH):
-            fs_io.batch_store_block(paths[b : b + BATCH], src_view, offsets[b : b + BATCH], chunk,
-                                    use_o_direct=o_direct)
+    def batches(fn: Callable, buf: np.ndarray) -> Callable[[], None]:
+        def run() -> None:
+            for b in range(0, len(paths), BATCH):
+                fn(paths[b : b + BATCH], memoryview(buf), offsets[b : b + BATCH], chunk,
+                   use_o_direct=o_direct)
+        return run
 
-    def load() -> None:
-        for b in range(0, len(paths), BATCH):
-            fs_io.batch_load_block(paths[b : b + BATCH], dst_view, offsets[b : b + BATCH], chunk,
-                                   use_o_direct=o_direct)
-
-    out = {"write": timed(store)}
-    out["write_sync"] = out["write"] + timed(lambda: fsync_files(paths))
-    out["read_warm"] = timed(load)
-    evict_from_cache(paths)
-    out["read_cold"] = timed(load)
-    return out
+    return phases(batches(fs_io.batch_store_block, src), batches(fs_io.batch_load_block, dst),
+                  lambda: paths)
 
 
-def run_lmdb_values(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int) -> dict:
-    """The alternative design: each chunk an LMDB value (same sync policy as our index;
-    readahead on, which suits large values)."""
-    path, srcs, dsts = root / "lmdbvals", chunk_views(src, chunk), chunk_views(dst, chunk)
-    keys = [hashlib.sha256(b"chunk-%d" % i).digest() for i in range(len(srcs))]
-    sums: dict[bytes, int] = {}
-
-    def open_env() -> lmdb.Environment:
-        return lmdb.open(str(path), map_size=2 * src.nbytes + 64 * MiB, sync=False, metasync=False,
-                         readahead=True, meminit=False)
-
-    env = open_env()
-
-    def store() -> None:
-        for b in range(0, len(keys), BATCH):
-            with env.begin(write=True) as txn:
-                for i in range(b, min(b + BATCH, len(keys))):
-                    sums[keys[i]] = checksum(srcs[i])
-                    txn.put(keys[i], srcs[i])
-
-    def load() -> None:
-        with env.begin(buffers=True) as txn:
-            for i, key in enumerate(keys):
-                value = txn.get(key)
-                dsts[i][:] = value
-                if checksum(dsts[i]) != sums[key]:
-                    raise RuntimeError("lmdb values: checksum mismatch")
-
-    out = {"write": timed(store)}
-    out["write_sync"] = out["write"] + timed(lambda: env.sync(True))
-    out["read_warm"] = timed(load)
-    env.close()
-    evict_from_cache([path / "data.mdb"])
-    env = open_env()
-    out["read_cold"] = timed(load)
-    env.close()
-    return out
+CONTENDERS: dict[str, Callable[[Path, np.ndarray, np.ndarray, int], dict]] = {
+    RAW: run_raw, OURS: run_ours,
+    VLLM[0]: lambda d, s, t, c: run_vllm(d, s, t, c, True),
+    VLLM[1]: lambda d, s, t, c: run_vllm(d, s, t, c, False),
+}
 
 
-def bench_io(args: argparse.Namespace, base: Path) -> list[dict]:
-    rows = []
+def bench_io(args: Any, base: Path) -> list[dict]:
     total = args.total_mib * MiB
     src = aligned(total)
     src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
     dst = aligned(total)
     memcpy = min(timed(lambda: np.copyto(dst, src)) for _ in range(3))
-    rows.append({"chunk": 0, "contender": "memcpy (numpy)", "write": memcpy, "write_sync": memcpy,
-                 "read_warm": memcpy, "read_cold": memcpy, "bytes": total})
-    contenders: dict[str, Callable[[Path, int], dict]] = {
-        "raw sequential file": lambda d, c: run_raw(d, src, dst, c),
-        f"raw file ({args.threads} threads)": lambda d, c: run_raw(d, src, dst, c, args.threads),
-        "ours (1 thread)": lambda d, c: run_ours(d, src, dst, c, 1),
-        "ours, no verify (1 thread)": lambda d, c: run_ours(d, src, dst, c, 1, verify=False),
-        f"ours ({args.threads} threads)": lambda d, c: run_ours(d, src, dst, c, args.threads),
-        "vllm fs io (O_DIRECT)": lambda d, c: run_vllm(d, src, dst, c, True),
-        "vllm fs io (buffered)": lambda d, c: run_vllm(d, src, dst, c, False),
-        "lmdb values": lambda d, c: run_lmdb_values(d, src, dst, c),
-    }
+    rows: list[dict] = [{"chunk": 0, "contender": "memcpy (numpy)", "bytes": total,
+                         **dict.fromkeys(PHASES, memcpy)}]
+    names = list(CONTENDERS)
     for chunk in (256 * KiB, 2 * MiB, 8 * MiB):
         best: dict[str, dict] = {}
         errors: dict[str, str] = {}
         for r in range(args.repeat):  # rotating order, so that load spikes hit everyone alike
-            names = list(contenders)
             for name in names[r % len(names):] + names[:r % len(names)]:
                 if name in errors:
                     continue
                 work = Path(tempfile.mkdtemp(dir=base))
                 dst[:] = 0
                 try:
-                    times = contenders[name](work, chunk)
+                    times = CONTENDERS[name](work, src, dst, chunk)
                     if not np.array_equal(dst, src):
                         raise RuntimeError("loaded bytes differ from the stored bytes")
                 except Exception as exc:  # report, do not hide (e.g. vLLM's I/O cannot run)
@@ -337,223 +236,116 @@ def bench_io(args: argparse.Namespace, base: Path) -> list[dict]:
                     continue
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
-                for label, result in _split_slab(name, times).items():
-                    old = best.get(label, result)
-                    best[label] = {phase: min(t, old[phase]) for phase, t in result.items()}
-        for name in dict.fromkeys(n for c in contenders for n in (_slab_label(c), c)):
+                slab = times.pop("slab", None)
+                for label, result in ((name, times), (SLAB, slab)):
+                    if result:
+                        old = best.get(label, result)
+                        best[label] = {p: min(t, old[p]) for p, t in result.items()}
+        for name in (RAW, SLAB, OURS, *VLLM):
             if name in errors:
                 rows.append({"chunk": chunk, "contender": name, "error": errors[name]})
             elif name in best:
                 rows.append({"chunk": chunk, "contender": name, "bytes": total, **best[name]})
     for row in rows:
-        for phase in ("write", "write_sync", "read_warm", "read_cold"):
+        for phase in PHASES:
             if phase in row:
                 row[phase + "_gbps"] = round(row["bytes"] / row.pop(phase) / 1e9, 3)
     return rows
 
 
-def _slab_label(name: str) -> str:
-    return name.replace("ours", "ours: slab only", 1) if name.startswith("ours") else name
-
-
-def _split_slab(name: str, times: dict) -> dict[str, dict]:
-    """A contender's rows: ours gives its whole path and its slab part."""
-    times = dict(times)
-    slab = times.pop("slab", None)
-    return {name: times, **({_slab_label(name): slab} if slab else {})}
-
-
-RATIO_PAIRS = (  # (ours, baseline, graded against a target) per chunk size
-    ("ours: slab only (1 thread)", "raw sequential file", True),
-    ("ours (1 thread)", "raw sequential file", False),
-    ("ours: slab only, no verify (1 thread)", "raw sequential file", False),
-    ("ours: slab only (1 thread)", "ours: slab only, no verify (1 thread)", False),
-    ("ours (1 thread)", "vllm fs io (O_DIRECT)", True),
-    ("ours (1 thread)", "vllm fs io (buffered)", True),
-    ("ours (1 thread)", "lmdb values", False),
-)
-
-
-def io_ratios(rows: list[dict], threads: int) -> list[dict]:
+def io_ratios(rows: list[dict]) -> list[dict]:
     """Ours / baseline per chunk size and phase (``RATIO_PAIRS``). The targets apply to
     the slab row vs the raw file (the worker's I/O, checksums included) and to the whole
-    path vs vLLM's fs tier; the rest is for the record (index cost, checksum cost)."""
+    path vs vLLM's fs tier; the whole path vs the raw file is for the record."""
     by = {(r["chunk"], r["contender"]): r for r in rows if "error" not in r}
     out = []
-    pairs = (*RATIO_PAIRS, (f"ours: slab only ({threads} threads)",
-                            f"raw file ({threads} threads)", False))
     for chunk in sorted({r["chunk"] for r in rows if r["chunk"]}):
-        for ours_name, other, graded in pairs:
+        for ours_name, other, graded in RATIO_PAIRS:
             ours, ref = by.get((chunk, ours_name)), by.get((chunk, other))
             if ours and ref:
-                vs = other if ours_name == "ours (1 thread)" else f"{other} [{ours_name}]"
+                vs = other if ours_name == OURS else f"{other} [{ours_name}]"
                 out.append({"chunk": chunk, "ours": ours_name, "vs": vs, "graded": graded, **{
-                    p: round(ours[p + "_gbps"] / ref[p + "_gbps"], 2)
-                    for p in ("write", "write_sync", "read_warm", "read_cold")}})
+                    p: round(ours[p + "_gbps"] / ref[p + "_gbps"], 2) for p in PHASES}})
     return out
 
 
-def notes(result: dict) -> list[str]:
-    """The prose of the report section, with this run's numbers."""
-    ratios = result.get("io_ratios", [])
-
-    def span(ours: str, vs: str, phase: str) -> str:
-        sel = [r[phase] for r in ratios if r["ours"] == ours and r["vs"].startswith(vs)]
-        return f"{min(sel):.2f}-{max(sel):.2f}x" if sel else "n/a"
-
-    slab = "ours: slab only (1 thread)"
-    threads = result.get("threads", "?")
-    slab_n = f"ours: slab only ({threads} threads)"
-    xxh = [r["gbps"] for r in result.get("checksums", []) if r["algorithm"] == "xxh3_64"]
-    load = (result["machine"]["loadavg_start"][0], result["machine"]["loadavg_end"][0])
-    return [
-        "**What is compared.** *ours: slab only* times the `SlabFile.write` / `read` calls "
-        "(what a worker's I/O thread does: positional I/O between a host slot and the slab, "
-        "xxh3_64 of every byte, verified on read); *ours* adds the `DiskIndex` calls "
-        "(allocate/commit, find_prefix/pin/unpin per batch of 8), which run in vLLM's "
-        "scheduler process in the connector, not in the I/O path. *raw sequential file*: "
-        "`os.write` / `os.readv` of the same chunks into one fresh file, no checksum. Cold "
-        "reads: each contender's files are fsync'ed, then dropped from the page cache with "
-        "`posix_fadvise(POSIX_FADV_DONTNEED)` (unprivileged, other processes' cache "
-        "untouched). Contenders run in rotating order, fresh directories each run, the "
-        f"best of {result.get('repeat', '?')} runs per phase kept. Load average "
-        f"{load[0]:.1f} -> {load[1]:.1f} (1 min) during the run.",
-        "**This run.** Slab vs raw file: warm reads "
-        f"{span(slab, 'raw', 'read_warm')}, cold reads {span(slab, 'raw', 'read_cold')}, "
-        f"writes {span(slab, 'raw', 'write')} (with fsync {span(slab, 'raw', 'write_sync')}). "
-        f"The whole path (index included) vs raw: warm reads "
-        f"{span('ours (1 thread)', 'raw', 'read_warm')}, writes "
-        f"{span('ours (1 thread)', 'raw', 'write')}. With {threads} I/O threads on both "
-        f"sides (slab vs raw file): warm reads {span(slab_n, 'raw file', 'read_warm')}, cold "
-        f"{span(slab_n, 'raw file', 'read_cold')}, writes {span(slab_n, 'raw file', 'write')}.",
-        "**What checksums cost.** Verified / unverified slab reads: warm "
-        f"{span(slab, 'ours: slab only, no verify', 'read_warm')}, cold "
-        f"{span(slab, 'ours: slab only, no verify', 'read_cold')}. xxh3_64 hashes "
-        f"{'/'.join(f'{x:.0f}' for x in xxh) or '?'} GB/s (256 KiB / 8 MiB) and holds the "
-        "GIL; a page-cache read copies ~10-12 GB/s, so hashing the bytes after the kernel "
-        "copied them adds ~20% to a warm read on one thread: one thread cannot reach 0.9x "
-        "of an unverified raw read from the page cache unless the hash runs 9x faster than "
-        "the copy. Each 256 KiB piece is hashed right after it is read (writes: before it is "
-        "written), while it is in cache, so hashing never reads memory twice. Cold reads "
-        "and writes with fsync are disk-bound: there the hash is a few percent.",
-        "**Before (issue 15, idle machine):** warm reads 0.59-0.70x of the raw file, writes "
-        "0.62-0.88x, whole path. Changes since: I/O pieces of 256 KiB instead of 1 MiB (each "
-        "hashed while it is in L2), and the benchmark separates the slab's I/O from the "
-        "index, with unverified reads and a threaded raw file for reference. Per call the "
-        "slab pays ~4-5 us besides the I/O (~2.5 us of it the path `stat` that notices a "
-        "store deleted or moved away under a running engine; an `fstat` of the open file "
-        "was tried and reverted because it does not), ~15% of a 256 KiB page-cache read.",
-        "Reproduce: `.venv/bin/python benchmarks/bench_tiers.py --json docs/bench-data/"
-        "tiers.json` (`--total-mib`, `--repeat`, `--threads`).",
-    ]
+# -- report --------------------------------------------------------------------------
 
 
-# -- checksums and lookups -------------------------------------------------------------
+def limit_of(vs: str, phase: str) -> float | None:
+    """The minimum ratio a graded row must reach in ``phase``, None when none applies."""
+    limit = next((lim for prefix, lim in TARGETS if vs.startswith(prefix)), None)
+    return READ_RAW if limit and vs.startswith("raw") and "read" in phase else limit
 
 
-def bench_checksums(quick: bool) -> list[dict]:
-    funcs: dict[str, Callable] = {
-        "xxh3_64": xxhash.xxh3_64_intdigest, "xxh3_128": xxhash.xxh3_128_intdigest,
-        "xxh64": xxhash.xxh64_intdigest, "crc32 (zlib)": zlib.crc32,
-        "blake2b": lambda b: hashlib.blake2b(b).digest(),
-        "sha256": lambda b: hashlib.sha256(b).digest(),
-    }
-    try:
-        import blake3
+def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
+    """The report's disk-tier section; adds its two target rows to ``targets``. Rows of
+    contenders an earlier version measured are left out (the template records them)."""
+    ratios = [r for r in data["io_ratios"] if (r["ours"], r["vs"].split(" [")[0], r["graded"])
+              in RATIO_PAIRS]
+    io = [r for r in data["io"] if r["contender"] in (RAW, SLAB, OURS, *VLLM) or not r["chunk"]]
 
-        funcs["blake3 (1 thread)"] = lambda b: blake3.blake3(b).digest()
-    except ImportError:
-        pass
+    def ratio_span(ours: str, phase: str) -> str:
+        return span([r[phase] for r in ratios if r["ours"] == ours and r["vs"].startswith("raw")])
+
+    load = data["machine"]["loadavg_start"][0], data["machine"]["loadavg_end"][0]
+    lines = fill("tiers", total_mib=data["io_total_mib"], cache_note=data["cache_note"],
+                 repeat=data.get("repeat", "?"), loadavg=f"{load[0]:.1f} -> {load[1]:.1f}",
+                 slab_warm=ratio_span(SLAB, "read_warm"), slab_cold=ratio_span(SLAB, "read_cold"),
+                 slab_write=ratio_span(SLAB, "write"), slab_sync=ratio_span(SLAB, "write_sync"),
+                 ours_warm=ratio_span(OURS, "read_warm"), ours_write=ratio_span(OURS, "write"))
+    lines += table(["chunk KiB", "contender", "write GB/s", "write+fsync GB/s", "read warm GB/s",
+                    "read cold GB/s", "note"],
+                   [[r["chunk"] // KiB or "-", r["contender"], "n/a", "", "", "", r["error"][:60]]
+                    if "error" in r else [r["chunk"] // KiB or "-", r["contender"],
+                                          *[fmt(r[p + "_gbps"], ".2f") for p in PHASES], ""]
+                    for r in io])
     rows = []
-    for size in (256 * KiB, 8 * MiB):
-        buf = memoryview(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8))
-        for name, fn in funcs.items():
-            fn(buf)
-            n, start = 0, time.perf_counter()
-            while time.perf_counter() - start < (0.05 if quick else 0.25):
-                fn(buf)
-                n += 1
-            gbps = n * size / (time.perf_counter() - start) / 1e9
-            rows.append({"algorithm": name, "chunk": size, "gbps": round(gbps, 2)})
-    return rows
+    for r in ratios:
+        limits = [limit_of(r["vs"], p) if r["graded"] else None for p in PHASES]
+        rows.append([r["chunk"] // KiB, r["vs"], *[
+            f"{fmt(r[p], '.2f')} {verdict(r[p] >= lim) if lim else ''}".strip()
+            for p, lim in zip(PHASES, limits)],
+            f">= {limits[0]}" if r["graded"] else "(informational)"])
+    lines += ["Ratios ours (1 I/O thread) / contender:", ""]
+    lines += table(["chunk KiB", "vs", *PHASES, "target"], rows)
+    for prefix, _ in TARGETS:
+        sel = [r for r in ratios if r["vs"].startswith(prefix) and r["graded"]]
+        pairs = [(r[p], limit_of(r["vs"], p)) for r in sel for p in PHASES]
+        if pairs:
+            names = " / ".join(sorted({r["vs"] for r in sel}))
+            lims = "/".join(map(str, sorted({lim for _, lim in pairs})))
+            targets.add(f"Disk tier >= {lims}x {names} ({sum(v >= lim for v, lim in pairs)} of "
+                        f"{len(pairs)} cases)", min(v / lim for v, lim in pairs),
+                        ">= target (worst value / its target shown)",
+                        all(v >= lim for v, lim in pairs), "bench_tiers")
+    if img:
+        plot(io, img / "disk_gbps.png")
+        lines += ["![Disk tier GB/s vs chunk size](img/disk_gbps.png)", ""]
+    return lines
 
 
-def bench_lookup(args: argparse.Namespace, base: Path) -> list[dict]:
-    """Per-key cost of find_prefix(64 keys) as the index grows; insert cost alongside."""
-    root = Path(tempfile.mkdtemp(dir=base))
-    largest = max(args.lookup_keys)
-    index = DiskIndex.open(root, namespace_id="100c", descriptor={"bench": "lookup"},
-                           slot_bytes=4096, num_ranks=1, capacity_bytes=largest * 4096)
-    keys: list[bytes] = []
-    rng, rows = random.Random(0), []
-    for target in sorted(args.lookup_keys):
-        insert_s, new = 0.0, target - len(keys)
-        while len(keys) < target:
-            batch = [os.urandom(32) for _ in range(min(1000, target - len(keys)))]
-            start = time.perf_counter()
-            slots = index.allocate(batch)
-            index.commit([(k, s, (0,)) for k, s in zip(batch, slots)])
-            insert_s += time.perf_counter() - start
-            keys += batch
-        index.flush_access()
-        calls = 200 if args.quick else 2000
-        lookup_s = flush_s = 0.0
-        for n in range(calls):
-            start_at = rng.randrange(len(keys) - 64)
-            batch = keys[start_at : start_at + 64]
-            start = time.perf_counter()
-            found = index.find_prefix(batch)
-            lookup_s += time.perf_counter() - start
-            if len(found) != 64:
-                raise RuntimeError("lookup bench: keys went missing")
-            if n % 100 == 99:  # the scheduler flushes accesses periodically
-                flush_s += timed(index.flush_access)
-        miss = min(timed(partial(index.find_prefix, [os.urandom(32)] + keys[:63]))
-                   for _ in range(200))
-        rows.append({
-            "keys": target,
-            "lookup_us_per_key": round(lookup_s / (calls * 64) * 1e6, 2),
-            "flush_us_per_key": round(flush_s / (calls * 64) * 1e6, 2),
-            "miss_us_per_call": round(miss * 1e6, 2),
-            "insert_us_per_key": round(insert_s / max(new, 1) * 1e6, 2),
-            "index_bytes_per_key": round(os.path.getsize(root / "index" / "data.mdb") / target),
-        })
-    index.close()
-    shutil.rmtree(root)
-    return rows
-
-
-# -- main -----------------------------------------------------------------------------
-
-
-def print_tables(result: dict) -> None:
-    load = (result["machine"]["loadavg_start"][0], result["machine"]["loadavg_end"][0])
-    print(f"\nDisk tier I/O ({result['io_total_mib']} MiB per chunk size; GB/s; "
-          f"{result['cache_note']}; load average {load[0]:.1f} -> {load[1]:.1f})")
-    print(f"{'chunk':>8} {'contender':<38} {'write':>7} {'w+sync':>7} {'rd warm':>8} "
-          f"{'rd cold':>8}")
-    for r in result["io"]:
-        size = f"{r['chunk'] // KiB} KiB" if r["chunk"] else "-"
-        if "error" in r:
-            print(f"{size:>8} {r['contender']:<38} n/a: {r['error'][:80]}")
-            continue
-        print(f"{size:>8} {r['contender']:<38} {r['write_gbps']:>7.2f} {r['write_sync_gbps']:>7.2f}"
-              f" {r['read_warm_gbps']:>8.2f} {r['read_cold_gbps']:>8.2f}")
-    print("\nRatios ours / other")
-    for r in result["io_ratios"]:
-        print(f"{r['chunk'] // KiB:>5} KiB {r['ours']:<38} / {r['vs'].split(' [')[0]:<38} "
-              f"write {r['write']:.2f}  "
-              f"w+sync {r['write_sync']:.2f}  rd warm {r['read_warm']:.2f}  "
-              f"rd cold {r['read_cold']:.2f}")
-    print("\nChecksums (GB/s)")
-    for r in result["checksums"]:
-        print(f"{r['chunk'] // KiB:>5} KiB {r['algorithm']:<18} {r['gbps']:>7.2f}")
-    print("\nIndex find_prefix(64 keys)")
-    for r in result["lookup"]:
-        print(f"{r['keys']:>9} keys: {r['lookup_us_per_key']:.2f} us/key lookup, "
-              f"{r['flush_us_per_key']:.2f} us/key access flush, {r['miss_us_per_call']:.1f} us "
-              f"per missing lookup, {r['insert_us_per_key']:.1f} us/key insert, "
-              f"{r['index_bytes_per_key']} index bytes/key")
+def plot(io: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    memcpy = next((r for r in io if not r["chunk"]), None)
+    titles = ("write", "write + fsync", "read (page cache)", "read (cold)")
+    for ax, phase, title in zip(axes.flat, PHASES, titles):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in io:
+            if r["chunk"] and "error" not in r:
+                series.setdefault(r["contender"], []).append((r["chunk"] / KiB, r[phase + "_gbps"]))
+        for label, pts in sorted(series.items()):
+            ax.plot(*zip(*sorted(pts)), marker="o", label=label,
+                    linewidth=2.5 if label.startswith("ours") else 1.2)
+        if memcpy:
+            ax.axhline(memcpy[phase + "_gbps"], color="gray", linestyle=":", label="memcpy")
+        chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
+        ax.set_ylabel("GB/s")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    save(fig, plt, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -561,29 +353,20 @@ def main(argv: list[str] | None = None) -> dict:
     base = Path(tempfile.mkdtemp(prefix="kv-offload-bench-", dir=args.dir))
     started = time.perf_counter()
     try:
-        result = {
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "dir": str(base),
+        result: dict[str, Any] = {
+            "command": command_line(),
+            "machine": {"cpus": os.cpu_count(), "dir": str(base),
                         "loadavg_start": os.getloadavg()},
-            "io_total_mib": args.total_mib,
+            "io_total_mib": args.total_mib, "repeat": args.repeat,
             "cache_note": try_drop_caches(args.drop_caches),
         }
         result["io"] = bench_io(args, base)
-        result["io_ratios"] = io_ratios(result["io"], args.threads)
-        result["checksums"] = bench_checksums(args.quick)
-        result["lookup"] = bench_lookup(args, base)
+        result["io_ratios"] = io_ratios(result["io"])
         result["seconds"] = round(time.perf_counter() - started, 1)
         result["machine"]["loadavg_end"] = os.getloadavg()
-        result["repeat"], result["threads"] = args.repeat, args.threads
-        result["notes"] = notes(result)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print_tables(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
-    return result
+    return finish(result, args.json, render_section)
 
 
 if __name__ == "__main__":
