@@ -98,6 +98,7 @@ class StepLoop:
         self.counts = {"steps": 0, "requests": 0, "tokens_loaded": 0, "chunks_stored": 0,
                        "held": 0, "preempted": 0, "fenced": 0}
         self._outputs: tuple[PollResult, WorkerReport | None, list[str]] | None = None
+        self.draining = False  # no new requests, no preemptions: step until idle
         self._prefixes = [[self.rng.randrange(1, 30_000) for _ in range(BLOCK * 6)]
                           for _ in range(5)]
 
@@ -133,7 +134,7 @@ class StepLoop:
 
     def _preempt_one(self) -> list[str]:
         ready = [r for r in self.running if not self.requests[r].waiting_load]
-        if not ready or self.rng.random() > 0.08:
+        if not ready or self.draining or self.rng.random() > 0.08:
             return []
         rid = self.rng.choice(ready)
         req = self.requests[rid]
@@ -175,7 +176,7 @@ class StepLoop:
     # -- one step --------------------------------------------------------------------------
 
     def step(self) -> None:
-        if self.rng.random() < 0.5:
+        if not self.draining and self.rng.random() < 0.5:
             self.add_request()
         preempted = self._preempt_one()
         scheduled: list[tuple[str, int]] = []
@@ -249,7 +250,7 @@ class StepLoop:
             if not (self.waiting or self.running or self.held or self._outputs
                     or self.sched.has_pending_work() or self.worker.has_pending_jobs()):
                 return
-            self.rng.random = lambda: 1.0  # type: ignore[method-assign] - no more arrivals
+            self.draining = True
             self.step()
             time.sleep(0.001)
         raise RuntimeError("the step loop did not drain")
@@ -263,7 +264,7 @@ class StepLoop:
             for c, hit in enumerate(self.sched.cpu.hits(keys)):
                 if hit is None:
                     continue
-                slot = self.host.tensor[hit.slot].view(torch.float32).reshape(
+                slot = self.host.as_tensor()[hit.slot].view(torch.float32).reshape(
                     LAYERS, BLOCKS_PER_CHUNK, HEADS, BLOCK, CONTENT)
                 want = torch.from_numpy(values[c * chunk:(c + 1) * chunk]).reshape(
                     BLOCKS_PER_CHUNK, 1, BLOCK, 1)
