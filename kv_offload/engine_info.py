@@ -8,10 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kv_offload.config import OffloadConfig
 from kv_offload.layout import KVLayout, page_order
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
 SPEC_METHODS_WITHOUT_DRAFT_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
 """Speculative decoding methods that propose tokens without a draft model, so the only KV
@@ -22,7 +27,7 @@ class UnsupportedEngineError(ValueError):
     """The engine's KV cache cannot be offloaded by kv-offload (raised at start-up)."""
 
 
-def layout_from_vllm(vllm_config: Any, kv_cache_config: Any, config: OffloadConfig) -> KVLayout:
+def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: OffloadConfig) -> KVLayout:
     """Derive this engine's per-rank ``KVLayout``; UnsupportedEngineError explains refusals."""
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
@@ -68,7 +73,7 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any, config: OffloadConf
     )
 
 
-def _refuse_unsupported_features(vllm_config: Any) -> None:
+def _refuse_unsupported_features(vllm_config: VllmConfig) -> None:
     """UnsupportedEngineError for vLLM features under which stored KV could be wrong."""
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
@@ -100,7 +105,8 @@ def _refuse_unsupported_features(vllm_config: Any) -> None:
             f"or run without the connector.")
 
 
-def resolved_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> Any:
+def resolved_kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+                             ) -> KVCacheLayout:
     """vLLM's physical KV cache layout (a ``KVCacheLayout``) for this engine, as the engine
     core resolved it; UnsupportedEngineError when it was not resolved."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -123,7 +129,7 @@ def resolved_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> Any:
             f"supports (see the README) or without the connector.") from None
 
 
-def _expected_page_order(vllm_config: Any, kv_cache_config: Any, spec: Any) -> str:
+def _expected_page_order(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: Any) -> str:
     """The page order (``kv_offload.layout.page_order``) of this engine's blocks, from the
     resolved layout and the KV cache spec; kernel-block splitting, which only the worker
     sees, is checked there against it."""
@@ -143,7 +149,7 @@ def _expected_page_order(vllm_config: Any, kv_cache_config: Any, spec: Any) -> s
     return page_order([(dim, sizes[dim]) for dim in order[1:]])
 
 
-def layer_names(kv_cache_config: Any) -> list[str]:
+def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
     """The layers whose KV is offloaded, in a stable order."""
     return list(kv_cache_config.kv_cache_groups[0].layer_names)
 

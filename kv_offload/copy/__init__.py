@@ -18,6 +18,8 @@ from kv_offload.copy.base import (
 from kv_offload.copy.plan import SKIP_BLOCK, Direction, SlotLayout
 
 if TYPE_CHECKING:
+    import torch
+
     from kv_offload.copy.cupy_engine import CupyCopyEngine
     from kv_offload.copy.planes import planes_from_kv_tensor
     from kv_offload.copy.torch_engine import TorchCopyEngine
@@ -52,7 +54,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_copy_engine(planes: list[Any], host: HostSlots, blocks_per_chunk: int) -> CopyEngine:
+def make_copy_engine(planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int) -> CopyEngine:
     """Build the engine for the planes' device: ``TorchCopyEngine`` for host memory,
     ``CupyCopyEngine`` for CUDA. Raises ValueError for no planes or another device, and
     ``CudaUnavailableError`` for CUDA planes without CuPy. The caller owns the engine

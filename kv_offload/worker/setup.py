@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kv_offload.config import OffloadConfig
 from kv_offload.engine_info import UnsupportedEngineError
 from kv_offload.layout import KVLayout, num_cpu_slots
 from kv_offload.worker.runner import OffloadWorker
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ def tensor_parallel_rank(tp_size: int) -> int:
     return rank
 
 
-def check_page_order(tensors: Sequence[Any], layout: KVLayout, num_blocks: int) -> None:
+def check_page_order(tensors: Sequence[torch.Tensor], layout: KVLayout, num_blocks: int) -> None:
     """UnsupportedEngineError unless every KV tensor stores its blocks in the byte order
     that ``layout`` (and so the namespace) names."""
     from kv_offload.copy.planes import page_order_of
@@ -71,7 +74,7 @@ def check_page_order(tensors: Sequence[Any], layout: KVLayout, num_blocks: int) 
 
 def build_worker(
     *,
-    tensors: Sequence[Any],
+    tensors: Sequence[torch.Tensor],
     layout: KVLayout,
     config: OffloadConfig,
     num_blocks: int,
