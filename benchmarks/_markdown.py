@@ -68,3 +68,13 @@ def save(fig: Any, plt: Any, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def chunk_axis(ax: Any, sizes_kib: list[float]) -> None:
+    """Log2 x axis labelled with the chunk sizes actually measured."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(sizes_kib))
+    if ticks:
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+    ax.set_xlabel("chunk size (KiB)")

@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, best_interleaved, finish, median_pair, span  # noqa: E402
-from _markdown import Targets, fill, fmt, pyplot, save, table, verdict  # noqa: E402
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict  # noqa: E402
 
 from kv_offload.copy import cpu_kernel  # noqa: E402
 from kv_offload.copy.plan import SlotLayout  # noqa: E402
@@ -296,16 +295,6 @@ def plot(results: list[dict], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     save(fig, plt, path)
-
-
-def chunk_axis(ax: Any, sizes_kib: list[float]) -> None:
-    """Log2 x axis labelled with the chunk sizes actually measured."""
-    ax.set_xscale("log", base=2)
-    ticks = sorted(set(sizes_kib))
-    if ticks:
-        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-        ax.minorticks_off()
-    ax.set_xlabel("chunk size (KiB)")
 
 
 def main(argv: list[str] | None = None) -> dict:

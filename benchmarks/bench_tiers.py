@@ -33,8 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import bench_parser, command_line, finish, span, timed  # noqa: E402
-from _markdown import Targets, fill, fmt, pyplot, save, table, verdict  # noqa: E402
-from bench_copy import chunk_axis  # noqa: E402
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict  # noqa: E402
 
 from kv_offload.disk import DiskIndex, SlabFile  # noqa: E402
 

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(HERE))
     import _report  # noqa: PLC0415 - matplotlib stays out of --help
+    from _common import machine_info  # noqa: PLC0415
 
     out = args.out or (Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
                        if args.quick else ROOT / "docs")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     runs_path = out / DATA_DIR / "runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     started = time.time()
-    machine_before = _report.machine_info()
+    machine_before = machine_info()
     if not args.report_only:
         for name in args.only or list(BENCHES):
             runs[name] = run_bench(name, out, quick=args.quick, timeout_s=args.timeout)
