@@ -76,8 +76,12 @@ class CpuIndex:
 
     def lookup_prefix(self, keys: Sequence[ChunkKey]) -> list[CpuHit]:
         """Hits for the longest prefix of ``keys`` that is READY or STAGING. Read-only."""
-        hits = self.hits(keys)
-        return hits[:hits.index(None)] if None in hits else hits  # type: ignore[return-value]
+        prefix: list[CpuHit] = []
+        for hit in self.hits(keys):
+            if hit is None:
+                break
+            prefix.append(hit)
+        return prefix
 
     def hits(self, keys: Sequence[ChunkKey]) -> list[CpuHit | None]:
         """Per key of ``keys``, its hit (READY or STAGING) or None (absent), up to the

@@ -31,23 +31,30 @@ class DiskTier:
         self.enabled = index is not None
 
     def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]:
-        if not (self.enabled and keys):
+        index = self._active()
+        if index is None or not keys:
             return []
         with self._guard("lookup"):
-            return self.index.find_prefix(keys)  # type: ignore[union-attr]
+            return index.find_prefix(keys)
         return []
 
     def count_lookup(self, hits: int, misses: int) -> None:
-        if self.enabled and (hits or misses):
+        index = self._active()
+        if index is not None and (hits or misses):
             with self._guard("count_lookup"):
-                self.index.count_lookup(hits=hits, misses=misses)  # type: ignore[union-attr]
+                index.count_lookup(hits=hits, misses=misses)
 
     def allocate(self, keys: Sequence[bytes]) -> list[int | None]:
         """A slot (or None) per key; all None while the tier is off."""
-        if self.enabled and keys:
+        index = self._active()
+        if index is not None and keys:
             with self._guard("allocate"):
-                return list(self.index.allocate(keys))  # type: ignore[union-attr]
+                return list(index.allocate(keys))
         return [None] * len(keys)
+
+    def _active(self) -> DiskIndexLike | None:
+        """The index while the tier is on (lookups and allocations), else None."""
+        return self.index if self.enabled else None
 
     def pin(self, slots: Sequence[int]) -> None:
         self._call("pin", "pin", slots)
@@ -71,16 +78,18 @@ class DiskTier:
         ``sums_by_rank``, per chunk index), release the others and those in ``failed``;
         returns how many were committed."""
         ranks = sorted(sums_by_rank)
-        commits, releases = [], []
+        commits: list[tuple[bytes, int, tuple[int, ...]]] = []
+        releases: list[int] = []
         for i, (key, slot) in enumerate(zip(keys, slots)):
             if slot is None:
                 continue
             sums = tuple(sums_by_rank[r][i] for r in ranks)
-            if i not in failed and all(s is not None for s in sums):
-                commits.append((key, slot, sums))
+            written = tuple(s for s in sums if s is not None)
+            if i not in failed and len(written) == len(sums):
+                commits.append((key, slot, written))
             else:
                 releases.append(slot)
-        self.commit(commits)  # type: ignore[arg-type]
+        self.commit(commits)
         self.release(releases)
         return len(commits)
 

@@ -49,7 +49,7 @@ def _local_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey]) -> list[
     disk (a CPU entry past a CPU miss is used as it is: never staged twice)."""
     hits = cpu.hits(keys)
     if None not in hits:
-        return [Source(h.key, h) for h in hits]  # type: ignore[union-attr]
+        return [Source(h.key, h) for h in hits if h is not None]  # all are hits
     on_disk = disk.find_prefix([k for k, h in zip(keys, hits) if h is None])
     run: list[Source] = []
     num_disk = 0
