@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -72,17 +71,6 @@ def best_interleaved(contenders: dict[Any, Callable[[], object]], reps: int) -> 
         for name in names[r % len(names):] + names[:r % len(names)]:
             best[name] = min(best[name], timed(contenders[name]))
     return best
-
-
-def median_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Median seconds of a and b, run alternately (so both see the same machine load)."""
-    a()
-    b()
-    ta, tb = [], []
-    for _ in range(reps):
-        ta.append(timed(a))
-        tb.append(timed(b))
-    return statistics.median(ta), statistics.median(tb)
 
 
 def span(values: list[float], suffix: str = "x") -> str:

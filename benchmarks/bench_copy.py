@@ -6,9 +6,8 @@ shuffled ones (a fragmented cache), next to the best memcpy of the same bytes: t
 fastest of ``torch.Tensor.copy_`` (torch's threads), ``np.copyto`` (one thread) and the
 engine's own streamed copy loop on its threads, of one contiguous buffer. All contenders
 run once per round in rotated order, the fastest round of each is kept. Targets: >= 0.8x
-memcpy for chunks of 2 MiB and more, >= 0.6x below. With CuPy and a CUDA device (or
-``--cuda``), the CuPy engine (FlashAttention layout, auto mode) against one large pinned
-``cudaMemcpyAsync`` of the same bytes. Target: >= 0.8x.
+memcpy for chunks of 2 MiB and more, >= 0.6x below. The CuPy engine's figures against
+one pinned ``cudaMemcpyAsync`` come from ``gpu_check.py`` (its ``transfer`` part).
 
     python benchmarks/bench_copy.py            # default sizes, ~30 s on 2 cores
     python benchmarks/bench_copy.py --quick    # toy sizes, seconds
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import bench_parser, best_interleaved, finish, median_pair, span  # noqa: E402
+from _common import bench_parser, best_interleaved, finish, span  # noqa: E402
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict  # noqa: E402
 
 from kv_offload.copy import cpu_kernel  # noqa: E402
@@ -39,7 +38,7 @@ from kv_offload.copy.planes import planes_from_kv_tensor  # noqa: E402
 from kv_offload.copy.torch_engine import TorchCopyEngine  # noqa: E402
 from kv_offload.host_buffer import allocate_host_slots  # noqa: E402
 
-CPU_TARGET, CPU_TARGET_LARGE, CUDA_TARGET = 0.6, 0.8, 0.8
+CPU_TARGET, CPU_TARGET_LARGE = 0.6, 0.8
 
 
 @dataclass(frozen=True)
@@ -174,70 +173,6 @@ def streamed_memcpy(src: torch.Tensor, dst: torch.Tensor, threads: int) -> Calla
     return run
 
 
-# -- CuPy engine --------------------------------------------------------------------------
-
-
-def bench_cupy(model: Model, chunks_kib: list[int], total_mib: float, reps: int) -> list[Case]:
-    import cupy
-
-    from kv_offload.copy.cupy_engine import CupyCopyEngine
-
-    rng = np.random.default_rng(0)
-    cases: list[Case] = []
-    stream = cupy.cuda.Stream(non_blocking=True)
-    for chunk_kib in chunks_kib:
-        bpc, n = chunk_plan(model, chunk_kib, total_mib)
-        num_blocks = max(4 * n * bpc, 64)
-        tensors = [torch.ones((2, num_blocks, model.block_size, model.kv_heads, model.head_dim),
-                              dtype=torch.bfloat16, device="cuda") for _ in range(model.layers)]
-        planes = [p for t in tensors for p in planes_from_kv_tensor(t, num_blocks)]
-        layout = SlotLayout.packed([p.shape[1] for p in planes], bpc)
-        host = allocate_host_slots(2 * n, layout.slot_bytes, pinned=True)
-        host.tensor.fill_(1)
-        total = n * layout.chunk_bytes
-        device_buf = torch.ones(total, dtype=torch.uint8, device="cuda")
-        host_ptr, dev_ptr = host.tensor.data_ptr(), device_buf.data_ptr()
-        engine = CupyCopyEngine(planes, host, bpc, device=torch.cuda.current_device(),
-                                mode="auto")
-        for pattern in ("contiguous", "shuffled"):
-            ids = block_ids(rng, pattern, n, bpc, num_blocks)
-            slots = rng.permutation(2 * n)[:n]
-            for direction in ("store", "load"):
-                def run(direction=direction, ids=ids, slots=slots, engine=engine):
-                    if direction == "store":
-                        engine.wait(engine.store(ids, slots))
-                    else:
-                        engine.wait(engine.load(slots, ids))
-                torch.cuda.synchronize()
-                ends = (dev_ptr, host_ptr) if direction == "store" else (host_ptr, dev_ptr)
-                baseline = partial(one_memcpy, cupy, stream, *ends, total)
-                t_eng, t_mem = median_pair(run, baseline, reps)
-                cases.append(Case(
-                    engine="cupy:auto", chunk_kib=chunk_kib, ids=pattern, direction=direction,
-                    total_mib=total / (1 << 20), engine_gbps=total / t_eng / 1e9,
-                    memcpy_gbps=total / t_mem / 1e9, ratio=t_mem / t_eng, target=CUDA_TARGET,
-                    detail="vs one pinned cudaMemcpyAsync"))
-        engine.close()
-        del tensors, planes, device_buf
-        host.close()
-        torch.cuda.empty_cache()
-    return cases
-
-
-def one_memcpy(cupy, stream, src: int, dst: int, nbytes: int) -> None:
-    """The CUDA baseline: one cudaMemcpyAsync of all bytes, waited for."""
-    cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, 4, stream.ptr)  # cudaMemcpyDefault
-    stream.synchronize()
-
-
-def cuda_present() -> bool:
-    try:
-        from kv_offload.copy.cupy_engine import cuda_available
-    except ImportError:
-        return False
-    return cuda_available() and torch.cuda.is_available()
-
-
 # -- report -------------------------------------------------------------------------------
 
 
@@ -311,10 +246,6 @@ def main(argv: list[str] | None = None) -> dict:
                         help="torch.set_num_threads(N) first (torch.copy_)")
     parser.add_argument("--copy-threads", type=int, metavar="N",
                         help="TorchCopyEngine num_threads (default: the engine's default)")
-    cuda = parser.add_mutually_exclusive_group()
-    cuda.add_argument("--cuda", dest="cuda", action="store_true", default=None,
-                      help="run the CuPy engine (default: when CuPy and a GPU are present)")
-    cuda.add_argument("--no-cuda", dest="cuda", action="store_false")
     args = parser.parse_args(argv)
     if args.quick:
         args.total_mib = min(args.total_mib, 8.0)
@@ -325,8 +256,6 @@ def main(argv: list[str] | None = None) -> dict:
     model = Model(args.layers, args.kv_heads, args.head_dim, args.block_size)
     t0, loadavg_start = time.perf_counter(), os.getloadavg()
     cases = bench_torch(model, args.chunk_kib, args.total_mib, args.reps, args.copy_threads)
-    if cuda_present() if args.cuda is None else args.cuda:
-        cases += bench_cupy(model, args.chunk_kib, args.total_mib * 4, args.reps)
     return finish({
         "benchmark": "bench_copy", "model": asdict(model),
         "host": {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
