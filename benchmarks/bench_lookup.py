@@ -26,19 +26,18 @@ LRU access flush that plan_step runs every 2 s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from _common import bench_parser, command_line, finish
 from _markdown import Targets, fill, fmt, table
 
 from kv_offload.disk import DiskIndex
@@ -284,10 +283,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="10k chunks only, fewer calls")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser = bench_parser(__doc__, "10k chunks only, fewer calls")
     parser.add_argument("--sizes", type=str, default=None,
                         help="comma-separated store sizes in chunks (default 10000,100000,1000000)")
     parser.add_argument("--calls", type=int, default=None,
@@ -310,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         result = {
             "bench": "lookup",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "command": command_line(),
             "quick": args.quick,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "loadavg_start": os.getloadavg()},
@@ -327,13 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["seconds"] = round(time.perf_counter() - started, 1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    targets = Targets()
-    print("\n".join(["", *render_section(result, None, targets),
-                     *table(["target", "measured", "limit", "verdict", "from"], targets.rows)]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return result
+    return finish(result, args.json, render_section)
 
 
 if __name__ == "__main__":

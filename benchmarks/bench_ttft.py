@@ -31,7 +31,6 @@ Figures are medians. Ratios: ours / cold and ours / peer_warm, against the targe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -41,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import bench_parser, command_line, finish
 from _engine import Turns, benchmark_env, example_transfer_config
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
@@ -329,11 +329,7 @@ def plot(data: dict, path: Path) -> bool:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: the tiny test model, 256 and 512 tokens, 1 rep")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser = bench_parser(__doc__, "smoke test: the tiny test model, 256 and 512 tokens, 1 rep")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="random-weight model geometry (default tiny; see MODELS)")
     parser.add_argument("--lengths", type=str, default=None,
@@ -407,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
     modes = rec.summary()
     result: dict[str, Any] = {
         "bench": "ttft",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "quick": args.quick,
         "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
         "model": {"name": "test default" if args.quick else args.model,
@@ -424,13 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["ratios"] = ratios(modes)
     result["verdicts"] = verdicts(result)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    targets = Targets()
-    print("\n".join(["", *render_section(result, None, targets),
-                     *table(["target", "measured", "limit", "verdict", "from"], targets.rows)]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return result
+    return finish(result, args.json, render_section)
 
 
 if __name__ == "__main__":
