@@ -48,8 +48,8 @@ DISK_STATS_INTERVAL_S = 5.0
 class OffloadConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers: this step's plan."""
 
-    def __init__(self, plan: StepPlan) -> None:
-        self.plan = plan
+    def __init__(self, plan: StepPlan | None) -> None:
+        self.plan = plan  # None: the hook and its fallback failed (workers do nothing)
 
 
 class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
@@ -213,9 +213,9 @@ class KVOffloadConnector(KVConnectorBase_V1):
                                        ) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
             return {}
-        tiers: dict[str, int] = self._guard.call(
-            "get_external_cache_hit_sources", dict, self._sched.hit_tokens_by_tier,
-            request.request_id)
+        tiers = self._guard.call(
+            "get_external_cache_hit_sources", dict[str, int], self._sched.hit_tokens_by_tier,
+            request.request_id) or {}
         out = {CacheHitSource.HOST: tiers.get("cpu", 0), CacheHitSource.DISK: tiers.get("disk", 0),
                CacheHitSource.EXTERNAL_UNSPECIFIED: tiers.get("remote", 0)}
         return {k: v for k, v in out.items() if v}
@@ -281,8 +281,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self._scheduler is not None:  # vLLM calls it in update_from_output: guarded
-            data: dict[str, float] = self._guard.call("get_kv_connector_stats", dict,
-                                                      self._scheduler_stats)
+            data = self._guard.call(
+                "get_kv_connector_stats", dict[str, float], self._scheduler_stats)
         elif self._worker is not None:
             data = self._worker.take_stats()
         else:

@@ -31,9 +31,9 @@ class HookGuard:
         self._logged: set[str] = set()
 
     def call(self, hook: str, fallback: Callable[[], T], fn: Callable[..., T], *args: object
-             ) -> T:
+             ) -> T | None:
         """``fn(*args)``, or ``fallback()`` if it raised (itself guarded: a failing
-        fallback is logged too, and its hook answers None)."""
+        fallback is logged too, and the hook answers None)."""
         try:
             return fn(*args)
         except Exception:
@@ -42,7 +42,7 @@ class HookGuard:
             return fallback()
         except Exception:
             self._note(f"{hook} (fallback)")
-            return None  # type: ignore[return-value]
+            return None
 
     def _note(self, hook: str) -> None:
         self.counters.hook_errors += 1
