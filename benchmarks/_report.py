@@ -1,7 +1,7 @@
 """Renders docs/benchmarks.md and the plots under docs/img/ from the benchmarks' JSON.
 
 Every benchmark but bench_remote renders its own section (``render_section``, prose in
-templates/); the remote section is rendered here. A section that fails to render says so
+templates/); the remote section is rendered here until it moves into bench_remote. A section that fails to render says so
 in the page instead of failing the whole report.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -25,60 +24,36 @@ from _common import machine_info
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, table
 
 DATA_DIR = "bench-data"
+REMOTE_KINDS = ("remote", "raw", "disk")  # the contenders shown; the rest is history
 REMOTE_RATIOS = (  # io_ratios key -> column header
-    ("ours_vs_redispy_hiredis_store", "ours/redis-py hiredis store"),
-    ("ours_vs_redispy_hiredis_load", "ours/redis-py hiredis load"),
-    ("ours_vs_redispy_python_store", "ours/pure Python store"),
-    ("ours_vs_redispy_python_load", "ours/pure Python load"),
-    ("hiredis_vs_python_parser_load", "hiredis/Python parser load"),
-    ("ours_vs_raw_store", "ours/raw store"),
-    ("ours_vs_raw_load", "ours/raw load"),
-    ("remote_vs_disk_store", "ours/disk store"),
-    ("remote_vs_disk_load", "ours/disk load (warm)"),
+    ("ours_vs_raw_store", "ours/raw store"), ("ours_vs_raw_load", "ours/raw load"),
+    ("remote_vs_disk_store", "ours/disk store"), ("remote_vs_disk_load", "ours/disk load (warm)"),
     ("remote_vs_disk_cold_load", "ours/disk load (cold)"),
 )
-REMOTE_CPU_RATIOS = REMOTE_RATIOS[:5]  # the same keys + "_cpu": client CPU per GB ratios
 
 
 # -- remote tier -----------------------------------------------------------------------------
 
 
 def _span(values: list[float]) -> str:
-    """'a-b' (or 'a') of the numbers in ``values``, 2 decimals."""
+    """'a-bx' (or 'ax') of the numbers in ``values``, 2 decimals."""
     if not values:
         return "n/a"
     lo, hi = min(values), max(values)
-    return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}"
-
-
-def _gain(values: list[float]) -> str:
-    """'a-bx (median m)' for ratios."""
-    return f"{_span(values)}x (median {statistics.median(values):.2f}x)" if values else "n/a"
-
-
-def _effect(values: list[float], what: str) -> str:
-    """'helps X' / 'slows X down' / 'makes no clear difference to X' for speed ratios
-    (with / without, > 1: it helps), by their median."""
-    if not values:
-        return f"was not measured for {what}"
-    med = statistics.median(values)
-    if med >= 1.1:
-        return f"helps {what} ({med:.2f}x the speed without it, median)"
-    if med <= 0.9:
-        return f"slows {what} down ({med:.2f}x the speed without it, median)"
-    return (f"makes no clear difference to {what} (median {med:.2f}x, within the +-10% this "
-            "machine's noise allows)")
+    return f"{lo:.2f}x" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}x"
 
 
 def remote_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
-    server, versions, clients = data["server"], data["versions"], data["clients"]
-    io, ratios, lookup_ratios = data["io"], data["io_ratios"], data["lookup_ratios"]
+    """The remote-tier section: ours against raw SET/GET and the disk tier, lookups, TTFT;
+    then what an earlier version measured against redis-py's clients (a fixed template)."""
+    server, versions = data["server"], data["versions"]
+    io = [r for r in data["io"] if r["kind"] in REMOTE_KINDS]
     load = data.get("machine", {})
     lines = fill("remote", server_version=server.get("version", "?"),
                  maxmemory=server.get("maxmemory", "?"), redis=versions.get("redis", "?"),
                  hiredis=versions.get("hiredis", "?"), io_total_mib=data["io_total_mib"],
                  repeat=data["repeat"], header_bytes=data.get("header_bytes", 40),
-                 **{f"client_{k}": v for k, v in clients.items()},
+                 client_remote=data["clients"]["remote"],
                  load_start=fmt(load.get("loadavg_start", [None])[0], ".1f"),
                  load_end=fmt(load.get("loadavg_end", [None])[0], ".1f"))
     lines += table(["chunk KiB", "threads", "contender", "store GB/s", "load GB/s",
@@ -87,87 +62,42 @@ def remote_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
                      *[fmt(r.get(k), ".2f") for k in ("store_gbps", "load_gbps", "load_cold_gbps",
                                                       "store_cpu_s_per_gb", "load_cpu_s_per_gb")]]
                     for r in io])
-    lines += ["Ratios (GB/s over GB/s, same chunk size and thread count; ours = RemoteTier on "
-              "`connect_redis`; redis-py hiredis / pure Python = redis-py's default client with "
-              "/ without hiredis (stores through its own packer); hiredis/Python parser = ours "
-              "over ours with the Python parser; > 1: the first is faster):", ""]
-    for keys, suffix in ((REMOTE_RATIOS, ""), (REMOTE_CPU_RATIOS, "_cpu")):
-        lines += table(["chunk KiB", "threads", *[name for _, name in keys]],
-                       [[r["chunk"] // 1024, r["threads"],
-                         *[fmt(r.get(k + suffix), ".2f") for k, _ in keys]] for r in ratios])
-        if not suffix:
-            lines += ["Client CPU per GB over client CPU per GB (< 1: the first costs the "
-                      "client less):", ""]
 
-    def col(key: str) -> list[float]:
-        return [r[key] for r in ratios if isinstance(r.get(key), (int, float))]
+    def col(key: str) -> str:
+        return _span([r[key] for r in data["io_ratios"] if isinstance(r.get(key), (int, float))])
 
-    lookup = [r["python_vs_hiredis_parser"] for r in lookup_ratios]
-    lines += fill(
-        "remote_words", **{f"{name}{cpu}": _gain(col(f"ours_vs_redispy_{name}{cpu}"))
-                           for name in ("hiredis_store", "hiredis_load", "python_store",
-                                        "python_load") for cpu in ("", "_cpu")},
-        parser_load=_effect(col("hiredis_vs_python_parser_load"), "loads"),
-        parser_load_span=_span(col("hiredis_vs_python_parser_load")),
-        parser_load_cpu=_span(col("hiredis_vs_python_parser_load_cpu")) + "x",
-        parser_store=_effect(col("hiredis_vs_python_parser_store"), "stores"),
-        parser_store_span=_span(col("hiredis_vs_python_parser_store")),
-        lookup_median=f"{statistics.median(lookup):.2f}x" if lookup else "n/a",
-        lookup_span=_span(lookup),
-        redispy_store=_effect(col("redispy_hiredis_vs_python_store"), "stores"),
-        redispy_store_span=_span(col("redispy_hiredis_vs_python_store")),
-        **{key: _span(col(f"{prefix}_{kind}")) + "x" for key, prefix, kind in (
-            ("raw_store", "ours_vs_raw", "store"), ("raw_load", "ours_vs_raw", "load"),
-            ("disk_store", "remote_vs_disk", "store"), ("disk_load", "remote_vs_disk", "load"),
-            ("disk_cold", "remote_vs_disk", "cold_load"))})
+    lines += fill("remote_words", raw_store=col("ours_vs_raw_store"),
+                  raw_load=col("ours_vs_raw_load"), disk_store=col("remote_vs_disk_store"),
+                  disk_load=col("remote_vs_disk_load"), disk_cold=col("remote_vs_disk_cold_load"),
+                  table="\n".join(table(
+                      ["chunk KiB", "threads", *[name for _, name in REMOTE_RATIOS]],
+                      [[r["chunk"] // 1024, r["threads"], *[fmt(r.get(k), ".2f")
+                                                            for k, _ in REMOTE_RATIOS]]
+                       for r in data["io_ratios"]])))
     if img:
         plot_remote(io, img / "remote_gbps.png")
         lines += ["![Remote vs disk tier GB/s vs chunk size](img/remote_gbps.png)", ""]
-    return (lines + _remote_lookup_lines(data["lookup"], lookup_ratios, data["lookup_clients"])
-            + _remote_ttft_lines(data.get("ttft")))
+    return (lines + _remote_lookup_lines(data) + _remote_ttft_lines(data.get("ttft"))
+            + fill("remote_history"))
 
 
-def _remote_lookup_lines(lookup: list[dict], ratios: list[dict], clients: dict) -> list[str]:
+def _remote_lookup_lines(data: dict) -> list[str]:
+    lookup = [r for r in data.get("lookup", []) if r["method"] == "ours"]
     if not lookup:
         return []
-    lines = fill("remote_lookup", calls=lookup[0].get("calls", "?"),
-                 **{f"client_{k}": v for k, v in clients.items()})
-    lines += table(["keys", "present", "method", "median us", "p99 us", "median us/key",
-                    "p99 us/key"],
-                   [[r["keys"], "all" if r["present"] else "none", r["label"],
-                     fmt(r["median_us"], ".0f"), fmt(r["p99_us"], ".0f"),
-                     fmt(r["median_us_per_key"], ".1f"), fmt(r["p99_us_per_key"], ".1f")]
-                    for r in lookup])
-    lines += ["Median over median, same keys (> 1: the first takes longer):", ""]
-    lines += table(["keys", "present", "redis-py pipeline / ours", "ours with Python parser / ours"],
-                   [[r["keys"], "all" if r["present"] else "none",
-                     fmt(r["pipeline_vs_ours"], ".2f"), fmt(r["python_vs_hiredis_parser"], ".2f")]
-                    for r in ratios])
-    by = {(r["keys"], r["present"], r["method"]): r for r in lookup}
-    per_key = [f"{fmt(by[(n, True, 'redispy_pipeline')]['median_us_per_key'], '.1f')} -> "
-               f"{fmt(by[(n, True, 'ours')]['median_us_per_key'], '.1f')} us at {n} keys"
-               for n in sorted({k for k, _, _ in by})
-               if (n, True, "redispy_pipeline") in by and (n, True, "ours") in by]
-    pipe = [r["pipeline_vs_ours"] for r in ratios]
-    if per_key and pipe:
-        lines += [f"Before -> after, median microseconds per key (all present): "
-                  f"{', '.join(per_key)}; the redis-py pipeline took {_span(pipe)}x as long as "
-                  f"`RemoteTier.lookup` (median {statistics.median(pipe):.2f}x). The per-key "
-                  "cost falls with N because one round trip is shared by all keys.", ""]
-    sixteen, old = by.get((16, True, "ours")), by.get((16, True, "redispy_pipeline"))
-    if sixteen:
-        before = (f" (the redis-py pipeline: {fmt(old['median_us'], '.0f')} us, p99 "
-                  f"{fmt(old['p99_us'], '.0f')} us)" if old else "")
-        lines += [f"A 4k-token prompt is 16 chunks of 256 tokens: its lookup costs "
-                  f"{fmt(sixteen['median_us'], '.0f')} us (p99 {fmt(sixteen['p99_us'], '.0f')} "
-                  f"us){before} on vLLM's scheduler thread, against the default "
-                  "`remote_lookup_budget_ms` of 20 ms.", ""]
-    absent = [by[(k, False, m)]["median_us"] / r["median_us"]
-              for (k, hit, m), r in by.items() if hit and (k, False, m) in by]
-    if absent:
-        lines += [f"A lookup that finds nothing takes {_span(absent)}x the time of one that "
-                  "finds every key (every command is sent either way).", ""]
-    return lines
+    by = {(r["keys"], r["present"]): r for r in lookup}
+    sixteen = by.get((16, True), {})
+    absent = [r["median_us"] / by[(k, True)]["median_us"]
+              for (k, hit), r in by.items() if not hit and (k, True) in by]
+    return fill("remote_lookup", calls=lookup[0].get("calls", "?"),
+                client_ours=data["lookup_clients"]["ours"],
+                median16=fmt(sixteen.get("median_us"), ".0f"),
+                p99_16=fmt(sixteen.get("p99_us"), ".0f"), absent=_span(absent),
+                table="\n".join(table(
+                    ["keys", "present", "median us", "p99 us", "median us/key", "p99 us/key"],
+                    [[r["keys"], "all" if r["present"] else "none", fmt(r["median_us"], ".0f"),
+                      fmt(r["p99_us"], ".0f"), fmt(r["median_us_per_key"], ".1f"),
+                      fmt(r["p99_us_per_key"], ".1f")] for r in lookup])))
 
 
 def _remote_ttft_lines(ttft: Any) -> list[str]:
