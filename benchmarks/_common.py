@@ -29,6 +29,18 @@ def bench_parser(doc: str | None, quick_help: str = "toy sizes for a smoke test"
     return parser
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the benchmarks that start vLLM engines: thread binding, topology."""
+    parser.add_argument("--vllm-default-binding", action="store_true",
+                        help="leave vLLM's CPU thread binding alone: on 2 cores an engine "
+                             "with any connector then gets 2 unbound OpenMP threads, one "
+                             "without gets 1 bound thread (default: same binding for all)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="one process per engine (vLLM's uni executor, no engine-core "
+                             "process): fast start-up, not the default topology (implied by "
+                             "--quick)")
+
+
 def command_line() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
 

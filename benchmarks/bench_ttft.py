@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import bench_parser, command_line, finish
+from _common import add_engine_flags, bench_parser, command_line, finish
 from _engine import Turns, benchmark_env, example_transfer_config
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
@@ -346,14 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--early-start", action="store_true",
                         help="start wave two's engines while wave one runs: one start-up "
                              "less, but not a restart (implied by --quick)")
-    parser.add_argument("--vllm-default-binding", action="store_true",
-                        help="leave vLLM's CPU thread binding alone: on 2 cores an engine "
-                             "with any connector then gets 2 unbound OpenMP threads, one "
-                             "without gets 1 bound thread (default: same binding for all)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="one process per engine (vLLM's uni executor, no engine-core "
-                             "process): fast start-up, not the default topology (implied by "
-                             "--quick)")
+    add_engine_flags(parser)
     parser.add_argument("--dir", type=Path, default=None, help="where stores and logs go")
     parser.add_argument("--keep", action="store_true", help="keep stores and engine logs")
     args = parser.parse_args(argv)
