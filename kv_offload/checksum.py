@@ -9,12 +9,17 @@ not a defence against an adversary who can write the store.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 
-def checksum(buf) -> int:
+def checksum(buf: Buffer) -> int:
     """Return the xxh3_64 digest of ``buf`` as an unsigned 64-bit int.
 
     ``buf`` is any C-contiguous buffer-protocol object (bytes, memoryview of a numpy or

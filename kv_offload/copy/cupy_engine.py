@@ -381,7 +381,8 @@ class CupyCopyEngine(CopyEngine):
         n = ranges.num_ranges
         return n > AUTO_MEMCPY_MAX_RANGES and ranges.total_bytes < n * AUTO_MEMCPY_MIN_MEAN_BYTES
 
-    def _endpoints(self, direction: Direction, ranges: ByteRanges, host_base: int):
+    def _endpoints(self, direction: Direction, ranges: ByteRanges, host_base: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
         engine = self._plane_ptrs[ranges.plane] + ranges.engine_offset
         host = host_base + ranges.host_offset
         return (engine, host) if direction is Direction.STORE else (host, engine)

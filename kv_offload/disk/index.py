@@ -313,7 +313,7 @@ class DiskIndex:
     def __enter__(self) -> DiskIndex:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _check_open(self) -> None:

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -125,7 +126,7 @@ class RedisServer:
     def __enter__(self) -> RedisServer:
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 
@@ -168,7 +169,7 @@ class RedisCluster:
     def __enter__(self) -> RedisCluster:
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 
@@ -267,9 +268,9 @@ class SlowProxy:
     def __enter__(self) -> SlowProxy:
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 
-def _spawn(target, *args) -> None:
+def _spawn(target: Callable[..., object], *args: object) -> None:
     threading.Thread(target=target, args=args, daemon=True).start()

@@ -21,8 +21,12 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 FORMAT_VERSION = 2  # bump whenever the generated files change for the same parameters
 SUPPORTED_HEAD_DIMS = (64, 128)  # the vLLM CPU attention backend refuses e.g. 16
@@ -109,7 +113,7 @@ def _bpe_merges(count: int) -> list[tuple[str, str]]:
 
 
 @functools.lru_cache(maxsize=8)
-def build_tokenizer(vocab_size: int = 512):
+def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
     """Byte-level BPE `tokenizers.Tokenizer` with exactly `vocab_size` ids; lossless, offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -136,7 +140,8 @@ def _unprintable_ids(vocab_size: int) -> list[int]:
     return sorted(i for t, i in vocab.items() if t not in printable and t not in merged)
 
 
-def _check(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, vocab_size, dtype):
+def _check(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+           head_dim: int, vocab_size: int, dtype: str) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported by the vLLM CPU backend; "
                          f"use one of {SUPPORTED_HEAD_DIMS}")
@@ -154,7 +159,7 @@ def _weights(p: dict) -> dict:
     rng = np.random.default_rng(p["seed"])
     h, d, inter = p["hidden_size"], p["head_dim"], p["intermediate_size"]
 
-    def randn(*shape):
+    def randn(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(p["init_std"]))
 
     w = {"model.embed_tokens.weight": randn(p["vocab_size"], h)}
