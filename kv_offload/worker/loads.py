@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob
 
 
-class LoadPhase(enum.Enum):
+class WorkerLoadPhase(enum.Enum):
+    """Where a load job is on one rank (the planner's ``LoadPhase`` is another machine)."""
+
     READING = "reading"  # disk / remote reads in flight; the engine copy is not queued
     COPYING = "copying"  # the engine copy runs on the copy thread
     DONE = "done"  # the copy ended (well or not): ``failed`` is final
@@ -32,7 +34,7 @@ class WorkerLoad:
     started: float  # worker clock when the job was handed out
     stream: object | None = None  # the compute stream current when vLLM handed it out
     future: Future[None] | None = None  # the engine copy on the copy thread, once queued
-    phase: LoadPhase = LoadPhase.READING
+    phase: WorkerLoadPhase = WorkerLoadPhase.READING
     failed: set[int] = field(default_factory=set)  # chunk indexes not loaded
     bad_reads: set[int] = field(default_factory=set)  # staged reads that failed
     reported_to_vllm: bool = False
@@ -60,20 +62,20 @@ class WorkerLoad:
 
     def begin_copy(self) -> bool:
         """READING -> COPYING; False (no change) when the load was cancelled meanwhile."""
-        if self.phase is LoadPhase.CANCELLED:
+        if self.phase is WorkerLoadPhase.CANCELLED:
             return False
-        self.phase = LoadPhase.COPYING
+        self.phase = WorkerLoadPhase.COPYING
         return True
 
     def end_copy(self) -> None:
         """COPYING -> DONE: the engine copy ended (its failures are in ``failed``)."""
-        self.phase = LoadPhase.DONE
+        self.phase = WorkerLoadPhase.DONE
 
     def cancel_if_overdue(self, now: float, timeout_s: float) -> bool:
         """READING -> CANCELLED when the load has read for more than ``timeout_s``;
         whether it was cancelled now."""
-        if self.phase is LoadPhase.READING and now - self.started > timeout_s:
-            self.phase = LoadPhase.CANCELLED
+        if self.phase is WorkerLoadPhase.READING and now - self.started > timeout_s:
+            self.phase = WorkerLoadPhase.CANCELLED
             return True
         return False
 
@@ -87,7 +89,7 @@ class WorkerLoad:
         before either, and after they were taken."""
         if self.reported_to_vllm:
             return None
-        if self.phase is LoadPhase.CANCELLED:
+        if self.phase is WorkerLoadPhase.CANCELLED:
             moves: Iterable[ChunkMove] = self.job.chunks
         elif self.copy_ended():
             moves = (self.job.chunks[i] for i in self.failed)
@@ -98,7 +100,7 @@ class WorkerLoad:
 
     def failed_rows(self) -> frozenset[int]:
         """The chunk indexes reported to the scheduler as not loaded (all when cancelled)."""
-        if self.phase is LoadPhase.CANCELLED:
+        if self.phase is WorkerLoadPhase.CANCELLED:
             return frozenset(range(len(self.job.chunks)))
         return frozenset(self.failed)
 

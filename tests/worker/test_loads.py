@@ -7,7 +7,7 @@ from concurrent.futures import Future
 import pytest
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob
-from kv_offload.worker.loads import LoadPhase, WorkerLoad, when_all_done
+from kv_offload.worker.loads import WorkerLoad, WorkerLoadPhase, when_all_done
 
 
 def make_load(*, started: float = 0.0) -> WorkerLoad:
@@ -40,17 +40,17 @@ def test_sort_rows_waits_for_a_shared_read():
 def test_a_load_is_cancelled_only_while_reading():
     load = make_load(started=10.0)
     assert not load.cancel_if_overdue(now=15.0, timeout_s=5.0)  # not past the timeout
-    assert load.begin_copy() and load.phase is LoadPhase.COPYING
+    assert load.begin_copy() and load.phase is WorkerLoadPhase.COPYING
     assert not load.cancel_if_overdue(now=100.0, timeout_s=5.0)  # copying: too late
     load.end_copy()
-    assert load.phase is LoadPhase.DONE
+    assert load.phase is WorkerLoadPhase.DONE
 
 
 def test_a_cancelled_load_never_copies_and_fails_every_block_once():
     load = make_load(started=0.0)
     assert load.cancel_if_overdue(now=6.0, timeout_s=5.0)
-    assert load.phase is LoadPhase.CANCELLED
-    assert not load.begin_copy() and load.phase is LoadPhase.CANCELLED
+    assert load.phase is WorkerLoadPhase.CANCELLED
+    assert not load.begin_copy() and load.phase is WorkerLoadPhase.CANCELLED
     assert load.take_failed_blocks() == {1, 2, 3, 4, 6}  # SKIP_BLOCK is no block
     assert load.take_failed_blocks() is None  # reported to vLLM once
     assert load.failed_rows() == frozenset({0, 1, 2})
