@@ -25,7 +25,12 @@ from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source, loadable_run
 from kv_offload.scheduler.records import RequestState, chunk_blocks
 from kv_offload.scheduler.stores import StorePlanner
-from kv_offload.scheduler.tiers import DiskIndexLike, RemoteTierLike, RequestLike
+from kv_offload.scheduler.tiers import (
+    DiskIndexLike,
+    RemoteLookupsLike,
+    RemoteTierLike,
+    RequestLike,
+)
 
 ACCESS_FLUSH_INTERVAL_S = 2.0
 
@@ -72,6 +77,8 @@ class OffloadScheduler:
         self.disk = disk_index  # the raw index (stats); the planner goes through disk_tier
         self.disk_tier = DiskTier(disk_index)
         self.remote = remote
+        self._remote_lookups: RemoteLookupsLike | None = None  # see _remote_lookup
+        self._remote_errors = 0
         self.counters = SchedulerCounters()
         job_ids = itertools.count(1)  # one sequence: a report names a load or a store
         self.loads = LoadPlanner(cpu=self.cpu, disk=self.disk_tier, counters=self.counters,
@@ -121,6 +128,8 @@ class OffloadScheduler:
             hit_tokens = 0
         else:
             run = self._loadable_run(state, keys, first)
+            if run is None:  # the remote tier's answer is pending: vLLM asks next step
+                return None
             if self.disk_enabled:
                 disk_hits = sum(s.disk is not None for s in run)
                 state.disk_outcome = (disk_hits, len(keys) - first - len(run))
@@ -130,23 +139,43 @@ class OffloadScheduler:
         return hit_tokens
 
     def _loadable_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int
-                      ) -> list[Source]:
-        return loadable_run(self.cpu, self.disk_tier, keys, first,
-                            lambda start: self._remote_lookup(state, keys, start))
+                      ) -> list[Source] | None:
+        """``lookup.loadable_run``; None while the remote tier's answer is pending."""
+        pending = False
 
-    def _remote_lookup(self, state: RequestState, keys: Sequence[ChunkKey], start: int) -> int:
-        """Leading chunks of ``keys[start:]`` held by the remote tier: one pipelined check
-        per request (memoised: vLLM asks again while a request waits for blocks)."""
+        def remote_hits(start: int) -> int:
+            nonlocal pending
+            hits = self._remote_lookup(state, keys, start)
+            pending = hits is None
+            return hits or 0
+
+        run = loadable_run(self.cpu, self.disk_tier, keys, first, remote_hits)
+        return None if pending else run
+
+    def _remote_lookup(self, state: RequestState, keys: Sequence[ChunkKey], start: int
+                       ) -> int | None:
+        """Leading chunks of ``keys[start:]`` held by the remote tier; None while the
+        answer is pending. Never waits on the network: the tier's ``RemoteLookups`` asks
+        the server on its own threads, within the lookup budget, and the answer is
+        memoised per request (vLLM asks again, next step, while a request waits)."""
         if self.remote is None or start >= len(keys):
             return 0
         memo = state.remote
         if memo is not None and memo[:2] == (start, len(keys)):
             return len(memo[2])
-        began, failures = self._clock(), self.remote.health.num_failures
-        hits = self.remote.lookup(keys[start:])
-        self.counters.remote_lookups += 1
-        self.counters.remote_lookup_errors += self.remote.health.num_failures - failures
+        if self._remote_lookups is None:  # its threads start with the first question
+            self._remote_lookups = self.remote.async_lookups(clock=self._clock)
+            self._remote_errors = self.remote.health.num_failures
+        began = self._clock()
+        hits = self._remote_lookups.ask(state.request.request_id, keys[start:])
         self.counters.seconds_remote_lookup += self._clock() - began
+        if hits is None:
+            return None
+        self.counters.remote_lookups += 1
+        # Failed round trips and answers past the budget since the last answer.
+        errors = self._remote_lookups.num_timeouts + self.remote.health.num_failures
+        self.counters.remote_lookup_errors += max(0, errors - self._remote_errors)
+        self._remote_errors = errors
         state.remote = (start, len(keys), frozenset(keys[start:start + hits]))
         return hits
 
@@ -176,7 +205,8 @@ class OffloadScheduler:
         chunk = self.config.chunk_tokens
         first, last = num_local // chunk, (num_local + num_external_tokens) // chunk
         keys = self._keys(request, for_load=True)
-        run = self._loadable_run(state, keys, first)[:last - first]
+        # A question asked anew here (the local run changed since) is not waited for.
+        run = (self._loadable_run(state, keys, first) or [])[:last - first]
         blocks = [self._chunk_blocks(block_ids, c, skip_before=num_local)
                   for c in range(first, last)]
         tiers = self.loads.plan(request.request_id, keys[first:last], run, blocks)
@@ -296,6 +326,8 @@ class OffloadScheduler:
         True when vLLM must keep its blocks until the workers report it sent (a copy
         of them may still be running: ``BlockHolds``)."""
         self._requests.pop(req_id, None)
+        if self._remote_lookups is not None:
+            self._remote_lookups.forget(req_id)
         return self.holds.finish(req_id)
 
     def blocks_released(self, req_ids: Iterable[str]) -> None:
@@ -320,6 +352,8 @@ class OffloadScheduler:
             self.disk_tier.flush_access()
 
     def close(self) -> None:
+        if self._remote_lookups is not None:
+            self._remote_lookups.close()
         if self.remote is not None:
             self.remote.close()
         self.disk_tier.close()

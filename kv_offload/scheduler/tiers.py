@@ -7,7 +7,7 @@ and so do the fakes of the unit tests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 
@@ -77,12 +77,25 @@ class RemoteHealthLike(Protocol):
     def up(self) -> bool: ...
 
 
+class RemoteLookupsLike(Protocol):
+    """Asynchronous remote lookups (``kv_offload.remote.RemoteLookups``): never block."""
+
+    @property
+    def num_timeouts(self) -> int: ...
+
+    def ask(self, req_id: str, keys: Sequence[bytes]) -> int | None: ...
+
+    def forget(self, req_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RemoteTierLike(Protocol):
     """The remote tier as the scheduler uses it (``kv_offload.remote.RemoteTier``)."""
 
     @property
     def health(self) -> RemoteHealthLike: ...
 
-    def lookup(self, chunk_keys: Sequence[bytes]) -> int: ...
+    def async_lookups(self, *, clock: Callable[[], float]) -> RemoteLookupsLike: ...
 
     def close(self) -> None: ...

@@ -1,6 +1,9 @@
 """OffloadScheduler with a remote tier (a fake: a set of keys and a call counter).
 
-Regression scenarios: one remote check per request however often vLLM asks; chunks
+Regression scenarios: the scheduler asked the server itself, on vLLM's scheduler
+thread (now: None while the lookup threads ask, then the memoised answer; requests
+that cannot hit remotely never wait); one remote check per request however often vLLM
+asks; chunks
 fetched from the remote tier are published only after every rank loaded them and
 also land on the local disk; a store keeps its CPU slot pinned until every rank's
 remote write finished; a chunk gone between lookup and load is recomputed.
@@ -8,10 +11,13 @@ remote write finished; a chunk gone between lookup and load is recomputed.
 
 from __future__ import annotations
 
+import time
+
 from planner_support import make_request, make_scheduler, store_request
 
 from kv_offload.jobs import WorkerReport
 from kv_offload.remote.health import RemoteHealth
+from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.scheduler import SlotState
 
 
@@ -37,6 +43,13 @@ class FakeRemote:
             hits += 1
         return hits
 
+    def lookup_many(self, requests) -> list[int]:
+        return [self.lookup(keys) for keys in requests]
+
+    def async_lookups(self, *, clock) -> RemoteLookups:
+        self.lookups = RemoteLookups(self, budget_s=10.0, clock=clock, num_threads=1)
+        return self.lookups
+
     def close(self) -> None:
         self.closed = True
 
@@ -45,17 +58,31 @@ def remote_scheduler(remote, **kwargs):
     return make_scheduler(remote=remote, **kwargs)
 
 
+def matched(sched, request, num_computed_tokens: int = 0) -> tuple[int, int]:
+    """(the answer, how many times vLLM was told to ask again first): what vLLM does,
+    one step after another, while the remote answer is pending."""
+    deadline = time.monotonic() + 10
+    pending = 0
+    while (answer := sched.num_matched_tokens(request, num_computed_tokens)) is None:
+        pending += 1
+        assert time.monotonic() < deadline, "the remote lookup never answered"
+        time.sleep(0.001)
+    return answer, pending
+
+
 def test_remote_hits_extend_the_local_hit_with_one_check_per_request():
     remote = FakeRemote()
     sched, blocks = remote_scheduler(remote)
     writer = make_request("w", list(range(17)))
-    sched.num_matched_tokens(writer, 0)
+    matched(sched, writer)
     job = store_request(sched, blocks, writer, [0, 1, 2, 3, 4])
     sched.on_report(WorkerReport(remote_stored={job.job_id: {0: (True, True)}}))
     sched.cpu.discard(writer.block_hashes[3])  # chunk 2 left the CPU tier...
     remote.keys.add(writer.block_hashes[3])  # ...but another host stored it remotely
     reader = make_request("r", list(range(17)))
     calls = remote.calls
+    assert sched.num_matched_tokens(reader, 0) is None, "asked off the scheduler thread"
+    assert matched(sched, reader)[0] == 16
     for _ in range(3):  # vLLM asks again while the request waits for blocks
         assert sched.num_matched_tokens(reader, 0) == 16
     assert remote.calls == calls + 1
@@ -80,7 +107,7 @@ def test_remote_chunks_fill_the_disk_after_every_rank_wrote_them(disk_index):
     req = make_request("r", list(range(17)))
     keys = [req.block_hashes[1], req.block_hashes[3]]
     remote.keys.update(keys)
-    assert sched.num_matched_tokens(req, 0) == 16
+    assert matched(sched, req)[0] == 16
     sched.plan_load(req, [10, 11, 12, 13, 14], 16)
     (load,) = sched.plan_step([]).loads
     assert [m.remote_key for m in load.chunks] == keys
@@ -103,7 +130,7 @@ def test_a_remote_chunk_that_failed_to_load_is_recomputed_and_not_filled(disk_in
     req = make_request("r", list(range(17)))
     keys = [req.block_hashes[1], req.block_hashes[3]]
     remote.keys.update(keys)
-    sched.num_matched_tokens(req, 0)
+    matched(sched, req)
     sched.plan_load(req, [10, 11, 12, 13, 14], 16)
     (load,) = sched.plan_step([]).loads
     # Evicted between lookup and read on rank 1: the worker fails chunk 1 and skips its fill.
@@ -121,7 +148,7 @@ def test_store_writes_remote_and_keeps_the_slot_pinned_until_every_rank_did():
     remote = FakeRemote()
     sched, blocks = remote_scheduler(remote, num_ranks=2)
     req = make_request("a", list(range(17)))
-    sched.num_matched_tokens(req, 0)
+    matched(sched, req)
     blocks["a"] = list(range(5))
     (job,) = sched.plan_step([("a", 17)]).stores
     assert [m.remote_key for m in job.chunks] == [req.block_hashes[1], req.block_hashes[3]]
@@ -142,8 +169,59 @@ def test_remote_down_is_a_miss_and_counted():
     sched, _ = remote_scheduler(remote)
     req = make_request("r", list(range(17)))
     remote.keys.update(req.block_hashes)
-    assert sched.num_matched_tokens(req, 0) == 0
+    assert matched(sched, req)[0] == 0
     assert sched.counters.remote_lookups == 1
     assert sched.counters.remote_lookup_errors == 1
     sched.close()
     assert remote.closed
+
+
+def test_requests_that_cannot_hit_remotely_never_wait_nor_ask():
+    """Shorter than one chunk, or every chunk found locally: answered at once."""
+    remote = FakeRemote()
+    sched, blocks = remote_scheduler(remote)
+    short = make_request("short", list(range(7)))
+    assert sched.num_matched_tokens(short, 0) == 0
+    writer = make_request("w", list(range(17)))
+    assert matched(sched, writer)[0] == 0
+    calls = remote.calls
+    store_request(sched, blocks, writer, [0, 1, 2, 3, 4])
+    local = make_request("local", list(range(17)))
+    assert sched.num_matched_tokens(local, 0) == 16, "all local: no remote question"
+    assert remote.calls == calls
+
+
+def test_a_finished_request_asks_again_when_it_comes_back():
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote)
+    req = make_request("r", list(range(17)))
+    remote.keys.update(req.block_hashes)
+    assert matched(sched, req)[0] == 16
+    sched.request_finished("r")
+    remote.keys.clear()
+    assert matched(sched, make_request("r", list(range(17))))[0] == 0, "not the old memo"
+
+
+def test_a_load_planned_after_the_local_run_changed_does_not_wait_for_the_remote():
+    """plan_load finds the remote question no longer matches (a CPU chunk left since the
+    lookup): it plans what it can now and fails the rest (recomputed), without waiting."""
+    remote = FakeRemote()
+    sched, blocks = remote_scheduler(remote)
+    writer = make_request("w", list(range(17)))
+    matched(sched, writer)
+    store_request(sched, blocks, writer, [0, 1, 2, 3, 4])
+    reader = make_request("r", list(range(17)))
+    assert sched.num_matched_tokens(reader, 0) == 16
+    sched.cpu.discard(writer.block_hashes[1])  # chunk 0 left the CPU tier meanwhile
+    sched.plan_load(reader, [10, 11, 12, 13, 14], 16)
+    (load,) = sched.plan_step([]).loads
+    assert [m.cpu_slot for m in load.chunks] == [None, None], "both recomputed"
+
+
+def test_the_lookup_threads_stop_with_the_scheduler():
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote)
+    matched(sched, make_request("r", list(range(17))))
+    assert remote.lookups.running
+    sched.close()
+    assert remote.closed and not remote.lookups.running
