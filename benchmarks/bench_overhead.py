@@ -161,7 +161,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
             e = s[name]
             ttft = e["mean_ttft_s"] and e["mean_ttft_s"] * 1e3
             rows.append([workload, name, fmt(e["throughput_tok_s"], ".0f"), fmt(ttft, ".0f"),
-                         e["external_hit_tokens"], fmt(e.get("chunks_stored")), ""])
+                         e["external_hit_tokens"], fmt(e.get("chunks_stored"), ".0f"), ""])
         for label, suffix in RATIO_ROWS:
             rows.append([workload, label, fmt(s["throughput_ratio" + suffix]),
                          fmt(s["ttft_ratio" + suffix]), "", "", "paired per round, median"])
