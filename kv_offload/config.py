@@ -93,8 +93,9 @@ class OffloadConfig:
             its tokens are recomputed. Default 30.
         cpu_background_stores: on vLLM's CPU backend, copy stored blocks to the CPU tier
             on a thread of their own, overlapping the next forward, instead of at the
-            end of the step. Default False (measured: docs/benchmarks.md). On CUDA,
-            copies always run on their own stream.
+            end of the step. Default False: on 2 shared cores the store thread was not
+            faster (docs/benchmarks.md, connector overhead). On CUDA, copies always run
+            on their own stream.
         disk_allow_unsafe_permissions: open a store directory that belongs to another
             user or is writable by group or others. Default False: such a store is
             refused, because whoever can write it can plant KV that would be served.
