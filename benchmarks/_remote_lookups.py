@@ -13,6 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _common import span
+from _markdown import fill, fmt, table
+
 from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.remote.tier import RemoteTarget, RemoteTier
 from kv_offload.testing.redis_server import RedisCluster, SlowProxy
@@ -174,3 +177,38 @@ def bench_scheduler_thread(args: argparse.Namespace, server_port: int) -> dict:
                 "answer_ms_max": round(wait_ms[-1], 2),
                 "hit_requests": sum(r["hits"] > 0 for r in got)})
     return {"budget_ms": BUDGET_S * 1e3, "rows": rows}
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def lookup_table(rows: list[dict]) -> str:
+    return "\n".join(table(
+        ["keys", "present", "median us", "p99 us", "median us/key", "p99 us/key"],
+        [[r["keys"], "all" if r["present"] else "none", fmt(r["median_us"], ".0f"),
+          fmt(r["p99_us"], ".0f"), fmt(r["median_us_per_key"], ".1f"),
+          fmt(r["p99_us_per_key"], ".1f")] for r in rows]))
+
+
+def lookup_lines(data: dict) -> list[str]:
+    lookup = [r for r in data["lookup"] if r.get("method", "ours") == "ours"]
+    by = {(r["keys"], r["present"]): r for r in lookup}
+    sixteen = by.get((16, True), {})
+    absent = [r["median_us"] / by[(k, True)]["median_us"]
+              for (k, hit), r in by.items() if not hit and (k, True) in by]
+    lines = fill("remote_lookup", calls=lookup[0]["calls"], client_ours=data["clients"]["remote"],
+                 median16=fmt(sixteen.get("median_us"), ".0f"),
+                 p99_16=fmt(sixteen.get("p99_us"), ".0f"), absent=span(absent),
+                 table=lookup_table(lookup))
+    cluster = [r for r in data.get("lookup_cluster", []) if r.get("method", "ours") == "ours"]
+    sched = data.get("scheduler_thread")
+    if cluster and sched:
+        lines += fill("remote_scheduler", cluster_table=lookup_table(cluster),
+                      budget_ms=f"{sched['budget_ms']:.0f}", table="\n".join(table(
+                          ["server", "lookup", "requests", "thread us median", "thread us p99",
+                           "answer ms median", "answer ms max", "requests with hits"],
+                          [[r["label"], r["method"], r["requests"],
+                            fmt(r["thread_us_median"], ".1f"), fmt(r["thread_us_p99"], ".1f"),
+                            fmt(r["answer_ms_median"], ".2f"), fmt(r["answer_ms_max"], ".2f"),
+                            r["hit_requests"]] for r in sched["rows"]])))
+    return lines

@@ -1,0 +1,172 @@
+"""bench_remote's TTFT figures: one engine loading from Redis against its own cold
+prefill, and (``_remote_slow``) a slow server against no remote tier; with their report
+lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _engine import benchmark_env, engine_kwargs
+from _markdown import Targets, fill, fmt, table, verdict
+from _remote_slow import bench_slow_ttft
+
+SUFFIX_TOKENS = 16
+# Same geometry as bench_ttft's default model (its cached files are reused).
+TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                  max_position=16384)
+SLOW_TARGET = 1.2  # _remote_slow: TTFT remote / no remote tier, medians
+
+
+def ttft_prompt(length: int, rnd: int) -> str:
+    from kv_offload.testing.tiny_model import make_prompt
+
+    seed = 30_000 + length * 10 + rnd  # distinct per (length, round): no shared prefixes
+    return make_prompt(length, seed=seed) + make_prompt(SUFFIX_TOKENS, seed=700_000 + seed)
+
+
+def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
+    from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
+    from kv_offload.testing.workload import run_in_subprocess
+
+    model_kwargs = {} if args.quick else dict(TTFT_MODEL)
+    model = make_tiny_model(**model_kwargs)
+    max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
+    engine = engine_kwargs(in_process=args.in_process, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_model_len)
+    env = benchmark_env(in_process=args.in_process, vllm_default_binding=False)
+    offload = {"cpu_size": "1GiB", "remote_url": url, "remote_timeout_s": args.timeout_s}
+    phases: list[dict] = [{"name": "warm-up", "prompts": [make_prompt(64, seed=7)],
+                           "max_tokens": 1}]
+    for rnd in range(args.rounds):
+        prompts = [ttft_prompt(n, rnd) for n in args.lengths]
+        common = {"prompts": prompts, "max_tokens": 1, "one_by_one": True}
+        phases.append({"name": f"cold-{rnd}", **common})
+        # The stores of a request are reported to the scheduler at a later engine step;
+        # until then their CPU-tier entries stay pinned and reset_connector keeps them
+        # (the remote pass would then hit the CPU tier). One short request that stores
+        # nothing steps the engine.
+        phases.append({"name": f"flush-{rnd}", "prompts": [make_prompt(32, seed=8 + rnd)],
+                       "max_tokens": 1})
+        phases.append({"name": f"remote-{rnd}", **common, "reset_prefix_cache": True,
+                       "reset_connector": True})
+    spec = {"model": str(model), "offload": offload, "engine": engine, "phases": phases}
+    started = time.perf_counter()
+    out = run_in_subprocess(spec, base / "engine", env=env, timeout_s=1800)
+    by_name = {p["name"]: p for p in out["phases"]}
+    samples: dict[str, dict[int, list[float]]] = {"cold": {}, "remote": {}}
+    mismatches = []
+    for rnd in range(args.rounds):
+        cold, remote = by_name[f"cold-{rnd}"], by_name[f"remote-{rnd}"]
+        if cold["tokens"] != remote["tokens"]:
+            mismatches.append(rnd)
+        for i, n in enumerate(args.lengths):
+            samples["cold"].setdefault(n, []).append(cold["latency_s"][i])
+            samples["remote"].setdefault(n, []).append(remote["latency_s"][i])
+    remote_hits = sum(by_name[f"remote-{r}"]["metrics"]["hits_external_unspecified"]
+                      for r in range(args.rounds))
+    expected_hits = args.rounds * sum(args.lengths)
+    result: dict[str, Any] = {
+        "model": {"name": "test default" if args.quick else "tiny", **model_kwargs},
+        "engine": engine, "env": env, "offload": {k: v for k, v in offload.items()
+                                                  if k != "remote_url"},
+        "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "rounds": args.rounds,
+        "startup_s": round(out["startup_s"], 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "modes": {mode: {str(n): {"median_s": statistics.median(v), "samples_s": v}
+                         for n, v in per.items()} for mode, per in samples.items()},
+        "remote_hit_tokens": remote_hits, "expected_hit_tokens": expected_hits,
+        "remote_pass_host_hit_tokens": sum(by_name[f"remote-{r}"]["metrics"]["hits_host"]
+                                           for r in range(args.rounds)),
+        "cold_external_hit_tokens": sum(by_name[f"cold-{r}"]["metrics"]["external_hits"]
+                                        for r in range(args.rounds)),
+        "tokens_equal": not mismatches,
+    }
+    result["ratios"] = {
+        str(n): round(result["modes"]["remote"][str(n)]["median_s"]
+                      / result["modes"]["cold"][str(n)]["median_s"], 4)
+        for n in args.lengths}
+    if mismatches:
+        result["error"] = f"tokens differ between the cold and remote passes in rounds {mismatches}"
+    return result
+
+
+def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
+    """Slow-server TTFT side by side (``_remote_slow``), same model and engine as above."""
+    from kv_offload.testing.tiny_model import make_tiny_model
+
+    model = make_tiny_model(**({} if args.quick else dict(TTFT_MODEL)))
+    max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
+    engine = engine_kwargs(in_process=args.in_process, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_model_len)
+    env = benchmark_env(in_process=args.in_process, vllm_default_binding=False)
+    return bench_slow_ttft(args, server_port, base, model, engine, env)
+
+
+def warn_hits(ttft: dict) -> None:
+    """Say so when the remote pass did not load (all of) its prefixes from Redis."""
+    if "remote_hit_tokens" not in ttft:
+        return
+    if ttft["remote_hit_tokens"] == 0:
+        print("WARNING: vLLM counted no tokens loaded from the remote tier "
+              "(hits_external_unspecified is 0): the remote TTFT is not a remote hit",
+              file=sys.stderr, flush=True)
+    elif ttft["remote_hit_tokens"] < ttft["expected_hit_tokens"]:
+        print(f"WARNING: the remote pass loaded {ttft['remote_hit_tokens']:.0f} of "
+              f"{ttft['expected_hit_tokens']} prefix tokens from the remote tier "
+              f"({ttft['remote_pass_host_hit_tokens']:.0f} from the CPU tier)",
+              file=sys.stderr, flush=True)
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def ttft_lines(ttft: dict | None) -> list[str]:
+    if not ttft or "modes" not in ttft:
+        return [f"**TTFT.** Not measured: {(ttft or {}).get('error', 'no data')}.", ""]
+    lengths = [str(n) for n in ttft["lengths"]]
+    in_process = ttft["env"].get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    rows = [[mode, *[fmt(ttft["modes"][mode][n]["median_s"] * 1e3, ".1f") for n in lengths]]
+            for mode in ("cold", "remote")]
+    rows.append(["remote / cold", *[fmt(ttft["ratios"][n]) for n in lengths]])
+    return fill(
+        "remote_ttft", model=ttft["model"]["name"], offload=ttft["offload"], env=ttft["env"],
+        rounds=ttft["rounds"], suffix_tokens=ttft["suffix_tokens"],
+        in_process="**This run used the single-process engine (--quick). There, remote loads "
+                   "were several times slower than with vLLM's default engine processes (the "
+                   "I/O threads share one interpreter, and its GIL, with the engine loop): "
+                   "these figures are not representative.**\n\n" if in_process else "",
+        table="\n".join(table(["TTFT", *[f"L={n} (ms)" for n in lengths]], rows)),
+        ratios=", ".join(f"{fmt(ttft['ratios'][n], '.2f')}x at {n} tokens" for n in lengths),
+        hits=fmt(ttft["remote_hit_tokens"], ".0f"), expected=fmt(ttft["expected_hit_tokens"], ".0f"),
+        host_hits=fmt(ttft["remote_pass_host_hit_tokens"], ".0f"),
+        tokens_equal=ttft["tokens_equal"], startup=fmt(ttft["startup_s"], ".0f"))
+
+
+def slow_ttft_lines(slow: dict | None, targets: Targets) -> list[str]:
+    """The slow-server TTFT (``_remote_slow``) and its target row."""
+    if not slow:
+        return []
+    if "error" in slow:
+        return [f"**TTFT with a slow server.** Not measured: {slow['error']}.", ""]
+    cases = [(kind, str(n)) for kind in ("local", "fresh") for n in slow["lengths"]]
+    ratios = [slow["ratios"][kind][n] for kind, n in cases]
+    targets.add(f"Remote tier behind a server held {slow['delay_ms'][0]:.0f}-"
+                f"{slow['delay_ms'][1]:.0f} ms: TTFT <= {SLOW_TARGET}x without a remote tier "
+                f"({sum(r <= SLOW_TARGET for r in ratios)} of {len(ratios)} cases)",
+                max(ratios), f"<= {SLOW_TARGET} (worst case shown)",
+                all(r <= SLOW_TARGET for r in ratios), "bench_remote")
+    return fill("remote_slow", low=f"{slow['delay_ms'][0]:.0f}", high=f"{slow['delay_ms'][1]:.0f}",
+                rounds=slow["rounds"], tokens_equal=slow["tokens_equal"],
+                local_hits=slow["local_hit_tokens"], table="\n".join(table(
+                    ["prompts", "L", "no remote tier (ms)", "remote tier (ms)", "ratio of medians",
+                     "median of paired ratios", "verdict"],
+                    [[kind, n, fmt(slow["median_s"]["plain"][kind][n] * 1e3, ".1f"),
+                      fmt(slow["median_s"]["remote"][kind][n] * 1e3, ".1f"),
+                      fmt(slow["ratios"][kind][n]), fmt(slow["paired_ratio_medians"][kind][n]),
+                      verdict(slow["ratios"][kind][n] <= SLOW_TARGET)] for kind, n in cases])))
