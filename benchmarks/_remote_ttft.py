@@ -1,6 +1,14 @@
-"""bench_remote's TTFT figures: one engine loading from Redis against its own cold
-prefill, and (``_remote_slow``) a slow server against no remote tier; with their report
-lines.
+"""bench_remote's TTFT figures, with their report lines: one engine loading from Redis
+against its own cold prefill, and a slow server against no remote tier.
+
+The slow server: two engines side by side, one with the remote tier behind a proxy that
+holds every Redis reply 50-200 ms, one without a remote tier. Per round, vLLM's prefix
+caches are dropped and the engines run, one request at a time with max_tokens=1,
+alternating request by request (which engine goes first alternates too): the "local"
+prompts (stored in the CPU tier by a first pass: local hits) and "fresh" prompts (never
+seen: no reuse anywhere). Median TTFT per kind and length, remote / plain of the medians
+(target: <= 1.2) and the median of the per-request ratios (paired samples: robust to load
+from other processes). The tokens of both engines must be equal (the script reports it).
 """
 
 from __future__ import annotations
@@ -14,24 +22,25 @@ from typing import Any
 
 from _engine import benchmark_env, engine_kwargs
 from _markdown import Targets, fill, fmt, table, verdict
-from _remote_slow import bench_slow_ttft
+
+from kv_offload.testing.engine import EngineProcess, offload_transfer, start_engines
+from kv_offload.testing.redis_server import SlowProxy
+from kv_offload.testing.tiny_model import make_prompt
 
 SUFFIX_TOKENS = 16
 # Same geometry as bench_ttft's default model (its cached files are reused).
 TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                   max_position=16384)
-SLOW_TARGET = 1.2  # _remote_slow: TTFT remote / no remote tier, medians
+SLOW_TARGET = 1.2  # the slow server: TTFT remote / no remote tier, medians
 
 
 def ttft_prompt(length: int, rnd: int) -> str:
-    from kv_offload.testing.tiny_model import make_prompt
-
     seed = 30_000 + length * 10 + rnd  # distinct per (length, round): no shared prefixes
     return make_prompt(length, seed=seed) + make_prompt(SUFFIX_TOKENS, seed=700_000 + seed)
 
 
 def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
-    from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
+    from kv_offload.testing.tiny_model import make_tiny_model
     from kv_offload.testing.workload import run_in_subprocess
 
     model_kwargs = {} if args.quick else dict(TTFT_MODEL)
@@ -97,7 +106,7 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
 
 
 def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
-    """Slow-server TTFT side by side (``_remote_slow``), same model and engine as above."""
+    """Slow-server TTFT side by side (``bench_slow_ttft``), same model and engine as above."""
     from kv_offload.testing.tiny_model import make_tiny_model
 
     model = make_tiny_model(**({} if args.quick else dict(TTFT_MODEL)))
@@ -121,6 +130,76 @@ def warn_hits(ttft: dict) -> None:
               f"{ttft['expected_hit_tokens']} prefix tokens from the remote tier "
               f"({ttft['remote_pass_host_hit_tokens']:.0f} from the CPU tier)",
               file=sys.stderr, flush=True)
+
+
+DELAY_S = (0.05, 0.2)
+
+
+def _prompt(length: int, seed: int) -> str:
+    return make_prompt(length, seed=seed) + make_prompt(16, seed=900_000 + seed)
+
+
+def _flush(engine: EngineProcess, seed: int) -> None:
+    """Short requests that step the engine, so the first pass's stores are reported
+    and published in the CPU tier before the local prompts come back."""
+    for i in range(2):
+        engine.generate([make_prompt(32, seed=seed + i)], max_tokens=1)
+        time.sleep(0.3)
+
+
+def bench_slow_ttft(args: Any, server_port: int, base: Path, model: Path,
+                    engine: dict, env: dict) -> dict:
+    lengths = args.lengths
+    local = [_prompt(n, 50_000 + n) for n in lengths]
+    proxy = SlowProxy(server_port, delay_s=DELAY_S).start()
+    offload = {"cpu_size": "1GiB", "remote_timeout_s": args.timeout_s}
+    engines = {
+        name: EngineProcess(model, log_path=base / "slow" / f"{name}.log", engine=engine,
+                            transfer=offload_transfer(extra), in_process=args.in_process,
+                            env=env, timeout_s=1800)
+        for name, extra in (("plain", offload),
+                            ("remote", {**offload, "remote_url": proxy.url}))}
+    samples: dict[str, dict[str, dict[int, list[float]]]] = {
+        name: {"local": {}, "fresh": {}} for name in engines}
+    tokens: dict[str, list] = {name: [] for name in engines}
+    local_hits = dict.fromkeys(engines, 0.0)
+    try:
+        start_engines(list(engines.values()))
+        for i, eng in enumerate(engines.values()):
+            tokens[list(engines)[i]].append(
+                eng.generate(local, max_tokens=1, one_by_one=True)["tokens"])
+            _flush(eng, 60_000)
+        for rnd in range(args.rounds):
+            fresh = [_prompt(n, 70_000 + 100 * rnd + n) for n in lengths]
+            for eng in engines.values():
+                eng.reset()
+            for kind, prompts in (("local", local), ("fresh", fresh)):
+                for i, (n, prompt) in enumerate(zip(lengths, prompts)):
+                    # Request by request, engines alternating first: paired samples.
+                    names = list(engines) if (rnd + i) % 2 == 0 else list(engines)[::-1]
+                    for name in names:
+                        out = engines[name].generate([prompt], max_tokens=1, one_by_one=True)
+                        tokens[name].append(out["tokens"])
+                        if kind == "local":
+                            local_hits[name] += out["metrics"]["hits_host"]
+                        samples[name][kind].setdefault(n, []).append(out["latency_s"][0])
+    finally:
+        for eng in engines.values():
+            eng.close()
+        proxy.stop()
+    medians = {name: {kind: {str(n): statistics.median(v) for n, v in per.items()}
+                      for kind, per in kinds.items()} for name, kinds in samples.items()}
+    ratios = {kind: {str(n): round(medians["remote"][kind][str(n)]
+                                   / medians["plain"][kind][str(n)], 3) for n in lengths}
+              for kind in ("local", "fresh")}
+    paired = {kind: {str(n): round(statistics.median(
+        r / p for r, p in zip(samples["remote"][kind][n], samples["plain"][kind][n])), 3)
+        for n in lengths} for kind in ("local", "fresh")}
+    return {"delay_ms": [d * 1e3 for d in DELAY_S], "lengths": lengths, "rounds": args.rounds,
+            "median_s": medians, "ratios": ratios, "paired_ratio_medians": paired,
+            "local_hit_tokens": local_hits,
+            "tokens_equal": tokens["plain"] == tokens["remote"],
+            "samples_s": samples}
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -149,7 +228,7 @@ def ttft_lines(ttft: dict | None) -> list[str]:
 
 
 def slow_ttft_lines(slow: dict | None, targets: Targets) -> list[str]:
-    """The slow-server TTFT (``_remote_slow``) and its target row."""
+    """The slow-server TTFT (``bench_slow_ttft``) and its target row."""
     if not slow:
         return []
     if "error" in slow:

@@ -9,7 +9,7 @@ A throwaway ``redis-server`` is started on loopback (stopped again whatever happ
 2. Lookup of 16, 64 and 256 keys, all present or none (standalone and a 3-node cluster),
    and the scheduler thread's time per request with ``RemoteLookups`` against the
    synchronous lookup, with the server direct and behind a slow proxy.
-3. TTFT with a slow server (``_remote_slow``): remote tier behind a proxy holding each
+3. TTFT with a slow server (``_remote_ttft``): remote tier behind a proxy holding each
    reply 50-200 ms against no remote tier, side by side.
 4. TTFT: one engine with ``remote_url`` and no disk tier, cold against the same prompts
    after ``reset_prefix_cache(reset_connector=True)`` (loaded from Redis); the script
