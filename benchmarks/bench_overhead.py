@@ -30,7 +30,6 @@ Ratios ours/plain are taken per round (paired) and the median is reported. Targe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import add_engine_flags, bench_parser, command_line, finish
 from _engine import Turns, benchmark_env
 from _markdown import Targets, fill, fmt, table
 
@@ -191,11 +191,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 4 prompts of 256 tokens, one round")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser = bench_parser(__doc__, "smoke test: 4 prompts of 256 tokens, one round")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 32")
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="prefix tokens per prompt (default 1024)")
@@ -212,14 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated subset to run (reuse_50 needs no_reuse)")
     parser.add_argument("--chunk-tokens", type=int, default=64,
                         help="kv-offload's chunk_tokens (default 64)")
-    parser.add_argument("--vllm-default-binding", action="store_true",
-                        help="leave vLLM's CPU thread binding alone: on 2 cores an engine "
-                             "with any connector then gets 2 unbound OpenMP threads, one "
-                             "without gets 1 bound thread (default: same binding for all)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="one process per engine (vLLM's uni executor, no engine-core "
-                             "process): fast start-up, not the default topology (implied by "
-                             "--quick)")
+    add_engine_flags(parser)
     parser.add_argument("--dir", type=Path, default=None, help="where the store and logs go")
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
@@ -290,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(rounds, args.workloads)
     result = {
         "bench": "overhead",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "quick": args.quick,
         "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start,
                     "loadavg_end": os.getloadavg()},
@@ -306,13 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
         "per_round": rounds, "summary": summary, "verdicts": verdicts(summary),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    targets = Targets()
-    print("\n".join(["", *render_section(result, None, targets),
-                     *table(["target", "measured", "limit", "verdict", "from"], targets.rows)]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return result
+    return finish(result, args.json, render_section)
 
 
 if __name__ == "__main__":
