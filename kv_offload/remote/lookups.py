@@ -30,11 +30,10 @@ chunk, or every chunk found locally); a first key found absent less than
 ``negative_ttl_s`` ago (a small negative cache: a burst of requests with one new prefix
 waits once); a server that is backing off, or slow: a round trip took longer than the
 budget (one probe is kept in flight, and the first round trip within the budget ends
-it). The negative cache keeps an answer no longer than the budget by default: it
-cannot see this engine's own stores, and a longer memory hid chunks stored here and
-dropped from the CPU tier since (``reset_prefix_cache(reset_connector=True)``, an
-eviction) from the request that asked again; within one budget a miss costs no more
-than a question past its budget would.
+it). The negative cache is off by default: it cannot see this engine's own stores, so
+it hid chunks stored here and dropped from the CPU tier since
+(``reset_prefix_cache(reset_connector=True)``, an eviction) from the request that asked
+again within its memory (seen with a 1 s and with a 500 ms memory).
 """
 
 from __future__ import annotations
@@ -84,20 +83,20 @@ class RemoteLookups:
     block (no network, no lock shared with the lookup threads). ``budget_s`` bounds,
     from the first ``ask``, how long a request may be answered None. ``start=False``
     runs no thread: ``run_once`` then does a lookup thread's work (tests). ``clock`` is
-    injected. ``negative_ttl_s`` (default: ``budget_s``) and ``negative_size`` size the
-    negative cache; 0 turns it off.
+    injected. ``negative_ttl_s`` (0: off, the default) and ``negative_size`` size the
+    negative cache.
     """
 
     def __init__(self, tier: LookupTier, *, budget_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 negative_ttl_s: float | None = None,
+                 negative_ttl_s: float = 0.0,
                  negative_size: int = 4096, num_threads: int = 4, start: bool = True
                  ) -> None:
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive, got {budget_s}")
         self.tier = tier
         self.budget_s = budget_s
-        self.negative_ttl_s = budget_s if negative_ttl_s is None else negative_ttl_s
+        self.negative_ttl_s = negative_ttl_s
         self.negative_size = negative_size
         self._clock = clock
         self._queue: queue.SimpleQueue[_Ask | None] = queue.SimpleQueue()
