@@ -226,7 +226,8 @@ def _recover(engine: EngineProcess, proxy: SlowProxy) -> dict:
     for attempt in range(5):
         engine.generate([make_prompt(200, seed=799 + attempt)], max_tokens=1)  # a probe
         time.sleep(0.5)
-        engine.reset(connector=True)
+        engine.drain(timeout_s=120)  # blocks held for copies would keep vLLM's cache
+        assert engine.reset(connector=True), "vLLM's prefix cache must be dropped"
         out = engine.generate(local_prompts())
         if out["metrics"]["hits_external_unspecified"] > 0:
             break
