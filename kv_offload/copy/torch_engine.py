@@ -33,6 +33,7 @@ import torch
 from kv_offload.copy import cpu_kernel
 from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle
 from kv_offload.copy.plan import (
+    BlockMap,
     Direction,
     SlotLayout,
     check_block_map,
@@ -110,15 +111,17 @@ class TorchCopyEngine(CopyEngine):
         self.strategy = strategy
         self.num_threads = int(num_threads) if strategy == "compiled" else 1
         self._planes = [p.numpy() for p in planes]
-        self._host = host.tensor.numpy()
+        host_tensor = host.as_tensor()
+        self._host = host_tensor.numpy()
         bpc = self.layout.blocks_per_chunk
         self._host_planes = [
-            host.tensor[:, off:off + bpc * pb].view(host.num_slots, bpc, pb).numpy()
+            host_tensor[:, off:off + bpc * pb].view(host.num_slots, bpc, pb).numpy()
             for off, pb in zip(self.layout.plane_offsets, self.layout.plane_bytes)
         ]
-        self._plane_table = tuple(np.array(column, np.int64) for column in (
+        addresses, strides, sizes, offsets = (np.array(column, np.int64) for column in (
             [p.ctypes.data for p in self._planes], geometry.row_strides,
             self.layout.plane_bytes, self.layout.plane_offsets))
+        self._plane_table = (addresses, strides, sizes, offsets)
         self._chunk_row_bytes = sum(self.layout.plane_bytes)  # one block of every plane
         self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kv-copy")
                       if self.num_threads > 1 else None)
@@ -182,7 +185,7 @@ class TorchCopyEngine(CopyEngine):
         for future in futures:
             future.result()
 
-    def _copy_numpy(self, direction: Direction, bm) -> None:
+    def _copy_numpy(self, direction: Direction, bm: BlockMap) -> None:
         """One numpy call per (plane, segment); see the module docstring."""
         seg = plan_segments(bm)
         store = direction is Direction.STORE
@@ -190,7 +193,7 @@ class TorchCopyEngine(CopyEngine):
                       seg.first_position.tolist(), seg.engine_start.tolist(),
                       seg.is_run.tolist())
         for start, length, slot, pos, first, is_run in columns:
-            ids = None if is_run else bm.engine_blocks[start:start + length]
+            ids = bm.engine_blocks[start:start + length]  # a view; unused for a run
             for engine, host in zip(self._planes, self._host_planes):
                 host_rows = host[slot, pos:pos + length]
                 if is_run:

@@ -16,9 +16,13 @@ import re
 import stat
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kv_offload.checksum import new_hasher
 from kv_offload.disk.errors import StorePathError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class ReadResult(enum.Enum):
         return self is ReadResult.OK
 
 
-def _as_bytes_view(buf, slot_bytes: int, *, writable: bool) -> memoryview:
+def _as_bytes_view(buf: Buffer, slot_bytes: int, *, writable: bool) -> memoryview:
     view = memoryview(buf)
     if not view.c_contiguous:
         raise ValueError("slot buffer must be C-contiguous")
@@ -175,7 +179,7 @@ class SlabFile:
     def slot_bytes(self) -> int:
         return self._slot_bytes
 
-    def write(self, slot: int, buf) -> int:
+    def write(self, slot: int, buf: Buffer) -> int:
         """Write the whole slot from ``buf`` and return the checksum of the bytes written.
 
         ``buf`` is a C-contiguous buffer of exactly ``slot_bytes`` (a memoryview of a host
@@ -200,7 +204,7 @@ class SlabFile:
             os.fdatasync(fd)
         return hasher.intdigest()
 
-    def read(self, slot: int, buf, expected_checksum: int | None) -> ReadResult:
+    def read(self, slot: int, buf: Buffer, expected_checksum: int | None) -> ReadResult:
         """Read the whole slot into ``buf`` and verify it against ``expected_checksum``.
 
         Returns ReadResult.OK (truthy) only when every byte was read and the checksum
@@ -245,7 +249,7 @@ class SlabFile:
     def __enter__(self) -> SlabFile:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _offset(self, slot: int) -> int:

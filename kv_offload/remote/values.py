@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from kv_offload.checksum import checksum
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MAGIC = b"KVOR"
 FORMAT_VERSION = 1
@@ -59,7 +63,7 @@ def namespace_pattern(prefix: str, namespace: str | None = None) -> bytes:
     return f"{prefix}:{{{namespace or ''}*".encode()
 
 
-def encode_header(name: bytes, payload) -> bytes:
+def encode_header(name: bytes, payload: Buffer) -> bytes:
     """The header for ``payload`` (any contiguous buffer) stored under key ``name``."""
     view = memoryview(payload).cast("B")
     return _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, len(view), checksum(view),
