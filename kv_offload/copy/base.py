@@ -49,13 +49,17 @@ class CopyEngine(abc.ABC):
     """
 
     @abc.abstractmethod
-    def store(self, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
+    def store(self, block_ids: np.ndarray, slots: np.ndarray, *,
+              after: object | None = None) -> CopyHandle:
         """Copy engine blocks into host slots (mutates the host buffer only). The copy
-        reads the blocks as the compute finished so far left them."""
+        reads the blocks as the compute issued so far on ``after`` (a token from
+        ``current_stream``; None: the calling thread's stream) leaves them."""
 
     @abc.abstractmethod
-    def load(self, slots: np.ndarray, block_ids: np.ndarray) -> CopyHandle:
-        """Copy host slots into engine blocks (mutates the engine's KV planes only)."""
+    def load(self, slots: np.ndarray, block_ids: np.ndarray, *,
+             after: object | None = None) -> CopyHandle:
+        """Copy host slots into engine blocks (mutates the engine's KV planes only),
+        ordered after the compute issued so far on ``after`` (as for ``store``)."""
 
     @abc.abstractmethod
     def is_done(self, handle: CopyHandle) -> bool:
@@ -73,14 +77,8 @@ class CopyEngine(abc.ABC):
 
     def current_stream(self) -> object | None:
         """A token naming the calling thread's compute stream, to order a copy issued
-        later from another thread after it (``after=`` of engines that take it). None
-        for engines without streams."""
-        return None
-
-    def order_before_compute(self) -> None:
-        """Make later compute wait (device-side, no host sync) for the copies issued so
-        far, so blocks being copied out are not overwritten (invariant 3). No-op for
-        engines whose copies are complete when ``store``/``load`` return."""
+        later from another thread after it (``after=`` of ``store``/``load``). None
+        for engines without streams, which ignore ``after``."""
         return None
 
     @abc.abstractmethod

@@ -14,9 +14,9 @@ Ordering (per call, all GPU-side, no host synchronisation):
   compute stream is resolved per call: the ``after`` stream the caller captured with
   ``current_stream()`` on vLLM's thread, else the stream current on the calling thread
   (never one captured at construction: vLLM may run forwards on another stream later);
-- ``order_before_compute()`` makes the calling thread's current stream wait for the
-  latest store and load, so the next forward can neither overwrite blocks still being
-  copied out nor read blocks still being loaded;
+- ``fence(handle)`` makes the calling thread's current stream wait for one copy: the
+  worker fences only the copies of blocks vLLM may reuse in the next forward (preempted
+  requests); finished requests' blocks are held until their copies are done;
 - completion is an event per call: ``is_done`` queries it, ``wait`` blocks on it.
 
 Copies are issued either as one ``cudaMemcpyAsync`` per coalesced byte range (DMA
@@ -251,9 +251,8 @@ class CupyCopyEngine(CopyEngine):
                             else _compile_kernel(cp, required=mode == "kernel"))
         self._tables = _TableArena(cp)
         self._issue_locks = {d: threading.Lock() for d in Direction}
-        self._lock = threading.Lock()  # guards _pending, _last and _closed
+        self._lock = threading.Lock()  # guards _pending and _closed
         self._pending: dict[int, _Pending] = {}
-        self._last: dict[Direction, Any] = {}
         self._seq = itertools.count()
         self._closed = False
 
@@ -324,22 +323,6 @@ class CupyCopyEngine(CopyEngine):
         for seq in seqs:
             self.wait(CopyHandle(seq, Direction.STORE))
 
-    # -- ordering ----------------------------------------------------------------------
-
-    def order_before_compute(self) -> None:
-        """Make the calling thread's current stream wait (GPU-side) for the latest store
-        and load.
-
-        Call before enqueuing the next forward pass when it may write blocks that are
-        still being stored or read blocks that are still being loaded. Never blocks
-        the host. Mutates only that stream's queue."""
-        with self._lock:
-            events = list(self._last.values())
-        with self._device:
-            compute = self._compute_stream(None)
-            for event in events:
-                compute.wait_event(event)
-
     # -- internals ---------------------------------------------------------------------
 
     def _submit(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray,
@@ -372,7 +355,6 @@ class CupyCopyEngine(CopyEngine):
             seq = next(self._seq)
             with self._lock:
                 self._pending[seq] = _Pending(done, table)
-                self._last[direction] = done
         return CopyHandle(seq, direction)
 
     def _use_kernel(self, ranges: ByteRanges) -> bool:

@@ -128,12 +128,16 @@ class TorchCopyEngine(CopyEngine):
         self._seq = itertools.count()
         self._closed = False
 
-    def store(self, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
-        """Copy engine blocks into host slots now; the returned handle is done."""
+    def store(self, block_ids: np.ndarray, slots: np.ndarray, *,
+              after: object | None = None) -> CopyHandle:
+        """Copy engine blocks into host slots now; the returned handle is done (no
+        streams: ``after`` is ignored)."""
         return self._copy(Direction.STORE, block_ids, slots)
 
-    def load(self, slots: np.ndarray, block_ids: np.ndarray) -> CopyHandle:
-        """Copy host slots into engine blocks now; the returned handle is done."""
+    def load(self, slots: np.ndarray, block_ids: np.ndarray, *,
+             after: object | None = None) -> CopyHandle:
+        """Copy host slots into engine blocks now; the returned handle is done (no
+        streams: ``after`` is ignored)."""
         return self._copy(Direction.LOAD, block_ids, slots)
 
     def is_done(self, handle: CopyHandle) -> bool:

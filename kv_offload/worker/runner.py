@@ -217,8 +217,7 @@ class OffloadWorker:
             blocks = np.array([job.chunks[i].block_ids for i in ok_rows], dtype=np.int64)
             try:
                 start = self._clock()
-                after = {} if load.stream is None else {"after": load.stream}
-                self.engine.wait(self.engine.load(slots, blocks, **after))
+                self.engine.wait(self.engine.load(slots, blocks, after=load.stream))
                 self._count(bytes_load=self._chunk_bytes(blocks),
                             seconds_load=self._clock() - start)
             except Exception:
