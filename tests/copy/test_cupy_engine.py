@@ -221,15 +221,15 @@ def test_copies_follow_the_stream_current_when_issued(mode):
 
 @pytest.mark.cuda
 @cuda
-def test_order_before_compute_makes_the_next_forward_see_loaded_blocks(mode):
+def test_fence_makes_the_next_forward_see_loaded_blocks(mode):
     bpc = 2
     t = torch.zeros((NUM_BLOCKS, 1 << 20), dtype=torch.uint8, device="cuda")
     layout = SlotLayout.packed([1 << 20], bpc)
     host = pinned_host(3, layout.slot_bytes)
     host.tensor[2].fill_(7)
     engine = CupyCopyEngine([t], host, bpc, device=0, mode=mode)
-    engine.load(np.array([2]), np.array([[30, 31]]))
-    engine.order_before_compute()
+    handle = engine.load(np.array([2]), np.array([[30, 31]]))
+    engine.fence(handle)  # GPU-side: the host does not wait
     total = t[30:32].sum(dtype=torch.int64)  # the next "forward", on the compute stream
     assert int(total) == 7 * 2 * (1 << 20)
     engine.close()
