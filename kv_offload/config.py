@@ -104,9 +104,10 @@ class OffloadConfig:
             None (default) turns the remote tier off.
         remote_cluster_nodes: seed nodes of a Redis Cluster ("host:port" or URLs), instead
             of ``remote_url``.
-        remote_timeout_s: limit of one remote read or write. Default 2.
-        remote_lookup_budget_ms: limit of the scheduler's existence check per request;
-            past it the answer is a miss. Default 20.
+        remote_timeout_s: limit of one remote call (read, write, lookup round trip,
+            connect); slower is a failure and the tier backs off. Default 2.
+        remote_lookup_budget_ms: how long a request may wait for its remote lookup (which
+            runs off the scheduler thread); past it the answer is a miss. Default 20.
         remote_max_value_size: the largest value kv-offload may write (a chunk of one rank
             plus a 40-byte header); must cover a chunk. Default 256MiB (Redis allows 512MB).
         remote_key_prefix: prefix of every key kv-offload writes. Default "kv-offload".

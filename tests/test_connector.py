@@ -4,6 +4,7 @@ stored), holds through ``request_finished`` / ``finished_sending``, preemption f
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -141,3 +142,32 @@ def test_preempted_requests_with_copies_in_flight_are_fenced(connector):
     conn.build_connector_meta(scheduler_output(new=[(a, CHUNK + 1), (b, 4)]))
     plan = conn.build_connector_meta(scheduler_output(preempted=["p", "q"])).plan
     assert plan.preempted == ("p",)  # "q" stored nothing: nothing to fence
+
+
+def test_a_healthy_server_slower_than_the_lookup_budget_is_not_a_failure(redis_server):
+    """The lookup budget bounds a request's wait, not the connection: replies held 60 ms
+    against a 20 ms budget make that request miss, but the tier stays up (no backoff, no
+    failure logged), because its connection keeps ``remote_timeout_s``. (It used the
+    budget as its socket and connect timeout: every slow reply was a failure, and a
+    server farther than the budget, or a TLS handshake longer, never connected.)"""
+    from kv_offload.testing.redis_server import SlowProxy
+
+    with SlowProxy(redis_server.port, delay_s=(0.06, 0.06)) as proxy:
+        offload = OffloadConfig(cpu_size=64 * 2 * CHUNK * 4 * 4 * 4, chunk_tokens=CHUNK,
+                                remote_url=proxy.url, remote_lookup_budget_ms=20,
+                                remote_timeout_s=2)
+        conn = KVOffloadConnector(build_vllm_config(offload, block_size=BLOCK,
+                                                    max_num_batched_tokens=64, max_num_seqs=8),
+                                  KVConnectorRole.SCHEDULER, build_kv_cache_config(64, BLOCK))
+        try:
+            manager = FakeCacheManager()
+            conn._kv_cache_manager = manager
+            request = new_request(manager, "r", 2 * CHUNK + 1, first_block=0)
+            assert conn.get_num_new_matched_tokens(request, 0)[0] is None  # asked, pending
+            time.sleep(0.5)
+            assert conn.get_num_new_matched_tokens(request, 0)[0] == 0  # nothing stored
+            remote = conn._scheduler.remote
+            assert remote is not None
+            assert remote.health.up and remote.health.num_failures == 0
+        finally:
+            conn.shutdown()

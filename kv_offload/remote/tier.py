@@ -70,11 +70,14 @@ class RemoteTier:
 
     ``payload_bytes``: bytes of one chunk on one rank (a host slot). ``timeout_s``
     bounds every network call of this instance (connect, send, receive).
+    ``lookup_budget_s``: how long a request may wait for ``async_lookups`` to answer
+    (None: ``timeout_s``).
     """
 
     def __init__(self, target: RemoteTarget, *, namespace: str, num_ranks: int,
                  payload_bytes: int, timeout_s: float, key_prefix: str = "kv-offload",
                  ttl_s: int | None = None, who: str = "", max_backoff_s: float = 30.0,
+                 lookup_budget_s: float | None = None,
                  connect: Callable[[RemoteTarget, float], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
@@ -82,6 +85,7 @@ class RemoteTier:
         self.num_ranks = num_ranks
         self.payload_bytes = payload_bytes
         self.timeout_s = timeout_s
+        self.lookup_budget_s = timeout_s if lookup_budget_s is None else lookup_budget_s
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.health = RemoteHealth(f"{target.describe()}{' (' + who + ')' if who else ''}",
@@ -180,10 +184,10 @@ class RemoteTier:
                       clock: Callable[[], float] = time.monotonic) -> RemoteLookups:
         """A ``RemoteLookups`` over this tier (its lookup threads start now): what the
         scheduler asks instead of calling ``lookup`` on its own thread. ``budget_s``:
-        the total time a request may wait for its answer; None: this tier's timeout
-        (the connector builds the scheduler's tier with ``remote_lookup_budget_ms`` as
-        its timeout). The caller closes it (before closing the tier)."""
-        return RemoteLookups(self, budget_s=self.timeout_s if budget_s is None else budget_s,
+        the total time a request may wait for its answer; None: ``lookup_budget_s``
+        (``remote_lookup_budget_ms`` for the connector's tier). The caller closes it
+        (before closing the tier)."""
+        return RemoteLookups(self, budget_s=self.lookup_budget_s if budget_s is None else budget_s,
                              clock=clock)
 
     def warm(self) -> bool:
@@ -323,7 +327,8 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: floa
     return RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
                       payload_bytes=layout.slot_bytes, timeout_s=timeout_s,
                       key_prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s, who=who,
-                      max_backoff_s=config.remote_max_backoff_s)
+                      max_backoff_s=config.remote_max_backoff_s,
+                      lookup_budget_s=config.remote_lookup_budget_ms / 1000)
 
 
 def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
