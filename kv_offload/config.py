@@ -107,7 +107,8 @@ class OffloadConfig:
         remote_timeout_s: limit of one remote call (read, write, lookup round trip,
             connect); slower is a failure and the tier backs off. Default 2.
         remote_lookup_budget_ms: how long a request may wait for its remote lookup (which
-            runs off the scheduler thread); past it the answer is a miss. Default 20.
+            runs off the scheduler thread); past it the answer is a miss. Default 50
+            (docs/remote-tier.md says why).
         remote_max_value_size: the largest value kv-offload may write (a chunk of one rank
             plus a 40-byte header); must cover a chunk. Default 256MiB (Redis allows 512MB).
         remote_key_prefix: prefix of every key kv-offload writes. Default "kv-offload".
@@ -133,7 +134,7 @@ class OffloadConfig:
     remote_url: str | None = None
     remote_cluster_nodes: list[str] | None = None
     remote_timeout_s: float = 2.0
-    remote_lookup_budget_ms: float = 20.0
+    remote_lookup_budget_ms: float = 50.0
     remote_max_value_size: int | str = "256MiB"
     remote_key_prefix: str = "kv-offload"
     remote_ttl_s: int | None = None
