@@ -30,12 +30,12 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 _NAMESPACE_RE = re.compile(r"[0-9a-f]{1,128}")
 # I/O goes in pieces, each hashed right after it is read (writes: right before it is
-# written). Reads: 256 KiB pieces, hashed while in L2 (1 MiB per core here); 256 KiB to
-# 2 MiB pieces and one preadv of the whole slot then one hash all ran within noise of each
-# other (0.86-0.89x a raw read, docs/disk-tier.md), so the smallest syscall count that
-# keeps the piece in L2 stays. Writes: 2 MiB pieces. Each pwritev into ext4's page cache
-# pays a per-call cost (inode lock, timestamps); 256 KiB pieces wrote at 0.76-0.82x a raw
-# file, 2 MiB pieces at 0.87-0.88x (interleaved runs, issue 15, docs/disk-tier.md).
+# written). Reads: 128 KiB to 2 MiB pieces, or one preadv of the whole slot then one
+# hash, all ran within noise of each other (0.82-0.90x a raw read, docs/disk-tier.md), so
+# reads keep 256 KiB pieces, each still in L2 (1 MiB per core here) when it is hashed.
+# Writes: 2 MiB pieces. Each pwritev into ext4's page cache pays a per-call cost (inode
+# lock, timestamps); 256 KiB pieces wrote at 0.74-0.82x a raw file, 2 MiB pieces at
+# 0.86-0.92x (interleaved A/B runs, issue 15, docs/disk-tier.md).
 _READ_PIECE = 256 << 10
 _WRITE_PIECE = 2 << 20
 
