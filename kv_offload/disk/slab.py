@@ -29,14 +29,15 @@ logger = logging.getLogger(__name__)
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _NAMESPACE_RE = re.compile(r"[0-9a-f]{1,128}")
-# I/O goes in pieces of this size, each hashed right before it is written or right after
-# it is read, while it is still in the CPU cache: a separate checksum pass over a
-# multi-MiB slot cost ~35% of page-cache read speed, pieces cost ~20% (docs/disk-tier.md).
-# 256 KiB pieces stay in L2 (1 MiB per core here) next to the kernel's own copy; 1 MiB
-# pieces did not: verified reads in 256 KiB pieces ran 1.7-1.9x the speed of 1 MiB pieces
-# for 2 MiB slots and 0.9-1.2x for 8 MiB slots, writes alike (two interleaved A/B runs,
-# issue 15, a loaded machine); a syscall per 256 KiB is ~3% of its copy.
-_PIECE = 256 << 10
+# I/O goes in pieces, each hashed right after it is read (writes: right before it is
+# written). Reads: 128 KiB to 2 MiB pieces, or one preadv of the whole slot then one
+# hash, all ran within noise of each other (0.82-0.90x a raw read, docs/disk-tier.md), so
+# reads keep 256 KiB pieces, each still in L2 (1 MiB per core here) when it is hashed.
+# Writes: 2 MiB pieces. Each pwritev into ext4's page cache pays a per-call cost (inode
+# lock, timestamps); 256 KiB pieces wrote at 0.74-0.82x a raw file, 2 MiB pieces at
+# 0.86-0.92x (interleaved A/B runs, issue 15, docs/disk-tier.md).
+_READ_PIECE = 256 << 10
+_WRITE_PIECE = 2 << 20
 
 
 def validate_namespace_id(namespace_id: str) -> str:
@@ -191,8 +192,8 @@ class SlabFile:
         offset = self._offset(slot)
         fd = self._current_fd(create=True)
         hasher = new_hasher()
-        for start in range(0, view.nbytes, _PIECE):
-            piece = view[start : start + _PIECE]
+        for start in range(0, view.nbytes, _WRITE_PIECE):
+            piece = view[start : start + _WRITE_PIECE]
             hasher.update(piece)
             done = 0
             while done < piece.nbytes:
@@ -220,8 +221,8 @@ class SlabFile:
             if fd < 0:
                 return ReadResult.MISSING
             hasher = new_hasher() if expected_checksum is not None else None
-            for start in range(0, view.nbytes, _PIECE):
-                piece = view[start : start + _PIECE]
+            for start in range(0, view.nbytes, _READ_PIECE):
+                piece = view[start : start + _READ_PIECE]
                 done = 0
                 while done < piece.nbytes:
                     n = os.preadv(fd, [piece[done:]], offset + start + done)

@@ -126,6 +126,47 @@ def test_short_writes_are_continued(slab, monkeypatch):
     assert slab.read(2, out, digest) and np.array_equal(out, data)
 
 
+BIG = (9 << 20) // 2 + 7  # several read pieces and write pieces, the last one partial
+
+
+def test_short_io_is_continued_across_pieces(tmp_path, monkeypatch):
+    """Short pwritev/preadv calls that end inside a piece resume at the right offset, in
+    every piece of a multi-MiB slot, and the digest still covers each byte once."""
+    real_write, real_read = os.pwritev, os.preadv
+    sizes: list[int] = []
+
+    def dribble(real, limit):
+        def call(fd, buffers, offset):
+            (view,) = buffers
+            n = real(fd, [memoryview(view)[:limit]], offset)
+            sizes.append(n)
+            return n
+        return call
+
+    data = pattern(8, BIG)
+    with make_slab(tmp_path, slot_bytes=BIG) as s:
+        monkeypatch.setattr(os, "pwritev", dribble(real_write, 700 << 10))
+        monkeypatch.setattr(os, "preadv", dribble(real_read, 100 << 10))
+        digest = s.write(2, data)
+        out = np.zeros(BIG, np.uint8)
+        result = s.read(2, out, digest)
+    assert digest == checksum(data)
+    assert result is ReadResult.OK and np.array_equal(out, data)
+    assert sum(sizes) == 2 * BIG and max(sizes) <= 700 << 10
+
+
+def test_mismatch_in_a_middle_piece_is_a_failed_read(tmp_path):
+    """Invariant 5 for multi-piece slots: one byte flipped deep inside the slot (neither
+    the first nor the last piece) fails the read."""
+    data = pattern(9, BIG)
+    with make_slab(tmp_path, slot_bytes=BIG) as s:
+        digest = s.write(0, data)
+        with open(s.path, "r+b") as f:
+            f.seek(BIG // 2 + 12345)
+            f.write(bytes([data[BIG // 2 + 12345] ^ 0x40]))
+        assert s.read(0, np.empty(BIG, np.uint8), digest) is ReadResult.CHECKSUM_MISMATCH
+
+
 def test_fsync_option_syncs_each_write(tmp_path, monkeypatch):
     synced = []
     monkeypatch.setattr(os, "fdatasync", synced.append)
