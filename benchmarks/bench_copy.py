@@ -7,7 +7,7 @@ fastest of ``torch.Tensor.copy_`` (torch's threads), ``np.copyto`` (one thread) 
 engine's own streamed copy loop on its threads, of one contiguous buffer. All contenders
 run once per round in rotated order, the fastest round of each is kept. Targets: >= 0.8x
 memcpy for chunks of 2 MiB and more, >= 0.6x below. The CuPy engine's figures against
-one pinned ``cudaMemcpyAsync`` come from ``gpu_check.py`` (its ``transfer`` part).
+one pinned ``cudaMemcpyAsync`` come from ``benchmarks/gpu_check.sh`` (its ``transfer`` part).
 
     python benchmarks/bench_copy.py            # default sizes, ~30 s on 2 cores
     python benchmarks/bench_copy.py --quick    # toy sizes, seconds
