@@ -1,11 +1,15 @@
-"""What the benchmark scripts share: their flags, side-by-side timing, machine facts and
-the JSON they write. Rendering helpers live in ``_markdown.py``.
+"""What the benchmark scripts share: their flags, side-by-side timing, buffers and files,
+machine facts and the JSON they write. Rendering helpers live in ``_markdown.py``.
+
+Importing it puts this working tree first on ``sys.path`` (after benchmarks/), so that a
+script measures this tree's kv_offload, installed or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import sys
@@ -16,17 +20,42 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from _markdown import Targets, table
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+KiB, MiB = 1 << 10, 1 << 20
 
-def bench_parser(doc: str | None, quick_help: str = "toy sizes for a smoke test"
-                 ) -> argparse.ArgumentParser:
-    """An argument parser with the flags every benchmark has: --quick and --json."""
-    parser = argparse.ArgumentParser(description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    return parser
+
+class BenchParser(argparse.ArgumentParser):
+    """An argument parser with the flags every benchmark has (--quick, --json) and sized
+    flags: ``sized`` flags default to one value, another with --quick."""
+
+    def __init__(self, doc: str | None, quick_help: str = "toy sizes for a smoke test") -> None:
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.add_argument("--quick", action="store_true", help=quick_help)
+        self.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+        self._sized: dict[str, tuple[Any, Any]] = {}
+
+    def sized(self, flag: str, full: Any, quick: Any, help: str, type: type = int) -> None:
+        """``flag`` defaults to ``full``, or ``quick`` with --quick (said in its help)."""
+        action = self.add_argument(flag, type=type, default=None,
+                                   help=f"{help} (default {full}, --quick {quick})")
+        self._sized[action.dest] = (full, quick)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed = super().parse_args(args, namespace)
+        for dest, (full, quick) in self._sized.items():
+            if getattr(parsed, dest) is None:
+                setattr(parsed, dest, quick if parsed.quick else full)
+        return parsed
+
+
+def csv(text: str, type: Callable[[str], Any] = int) -> list:
+    """'1,2,3' -> [1, 2, 3]."""
+    return [type(x) for x in str(text).split(",")]
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +74,25 @@ def command_line() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
 
 
+def new_result(bench: str, args: argparse.Namespace, **fields: Any) -> dict:
+    """What every benchmark's JSON starts with: name, command line, --quick, the machine
+    and its load average now, then ``fields``. ``finish`` adds the end."""
+    return {"bench": bench, "command": command_line(), "quick": args.quick,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version(), "loadavg_start": os.getloadavg()},
+            **fields}
+
+
 def finish(result: dict, json_path: Path | None,
-           render: Callable[[dict, Path | None, Targets], list[str]]) -> dict:
-    """Print the section ``render`` makes of ``result`` (and its target rows), then write
-    ``result`` to ``json_path`` when given. Returns ``result``."""
+           render: Callable[[dict, Path | None, Targets], list[str]],
+           started: float | None = None) -> dict:
+    """Add the load average at the end (and the seconds since ``started``, a
+    perf_counter value) to ``result``, print the section ``render`` makes of it (and its
+    target rows), then write it to ``json_path`` when given. Returns ``result``."""
+    if "machine" in result:
+        result["machine"].setdefault("loadavg_end", os.getloadavg())
+    if started is not None:
+        result["seconds"] = round(time.perf_counter() - started, 1)
     targets = Targets()
     lines = render(result, None, targets)
     if targets.rows:
@@ -91,6 +135,35 @@ def span(values: list[float], suffix: str = "x") -> str:
     return f"{min(values):.2f}-{max(values):.2f}{suffix}" if values else "n/a"
 
 
+# -- buffers and files ----------------------------------------------------------------------
+
+
+def prefaulted(nbytes: int) -> np.ndarray:
+    """A page-aligned byte array (O_DIRECT needs alignment), its pages faulted in."""
+    arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+    arr[:] = 1
+    return arr
+
+
+def chunk_views(buf: np.ndarray, chunk: int) -> list[memoryview]:
+    """``buf`` cut into whole chunks of ``chunk`` bytes."""
+    view = memoryview(buf)
+    return [view[i : i + chunk] for i in range(0, buf.nbytes - chunk + 1, chunk)]
+
+
+def fsync_files(paths: Any, evict: bool = False) -> None:
+    """fsync ``paths``; ``evict``: then drop their clean pages from the page cache (the
+    next read goes to the device; works unprivileged, leaves other files alone)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if evict:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 # -- the machine -----------------------------------------------------------------------------
 
 
@@ -101,13 +174,16 @@ def _read(path: str) -> str:
         return ""
 
 
+def package_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _version(*dists: str) -> str:
-    for dist in dists:
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "not installed"
+    found = [d for d in dists if package_version(d) != "not installed"]
+    return f"{found[0]} {package_version(found[0])}" if found else "not installed"
 
 
 def machine_info() -> dict[str, Any]:

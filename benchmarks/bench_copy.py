@@ -1,13 +1,9 @@
 """Copy-engine throughput against a plain memcpy of the same bytes, side by side.
 
-Torch engine (KV in host memory, vLLM CPU layout): moves N chunks between engine planes
-and host slots in both directions, with contiguous block ids (a fresh request) and
-shuffled ones (a fragmented cache), next to the best memcpy of the same bytes: the
-fastest of ``torch.Tensor.copy_`` (torch's threads), ``np.copyto`` (one thread) and the
-engine's own streamed copy loop on its threads, of one contiguous buffer. All contenders
-run once per round in rotated order, the fastest round of each is kept. Targets: >= 0.8x
-memcpy for chunks of 2 MiB and more, >= 0.6x below. The CuPy engine's figures against
-one pinned ``cudaMemcpyAsync`` come from ``benchmarks/gpu_check.sh`` (its ``transfer`` part).
+The torch engine (KV in host memory, vLLM CPU layout) moves chunks between engine planes
+and host slots both ways, with contiguous and shuffled block ids, against the fastest
+memcpy of the same bytes (templates/copy.md). Targets: >= 0.8x memcpy for chunks of 2 MiB
+and more, >= 0.6x below. The CuPy engine's figures come from benchmarks/gpu_check.sh.
 
     python benchmarks/bench_copy.py            # default sizes, ~30 s on 2 cores
     python benchmarks/bench_copy.py --quick    # toy sizes, seconds
@@ -16,7 +12,6 @@ one pinned ``cudaMemcpyAsync`` come from ``benchmarks/gpu_check.sh`` (its ``tran
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,17 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import BenchParser, best_interleaved, finish, span
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _common import bench_parser, best_interleaved, finish, span  # noqa: E402
-from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict  # noqa: E402
-
-from kv_offload.copy import cpu_kernel  # noqa: E402
-from kv_offload.copy.plan import SlotLayout  # noqa: E402
-from kv_offload.copy.planes import planes_from_kv_tensor  # noqa: E402
-from kv_offload.copy.torch_engine import TorchCopyEngine  # noqa: E402
-from kv_offload.host_buffer import allocate_host_slots  # noqa: E402
+from kv_offload.copy import cpu_kernel
+from kv_offload.copy.plan import SlotLayout
+from kv_offload.copy.planes import planes_from_kv_tensor
+from kv_offload.copy.torch_engine import TorchCopyEngine
+from kv_offload.host_buffer import allocate_host_slots
 
 CPU_TARGET, CPU_TARGET_LARGE = 0.6, 0.8
 
@@ -233,7 +225,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = bench_parser(__doc__, "toy sizes (seconds)")
+    parser = BenchParser(__doc__, "toy sizes (seconds)")
     parser.add_argument("--chunk-kib", type=int, nargs="+", default=[256, 2048, 8192],
                         help="chunk sizes in KiB (multiples of one block of every layer)")
     parser.add_argument("--total-mib", type=float, default=64.0,

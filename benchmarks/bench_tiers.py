@@ -1,16 +1,10 @@
 """Disk-tier I/O, every contender measured side by side in one run.
 
-Store and load N chunks of 256 KiB, 2 MiB and 8 MiB: our DiskIndex + SlabFile path
-(allocate/write/commit, lookup/read/verify) against raw sequential file I/O of the same
-bytes in the same directory and vLLM's own filesystem tier I/O
-(``vllm.v1.kv_offload.tiering.fs.io.batch_store_block`` / ``batch_load_block``).
-Targets: the slab >= 0.85x the raw file (reads 0.9x), the whole path >= 1.0x vLLM's.
-
-Reads are reported warm (page cache) and cold: after fsync, each contender's own files
-are evicted from the page cache with POSIX_FADV_DONTNEED, which works unprivileged and
-leaves other processes' cache alone (--drop-caches also tries the global
-/proc/sys/vm/drop_caches once and reports the outcome). Writes are reported into the page
-cache, and including the fsync that makes them durable.
+Store and load chunks of 256 KiB, 2 MiB and 8 MiB: our DiskIndex + SlabFile path (and
+the SlabFile calls alone) against raw sequential file I/O and vLLM's filesystem tier I/O;
+writes with and without fsync, reads warm and cold (POSIX_FADV_DONTNEED per file;
+--drop-caches also tries /proc/sys/vm/drop_caches). Targets: the slab >= 0.85x the raw
+file (reads 0.9x), the whole path >= 1.0x vLLM's. The method in full: templates/tiers.md.
 
     python benchmarks/bench_tiers.py --quick --json /tmp/tiers.json   # seconds
     python benchmarks/bench_tiers.py --json tiers.json                # ~2 min, 2 cores
@@ -19,10 +13,8 @@ cache, and including the fsync that makes them durable.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,14 +22,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import (
+    BenchParser,
+    KiB,
+    MiB,
+    chunk_views,
+    finish,
+    fsync_files,
+    new_result,
+    prefaulted,
+    span,
+    timed,
+)
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import bench_parser, command_line, finish, span, timed  # noqa: E402
-from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict  # noqa: E402
+from kv_offload.disk import DiskIndex, SlabFile
 
-from kv_offload.disk import DiskIndex, SlabFile  # noqa: E402
-
-KiB, MiB = 1 << 10, 1 << 20
 BATCH = 8  # chunks per allocate/commit and per vLLM batch call
 PHASES = ("write", "write_sync", "read_warm", "read_cold")
 SLAB, OURS, RAW = "ours: slab only (1 thread)", "ours (1 thread)", "raw sequential file"
@@ -49,41 +49,17 @@ READ_RAW = 0.9  # issue 15: reads >= 0.9x a raw file, writes >= 0.85x
 
 
 def parse_args(argv: list[str] | None = None) -> Any:
-    parser = bench_parser(__doc__)
+    parser = BenchParser(__doc__)
     parser.add_argument("--dir", type=Path, default=None,
                         help="directory to benchmark in (default: a temp dir under $TMPDIR)")
-    parser.add_argument("--total-mib", type=int, default=None,
-                        help="bytes stored per chunk size (default 256, --quick 8)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help="runs per I/O contender, best kept (default 5, --quick 1)")
+    parser.sized("--total-mib", 256, 8, "bytes stored per chunk size")
+    parser.sized("--repeat", 5, 1, "runs per I/O contender, best kept")
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache once at start (root only)")
-    args = parser.parse_args(argv)
-    args.total_mib = args.total_mib or (8 if args.quick else 256)
-    args.repeat = args.repeat or (1 if args.quick else 5)
-    return args
+    return parser.parse_args(argv)
 
 
 # -- helpers -------------------------------------------------------------------------
-
-
-def aligned(nbytes: int) -> np.ndarray:
-    """A page-aligned, pre-faulted byte array (O_DIRECT needs alignment)."""
-    arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
-    arr[:] = 1
-    return arr
-
-
-def fsync_files(paths, evict: bool = False) -> None:
-    """fsync ``paths``; ``evict``: then drop their clean pages from the page cache."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if evict:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def try_drop_caches(wanted: bool) -> str:
@@ -96,11 +72,6 @@ def try_drop_caches(wanted: bool) -> str:
         return "drop_caches worked"
     except OSError as exc:
         return f"drop_caches refused ({exc.strerror}); cold reads use POSIX_FADV_DONTNEED"
-
-
-def chunk_views(buf: np.ndarray, chunk: int) -> list[memoryview]:
-    view = memoryview(buf)
-    return [view[i : i + chunk] for i in range(0, buf.nbytes, chunk)]
 
 
 def phases(store: Callable[[], object], load: Callable[[], object], files: Callable[[], list],
@@ -210,9 +181,9 @@ CONTENDERS: dict[str, Callable[[Path, np.ndarray, np.ndarray, int], dict]] = {
 
 def bench_io(args: Any, base: Path) -> list[dict]:
     total = args.total_mib * MiB
-    src = aligned(total)
+    src = prefaulted(total)
     src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
-    dst = aligned(total)
+    dst = prefaulted(total)
     memcpy = min(timed(lambda: np.copyto(dst, src)) for _ in range(3))
     rows: list[dict] = [{"chunk": 0, "contender": "memcpy (numpy)", "bytes": total,
                          **dict.fromkeys(PHASES, memcpy)}]
@@ -351,21 +322,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="kv-offload-bench-", dir=args.dir))
     started = time.perf_counter()
+    result = new_result("tiers", args, io_total_mib=args.total_mib, repeat=args.repeat,
+                        cache_note=try_drop_caches(args.drop_caches))
+    result["machine"]["dir"] = str(base)
     try:
-        result: dict[str, Any] = {
-            "command": command_line(),
-            "machine": {"cpus": os.cpu_count(), "dir": str(base),
-                        "loadavg_start": os.getloadavg()},
-            "io_total_mib": args.total_mib, "repeat": args.repeat,
-            "cache_note": try_drop_caches(args.drop_caches),
-        }
         result["io"] = bench_io(args, base)
         result["io_ratios"] = io_ratios(result["io"])
-        result["seconds"] = round(time.perf_counter() - started, 1)
-        result["machine"]["loadavg_end"] = os.getloadavg()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return finish(result, args.json, render_section)
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":

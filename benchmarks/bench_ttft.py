@@ -1,28 +1,11 @@
 """Time to first token on vLLM's CPU backend: cold, vLLM's prefix cache, our tiers, the peer.
 
-Prompts: for each length L a shared prefix of L tokens plus a distinct 16-token suffix,
-``--reps`` different prefixes per length; every request runs alone with max_tokens=1, so
-its latency is its TTFT. Engines run side by side, each in its own process, in short
-alternating blocks of requests (the order rotates) so that machine noise hits all of
-them alike; before an engine's block the previous engine is given SETTLE_S to stop
-spinning (see _engine.Turns):
-
-  wave 1 (three engines): plain vLLM (no connector), ours (CPU + disk tier), the peer
-      (vLLM's ExampleConnector, safetensors files per prompt and layer)
-      cold          plain: first sight of the prompt (also cold_ours, cold_peer; with
-                    --no-plain, cold and vllm_hit are measured on ours)
-      vllm_hit      plain: the same prompt again; vLLM's own prefix cache, the upper bound
-      cpu           ours, after reset_prefix_cache(): loaded from our CPU tier
-      cpu_new_suffix ours: same prefix, a suffix never seen (the peer cannot hit that)
-      peer_same_process  the peer, after reset_prefix_cache()
-  wave 2 (two fresh engines, the stores of wave 1 on disk, i.e. a restart; with
-      --early-start they start during wave 1 and never saw its prompts):
-      disk          ours: loaded from the disk tier (then it is in the CPU tier)
-      peer_warm     the peer: the peer's warm TTFT (first pass, then after resets)
-      cpu_after_restart  ours, later passes: staged chunks served from the CPU tier
-
-Figures are medians. Ratios: ours / cold and ours / peer_warm, against the targets at
-4k tokens (CPU tier <= 0.15x cold, disk tier <= 0.25x cold, ours <= 0.5x the peer).
+For each prefix length L, ``--reps`` prompts (L tokens + a 16-token suffix), one request
+at a time with max_tokens=1, in the modes of ``MODES``. Wave one: plain vLLM, ours (CPU +
+disk tier) and the peer (vLLM's ExampleConnector) side by side, in short rotating blocks
+of requests (``_engine.Turns``); wave two: fresh processes of ours and the peer on the
+same stores (a restart: disk tier, peer warm). Medians; ratios to cold and to the peer,
+graded at 4k tokens (``TARGETS``). The method in full: templates/ttft.md.
 
     python benchmarks/bench_ttft.py --quick --json /tmp/ttft.json   # tiny, 2 short lengths
     python benchmarks/bench_ttft.py --json ttft.json                  # 1k-8k, ~6 min
@@ -31,17 +14,15 @@ Figures are medians. Ratios: ours / cold and ours / peer_warm, against the targe
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from _common import add_engine_flags, bench_parser, command_line, finish
-from _engine import Turns, benchmark_env, example_transfer_config
+from _common import BenchParser, add_engine_flags, csv, finish, new_result
+from _engine import TTFT_MODEL, Turns, benchmark_env, example_transfer_config
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
 from kv_offload.testing.engine import (
@@ -57,8 +38,7 @@ from kv_offload.testing.tiny_model import BENCH_MODEL_KWARGS, make_prompt, make_
 # cores, and every cold prompt runs in three engines: `make bench` would take an hour.
 # The default is the test model's geometry with room for 8k positions.
 MODELS = {
-    "tiny": dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                 max_position=16384),
+    "tiny": TTFT_MODEL,
     "small": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64,
                   intermediate_size=1408, max_position=16384),
     "bench": dict(BENCH_MODEL_KWARGS),
@@ -329,15 +309,13 @@ def plot(data: dict, path: Path) -> bool:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = bench_parser(__doc__, "smoke test: the tiny test model, 256 and 512 tokens, 1 rep")
+    parser = BenchParser(__doc__, "smoke test: the tiny test model, 256 and 512 tokens, 1 rep")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="random-weight model geometry (default tiny; see MODELS)")
-    parser.add_argument("--lengths", type=str, default=None,
-                        help="comma-separated prefix lengths (default 1024,2048,4096,8192)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="different prefixes per length (default 2, --quick 1)")
-    parser.add_argument("--passes", type=int, default=None,
-                        help="repeats of each cheap warm measurement (default 3, --quick 1)")
+    parser.sized("--lengths", "1024,2048,4096,8192", "256,512",
+                 "comma-separated prefix lengths", type=str)
+    parser.sized("--reps", 2, 1, "different prefixes per length")
+    parser.sized("--passes", 3, 1, "repeats of each cheap warm measurement")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="our chunk size (default: kv-offload's default)")
     parser.add_argument("--no-plain", action="store_true",
@@ -350,10 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=None, help="where stores and logs go")
     parser.add_argument("--keep", action="store_true", help="keep stores and engine logs")
     args = parser.parse_args(argv)
-    lengths = args.lengths or ("256,512" if args.quick else "1024,2048,4096,8192")
-    args.lengths = sorted(int(n) for n in lengths.split(","))
-    args.reps = args.reps or (1 if args.quick else 2)
-    args.passes = args.passes or (1 if args.quick else 3)
+    args.lengths = sorted(csv(args.lengths))
     args.no_plain = args.no_plain or args.quick
     args.early_start = args.early_start or args.quick
     args.in_process = args.in_process or args.quick
@@ -394,26 +369,17 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     modes = rec.summary()
-    result: dict[str, Any] = {
-        "bench": "ttft",
-        "command": command_line(),
-        "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
-        "model": {"name": "test default" if args.quick else args.model,
-                  "path": str(model), **model_kwargs},
-        "engine": args.engine,
-        "env": args.env,
-        "ours_config": {k: v for k, v in args.ours.items() if k != "disk_path"},
-        "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "reps": args.reps,
-        "passes": args.passes, "plain_engine": not args.no_plain,
-        "early_start": args.early_start, "in_process": args.in_process,
-        "startup_s": startup, "modes": modes, "errors": rec.errors,
-        "settle_s": rec.turns.settle_s, "engine_switches": rec.turns.num_switches,
-    }
-    result["ratios"] = ratios(modes)
+    result = new_result(
+        "ttft", args, model={"name": "test default" if args.quick else args.model,
+                             "path": str(model), **model_kwargs},
+        engine=args.engine, env=args.env,
+        ours_config={k: v for k, v in args.ours.items() if k != "disk_path"},
+        lengths=args.lengths, suffix_tokens=SUFFIX_TOKENS, reps=args.reps, passes=args.passes,
+        plain_engine=not args.no_plain, early_start=args.early_start,
+        in_process=args.in_process, startup_s=startup, modes=modes, errors=rec.errors,
+        settle_s=rec.turns.settle_s, engine_switches=rec.turns.num_switches, ratios=ratios(modes))
     result["verdicts"] = verdicts(result)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    return finish(result, args.json, render_section)
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":
