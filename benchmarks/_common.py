@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
 KiB, MiB = 1 << 10, 1 << 20
+BENCHES = ("ttft", "overhead", "copy", "tiers", "lookup", "remote")  # bench_<name>.py, in order
+DATA_DIR = "bench-data"  # under the output root: one JSON per benchmark, runs.json, logs
 
 
 class BenchParser(argparse.ArgumentParser):

@@ -68,14 +68,7 @@ def bench_lookup(args: argparse.Namespace, url: str, client: Any) -> list[dict]:
     (``connect_redis``'s): on a standalone server one read-only Lua script."""
     tier = RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1, payload_bytes=4096,
                       timeout_s=args.timeout_s, connect=lambda _t, _s: client)
-    largest = max(args.lookup_sizes)
-    present = chunk_keys("lookup-present", largest)
-    if not all(tier.write(k, 0, memoryview(bytes(4096))) for k in present):
-        raise RuntimeError("lookup: could not write the present keys")
-    rows = _time_lookups(tier.lookup, args.lookup_sizes, args.lookup_calls, present,
-                         chunk_keys("lookup-absent", largest))
-    if tier.health.num_failures:  # errors answer 0
-        raise RuntimeError("lookup: RemoteTier recorded failures")
+    rows = _tier_lookups(tier, args, "lookup", args.lookup_calls)
     client.flushall()
     return rows
 
@@ -84,18 +77,24 @@ def bench_cluster_lookup(args: argparse.Namespace, workdir: Any) -> list[dict]:
     """The same lookups against a 3-node cluster on loopback (one pipeline per node, all
     sent before any reply is read)."""
     with RedisCluster(workdir) as cluster:
-        target = RemoteTarget(cluster_nodes=tuple(cluster.seeds))
-        tier = RemoteTier(target, namespace=NAMESPACE, num_ranks=1, payload_bytes=4096,
-                          timeout_s=args.timeout_s)
-        largest = max(args.lookup_sizes)
-        present = chunk_keys("cluster-present", largest)
-        if not all(tier.write(k, 0, memoryview(bytes(4096))) for k in present):
-            raise RuntimeError("cluster lookup: could not write the present keys")
-        rows = _time_lookups(tier.lookup, args.lookup_sizes, max(10, args.lookup_calls // 4),
-                             present, chunk_keys("cluster-absent", largest))
-        if tier.health.num_failures:
-            raise RuntimeError("cluster lookup: RemoteTier recorded failures")
+        tier = RemoteTier(RemoteTarget(cluster_nodes=tuple(cluster.seeds)), namespace=NAMESPACE,
+                          num_ranks=1, payload_bytes=4096, timeout_s=args.timeout_s)
+        rows = _tier_lookups(tier, args, "cluster", max(10, args.lookup_calls // 4))
         tier.close()
+    return rows
+
+
+def _tier_lookups(tier: RemoteTier, args: argparse.Namespace, tag: str, calls: int
+                  ) -> list[dict]:
+    """Write the present keys through ``tier``, then time its lookups (``_time_lookups``)."""
+    largest = max(args.lookup_sizes)
+    present = chunk_keys(f"{tag}-present", largest)
+    if not all(tier.write(k, 0, memoryview(bytes(4096))) for k in present):
+        raise RuntimeError(f"{tag}: could not write the present keys")
+    rows = _time_lookups(tier.lookup, args.lookup_sizes, calls, present,
+                         chunk_keys(f"{tag}-absent", largest))
+    if tier.health.num_failures:  # errors answer 0
+        raise RuntimeError(f"{tag}: RemoteTier recorded failures")
     return rows
 
 

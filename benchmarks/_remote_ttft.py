@@ -65,54 +65,49 @@ def _prompt(length: int, seed: int) -> str:
 
 
 def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
-    from kv_offload.testing.workload import run_in_subprocess
-
+    """One engine, remote tier on, no disk tier: per round new prompts cold, then again
+    after reset_prefix_cache(reset_connector=True), loaded from Redis."""
     model_kwargs, model, engine, env = _setup(args)
     offload = {"cpu_size": "1GiB", "remote_url": url, "remote_timeout_s": args.timeout_s}
-    phases: list[dict] = [{"name": "warm-up", "prompts": [make_prompt(64, seed=7)],
-                           "max_tokens": 1}]
-    for rnd in range(args.rounds):
-        prompts = [_prompt(n, 30_000 + n * 10 + rnd) for n in args.lengths]
-        common = {"prompts": prompts, "max_tokens": 1, "one_by_one": True}
-        phases.append({"name": f"cold-{rnd}", **common})
-        # The stores of a request are reported to the scheduler at a later engine step;
-        # until then their CPU-tier entries stay pinned and reset_connector keeps them
-        # (the remote pass would then hit the CPU tier). One short request that stores
-        # nothing steps the engine.
-        phases.append({"name": f"flush-{rnd}", "prompts": [make_prompt(32, seed=8 + rnd)],
-                       "max_tokens": 1})
-        phases.append({"name": f"remote-{rnd}", **common, "reset_prefix_cache": True,
-                       "reset_connector": True})
-    spec = {"model": str(model), "offload": offload, "engine": engine, "phases": phases}
-    started = time.perf_counter()
-    out = run_in_subprocess(spec, base / "engine", env=env, timeout_s=1800)
-    by_name = {p["name"]: p for p in out["phases"]}
     samples: dict[str, dict[int, list[float]]] = {"cold": {}, "remote": {}}
+    hits = dict.fromkeys(("remote", "host", "cold_external"), 0.0)
     mismatches = []
-    for rnd in range(args.rounds):
-        cold, remote = by_name[f"cold-{rnd}"], by_name[f"remote-{rnd}"]
-        if cold["tokens"] != remote["tokens"]:
-            mismatches.append(rnd)
-        for i, n in enumerate(args.lengths):
-            samples["cold"].setdefault(n, []).append(cold["latency_s"][i])
-            samples["remote"].setdefault(n, []).append(remote["latency_s"][i])
-    remote_hits = sum(by_name[f"remote-{r}"]["metrics"]["hits_external_unspecified"]
-                      for r in range(args.rounds))
-    expected_hits = args.rounds * sum(args.lengths)
+    started = time.perf_counter()
+    with EngineProcess(model, log_path=base / "engine" / "log.txt", engine=engine,
+                       transfer=offload_transfer(offload), in_process=args.in_process,
+                       env=env, timeout_s=1800) as eng:
+        eng.generate([make_prompt(64, seed=7)], max_tokens=1)  # warm-up
+        for rnd in range(args.rounds):
+            prompts = [_prompt(n, 30_000 + n * 10 + rnd) for n in args.lengths]
+            cold = eng.generate(prompts, max_tokens=1, one_by_one=True)
+            # The stores of a request are reported to the scheduler at a later engine
+            # step; until then their CPU-tier entries stay pinned and reset_connector
+            # keeps them (the remote pass would then hit the CPU tier). One short request
+            # that stores nothing steps the engine.
+            eng.generate([make_prompt(32, seed=8 + rnd)], max_tokens=1)
+            eng.reset(connector=True)
+            remote = eng.generate(prompts, max_tokens=1, one_by_one=True)
+            if cold["tokens"] != remote["tokens"]:
+                mismatches.append(rnd)
+            for mode, out in (("cold", cold), ("remote", remote)):
+                for n, latency in zip(args.lengths, out["latency_s"]):
+                    samples[mode].setdefault(n, []).append(latency)
+            hits["remote"] += remote["metrics"]["hits_external_unspecified"]
+            hits["host"] += remote["metrics"]["hits_host"]
+            hits["cold_external"] += cold["metrics"]["external_hits"]
+    remote_hits, expected_hits = hits["remote"], args.rounds * sum(args.lengths)
     result: dict[str, Any] = {
         "model": {"name": "test default" if args.quick else "tiny", **model_kwargs},
         "engine": engine, "env": env, "offload": {k: v for k, v in offload.items()
                                                   if k != "remote_url"},
         "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "rounds": args.rounds,
-        "startup_s": round(out["startup_s"], 1),
+        "startup_s": round(eng.startup_s or 0.0, 1),
         "seconds": round(time.perf_counter() - started, 1),
         "modes": {mode: {str(n): {"median_s": statistics.median(v), "samples_s": v}
                          for n, v in per.items()} for mode, per in samples.items()},
         "remote_hit_tokens": remote_hits, "expected_hit_tokens": expected_hits,
-        "remote_pass_host_hit_tokens": sum(by_name[f"remote-{r}"]["metrics"]["hits_host"]
-                                           for r in range(args.rounds)),
-        "cold_external_hit_tokens": sum(by_name[f"cold-{r}"]["metrics"]["external_hits"]
-                                        for r in range(args.rounds)),
+        "remote_pass_host_hit_tokens": hits["host"],
+        "cold_external_hit_tokens": hits["cold_external"],
         "tokens_equal": not mismatches,
     }
     result["ratios"] = {

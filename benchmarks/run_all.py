@@ -21,17 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-DATA_DIR = "bench-data"  # under the output root: one JSON per benchmark, runs.json, logs
-BENCHES = {  # name -> script, in the order they run
-    "ttft": "bench_ttft.py",
-    "overhead": "bench_overhead.py",
-    "copy": "bench_copy.py",
-    "tiers": "bench_tiers.py",
-    "lookup": "bench_lookup.py",
-    "remote": "bench_remote.py",
-}
+from _common import BENCHES, DATA_DIR, ROOT, machine_info
 
 
 def run_bench(name: str, out: Path, *, quick: bool, timeout_s: float) -> dict:
@@ -40,7 +30,7 @@ def run_bench(name: str, out: Path, *, quick: bool, timeout_s: float) -> dict:
     data.mkdir(parents=True, exist_ok=True)
     json_path = data / f"{name}.json"
     json_path.unlink(missing_ok=True)
-    script = Path("benchmarks") / BENCHES[name]
+    script = Path("benchmarks") / f"bench_{name}.py"
     argv = [str(script), "--json", str(json_path)] + (["--quick"] if quick else [])
     shown_json = json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path
     shown = " ".join([".venv/bin/python" if ".venv" in sys.executable else "python",
@@ -89,9 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    import _report  # noqa: PLC0415 - matplotlib stays out of --help
-    from _common import machine_info  # noqa: PLC0415
+    import _report  # noqa: PLC0415 - the benchmarks' imports stay out of --help
 
     out = args.out or (Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
                        if args.quick else ROOT / "docs")
