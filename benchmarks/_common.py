@@ -13,6 +13,7 @@ import mmap
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -41,6 +42,13 @@ class BenchParser(argparse.ArgumentParser):
         self.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
         self._sized: dict[str, tuple[Any, Any]] = {}
 
+    def add_workdir(self, keep: str | None = None) -> None:
+        """--dir (where the temporary files go) and, with a ``keep`` help text, --keep."""
+        self.add_argument("--dir", type=Path, default=None,
+                          help="where the temporary files go (default: a temp dir in $TMPDIR)")
+        if keep:
+            self.add_argument("--keep", action="store_true", help=keep)
+
     def sized(self, flag: str, full: Any, quick: Any, help: str, type: type = int) -> None:
         """``flag`` defaults to ``full``, or ``quick`` with --quick (said in its help)."""
         action = self.add_argument(flag, type=type, default=None,
@@ -53,6 +61,11 @@ class BenchParser(argparse.ArgumentParser):
             if getattr(parsed, dest) is None:
                 setattr(parsed, dest, quick if parsed.quick else full)
         return parsed
+
+
+def workdir(args: argparse.Namespace, name: str) -> Path:
+    """A new temporary directory for this run, under --dir when given."""
+    return Path(tempfile.mkdtemp(prefix=f"kv-offload-{name}-", dir=args.dir))
 
 
 def csv(text: str, type: Callable[[str], Any] = int) -> list:

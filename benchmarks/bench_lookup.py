@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import BenchParser, csv, finish, new_result
+from _common import BenchParser, csv, finish, new_result, workdir
 from _markdown import Targets, fill, fmt, table
 
 from kv_offload.disk import DiskIndex
@@ -264,8 +264,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.sized("--sizes", "10000,100000,1000000", "10000",
                  "comma-separated store sizes in chunks", type=str)
     parser.sized("--calls", 2000, 200, "timed calls per figure")
-    parser.add_argument("--dir", type=Path, default=None, help="where the LMDB index goes")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_workdir()
     args = parser.parse_args(argv)
     args.sizes = sorted(csv(args.sizes))
     if min(args.sizes) < 4 * CHUNKS_PER_REQUEST:
@@ -275,7 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-lookup-", dir=args.dir))
+    base = workdir(args, "lookup")
     started = time.perf_counter()
     result = new_result("lookup", args, chunk_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
                         chunks_per_request=CHUNKS_PER_REQUEST, calls=args.calls,
@@ -283,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
                         results=[])
     try:
         for i, n in enumerate(args.sizes):
-            result["results"].append(measure(n, args.calls, base, args.seed + i))
+            result["results"].append(measure(n, args.calls, base, seed=i))
             print(f"  {n} chunks done ({time.perf_counter() - started:.0f} s)", flush=True)
         result["verdicts"] = verdicts(result["results"])
     finally:

@@ -19,12 +19,11 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import BenchParser, add_engine_flags, finish, new_result
+from _common import BenchParser, add_engine_flags, finish, new_result, workdir
 from _engine import Turns, benchmark_env
 from _markdown import Targets, fill, fmt, table
 
@@ -182,17 +181,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.sized("--max-tokens", 8, 4, "output tokens")
     parser.sized("--rounds", 6, 1, "interleaved rounds")  # each engine first as often
     parser.sized("--heavy-prompts", 16, 2, "store_heavy: prompts per batch")
-    parser.add_argument("--heavy-prompt-tokens", type=int, default=None,
-                        help="store_heavy: shortest prompt (default 3 chunks, --quick 1); "
-                             "the others are longer by up to one chunk")
-    parser.add_argument("--heavy-max-tokens", type=int, default=None,
-                        help="store_heavy: output tokens (default 192, --quick 2 chunks)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated subset to run (reuse_50 needs no_reuse)")
     parser.add_argument("--chunk-tokens", type=int, default=64,
                         help="kv-offload's chunk_tokens (default 64)")
     add_engine_flags(parser)
-    parser.add_argument("--dir", type=Path, default=None, help="where the store and logs go")
+    parser.add_workdir()
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     args.workloads = [w for w in WORKLOADS if w in names]
@@ -200,10 +194,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             or ("reuse_50" in args.workloads and "no_reuse" not in args.workloads)):
         parser.error(f"--workloads: a non-empty subset of {','.join(WORKLOADS)}; reuse_50 "
                      "repeats prefixes of no_reuse, so it needs no_reuse too")
-    args.heavy_prompt_tokens = args.heavy_prompt_tokens or (
-        args.chunk_tokens if args.quick else 3 * args.chunk_tokens)
-    args.heavy_max_tokens = args.heavy_max_tokens or (2 * args.chunk_tokens if args.quick
-                                                      else 192)
+    # store_heavy: prompts of 3 chunks (--quick 1) + up to one more, 192 output tokens
+    args.heavy_prompt_tokens = args.chunk_tokens * (1 if args.quick else 3)
+    args.heavy_max_tokens = 2 * args.chunk_tokens if args.quick else 192
     args.in_process = args.in_process or args.quick
     return args
 
@@ -222,7 +215,7 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-overhead-", dir=args.dir))
+    base = workdir(args, "overhead")
     ours_cfg = {"cpu_size": "1GiB", "disk_size": "4GiB", "chunk_tokens": args.chunk_tokens,
                 "store_generated": True}
     transfers = {"plain": None, **{  # each variant has a store of its own: no shared hits

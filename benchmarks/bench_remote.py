@@ -37,6 +37,7 @@ from _common import (
     package_version,
     prefaulted,
     span,
+    workdir,
 )
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, table
 from _remote_lookups import (
@@ -87,12 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=10.0,
                         help="RemoteTier timeout per call (default 10: a slow benchmark "
                              "call must not trip the tier's backoff)")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where the disk slabs, the server and the engine run go "
-                             "(default: a temp dir under $TMPDIR)")
     parser.add_argument("--in-process", action="store_true",
                         help="engine in one process (the default with --quick)")
-    parser.add_argument("--keep", action="store_true", help="keep the temp dir (engine log)")
+    parser.add_workdir(keep="keep the temporary files (engine log)")
     args = parser.parse_args(argv)
     args.chunks = [x * KiB for x in args.chunk_kib]
     args.thread_counts, args.lookup_sizes = args.threads, args.lookup_keys
@@ -351,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if server_binary() is None:
         sys.exit("bench_remote: redis-server not found (apt-get install redis-server)")
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-remote-", dir=args.dir))
+    base = workdir(args, "remote")
     started = time.perf_counter()
     server = RedisServer(base / "redis", maxmemory=args.maxmemory)
     clients: dict[str, Any] = {}

@@ -33,6 +33,7 @@ from _common import (
     prefaulted,
     span,
     timed,
+    workdir,
 )
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
@@ -50,8 +51,7 @@ READ_RAW = 0.9  # issue 15: reads >= 0.9x a raw file, writes >= 0.85x
 
 def parse_args(argv: list[str] | None = None) -> Any:
     parser = BenchParser(__doc__)
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="directory to benchmark in (default: a temp dir under $TMPDIR)")
+    parser.add_workdir()
     parser.sized("--total-mib", 256, 8, "bytes stored per chunk size")
     parser.sized("--repeat", 5, 1, "runs per I/O contender, best kept")
     parser.add_argument("--drop-caches", action="store_true",
@@ -320,7 +320,7 @@ def plot(io: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-bench-", dir=args.dir))
+    base = workdir(args, "tiers")
     started = time.perf_counter()
     result = new_result("tiers", args, io_total_mib=args.total_mib, repeat=args.repeat,
                         cache_note=try_drop_caches(args.drop_caches))

@@ -17,11 +17,10 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _common import BenchParser, add_engine_flags, csv, finish, new_result
+from _common import BenchParser, add_engine_flags, csv, finish, new_result, workdir
 from _engine import TTFT_MODEL, Turns, benchmark_env, example_transfer_config
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
@@ -318,19 +317,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.sized("--passes", 3, 1, "repeats of each cheap warm measurement")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="our chunk size (default: kv-offload's default)")
-    parser.add_argument("--no-plain", action="store_true",
-                        help="no connector-free engine: cold and vllm_hit measured on ours "
-                             "(one engine less to start; implied by --quick)")
-    parser.add_argument("--early-start", action="store_true",
-                        help="start wave two's engines while wave one runs: one start-up "
-                             "less, but not a restart (implied by --quick)")
     add_engine_flags(parser)
-    parser.add_argument("--dir", type=Path, default=None, help="where stores and logs go")
-    parser.add_argument("--keep", action="store_true", help="keep stores and engine logs")
+    parser.add_workdir(keep="keep stores and engine logs")
     args = parser.parse_args(argv)
     args.lengths = sorted(csv(args.lengths))
-    args.no_plain = args.no_plain or args.quick
-    args.early_start = args.early_start or args.quick
+    # --quick: no connector-free engine (cold and vllm_hit measured on ours), and wave
+    # two's engines start while wave one runs (not a restart): two start-ups less.
+    args.no_plain = args.early_start = args.quick
     args.in_process = args.in_process or args.quick
     args.env = benchmark_env(in_process=args.in_process,
                              vllm_default_binding=args.vllm_default_binding)
@@ -345,7 +338,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-ttft-", dir=args.dir))
+    base = workdir(args, "ttft")
     dirs = {"logs": base / "logs", "peer": base / "peer", "store": base / "store"}
     dirs["peer"].mkdir(parents=True)
     args.ours = {"cpu_size": "1GiB", "disk_path": str(dirs["store"]), "disk_size": "4GiB"}
