@@ -36,11 +36,13 @@ def verdict(ok: bool | None) -> str:
     return "-" if ok is None else ("**PASS**" if ok else "**MISS**")
 
 
-def fill(name: str, **values: Any) -> list[str]:
-    """The lines of ``templates/<name>.md`` with its placeholders filled; a KeyError
-    names a placeholder left without a value."""
+def fill(name: str, data: dict | None = None, **values: Any) -> list[str]:
+    """The lines of ``templates/<name>.md`` with its placeholders filled from ``values``,
+    else from the same keys of ``data`` (a benchmark's JSON); a KeyError names a
+    placeholder left without a value."""
     text = string.Template((TEMPLATES / f"{name}.md").read_text())
-    return text.substitute({k: str(v) for k, v in values.items()}).rstrip().splitlines() + [""]
+    filled = {k: str(v) for k, v in {**(data or {}), **values}.items()}
+    return text.substitute(filled).rstrip().splitlines() + [""]
 
 
 class Targets:

@@ -210,14 +210,13 @@ def ttft_lines(ttft: dict | None) -> list[str]:
             for mode in ("cold", "remote")]
     rows.append(["remote / cold", *[fmt(ttft["ratios"][n]) for n in lengths]])
     return fill(
-        "remote_ttft", model=ttft["model"]["name"], offload=ttft["offload"], env=ttft["env"],
-        rounds=ttft["rounds"], suffix_tokens=ttft["suffix_tokens"],
+        "remote_ttft", ttft, model=ttft["model"]["name"],
         in_process="\n".join(fill("remote_in_process")) + "\n" if in_process else "",
         table="\n".join(table(["TTFT", *[f"L={n} (ms)" for n in lengths]], rows)),
         ratios=", ".join(f"{fmt(ttft['ratios'][n], '.2f')}x at {n} tokens" for n in lengths),
         hits=fmt(ttft["remote_hit_tokens"], ".0f"), expected=fmt(ttft["expected_hit_tokens"], ".0f"),
         host_hits=fmt(ttft["remote_pass_host_hit_tokens"], ".0f"),
-        tokens_equal=ttft["tokens_equal"], startup=fmt(ttft["startup_s"], ".0f"))
+        startup=fmt(ttft["startup_s"], ".0f"))
 
 
 def slow_ttft_lines(slow: dict | None, targets: Targets) -> list[str]:
@@ -233,9 +232,9 @@ def slow_ttft_lines(slow: dict | None, targets: Targets) -> list[str]:
                 f"({sum(r <= SLOW_TARGET for r in ratios)} of {len(ratios)} cases)",
                 max(ratios), f"<= {SLOW_TARGET} (worst case shown)",
                 all(r <= SLOW_TARGET for r in ratios), "bench_remote")
-    return fill("remote_slow", low=f"{slow['delay_ms'][0]:.0f}", high=f"{slow['delay_ms'][1]:.0f}",
-                rounds=slow["rounds"], tokens_equal=slow["tokens_equal"],
-                local_hits=slow["local_hit_tokens"], table="\n".join(table(
+    return fill("remote_slow", slow, low=f"{slow['delay_ms'][0]:.0f}",
+                high=f"{slow['delay_ms'][1]:.0f}", local_hits=slow["local_hit_tokens"],
+                table="\n".join(table(
                     ["prompts", "L", "no remote tier (ms)", "remote tier (ms)", "ratio of medians",
                      "median of paired ratios", "verdict"],
                     [[kind, n, fmt(slow["median_s"]["plain"][kind][n] * 1e3, ".1f"),

@@ -254,9 +254,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     for v in data["verdicts"]:
         targets.add(f"Scheduler: {v['target']}", v["value"], f"<= {v['limit']}", v["pass"],
                     "bench_lookup")
-    return fill("lookup", chunks_per_request=data["chunks_per_request"],
-                chunk_tokens=data["chunk_tokens"], calls=data["calls"],
-                table="\n".join(table(["chunks", *names], rows)))
+    return fill("lookup", data, table="\n".join(table(["chunks", *names], rows)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

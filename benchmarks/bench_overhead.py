@@ -158,17 +158,9 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     load = data["machine"]
     header = ["workload", "engine", "tokens/s", "mean TTFT (ms)", "external hit tokens",
               "chunks stored (CPU)", "note"]
-    return fill("overhead", num_prompts=data["num_prompts"], prompt_tokens=data["prompt_tokens"],
-                suffix_tokens=data["suffix_tokens"], max_tokens=data["max_tokens"],
-                heavy_prompts=data["heavy_prompts"],
-                heavy_prompt_tokens=data["heavy_prompt_tokens"],
-                heavy_max_tokens=data["heavy_max_tokens"], ours_config=data["ours_config"],
-                rounds=data["rounds"], env=data["env"],
-                topology="one process per engine (--in-process)" if data["in_process"]
-                else "vLLM's default engine processes",
-                command=data["command"],
-                loadavg=" -> ".join(f"{x:.2f}" for x in (load["loadavg_start"][0],
-                                                          load["loadavg_end"][0])),
+    return fill("overhead", data, topology="one process per engine (--in-process)"
+                if data["in_process"] else "vLLM's default engine processes",
+                loadavg=f"{load['loadavg_start'][0]:.2f} -> {load['loadavg_end'][0]:.2f}",
                 bg_vs_sync=", ".join(f"{w} {fmt(v)}" for w, v in sync.items()),
                 table="\n".join(table(header, rows)),
                 notes="\n\n".join(data.get("notes", [])))

@@ -276,11 +276,10 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     lookups, TTFT, then what an earlier version measured (templates/remote_history.md)."""
     server, versions, load = data["server"], data["versions"], data["machine"]
     io = [r for r in data["io"] if r["kind"] in KINDS]  # older JSON has more contenders
-    lines = fill("remote", server_version=server.get("version", "?"),
+    lines = fill("remote", data, server_version=server.get("version", "?"),
                  maxmemory=server.get("maxmemory", "?"), redis=versions.get("redis", "?"),
-                 hiredis=versions.get("hiredis", "?"), io_total_mib=data["io_total_mib"],
-                 repeat=data["repeat"], header_bytes=data.get("header_bytes", HEADER_BYTES),
-                 client_remote=data["clients"]["remote"],
+                 hiredis=versions.get("hiredis", "?"), client_remote=data["clients"]["remote"],
+                 header_bytes=data.get("header_bytes", HEADER_BYTES),
                  load_start=fmt(load["loadavg_start"][0], ".1f"),
                  load_end=fmt(load["loadavg_end"][0], ".1f"))
     lines += table(["chunk KiB", "threads", "contender", "store GB/s", "load GB/s",

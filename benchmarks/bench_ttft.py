@@ -267,12 +267,9 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     model = data["model"]
     plotted = img is not None and plot(data, img / "ttft.png")
     return fill(
-        "ttft", model=model["name"],
+        "ttft", data, model=model["name"],
         geometry=", ".join(f"{k}={v}" for k, v in model.items() if k not in ("name", "path"))
-        or "test default",
-        block_size=data["engine"]["block_size"], ours_config=data["ours_config"],
-        reps=data["reps"], suffix_tokens=data["suffix_tokens"], passes=data["passes"],
-        settle_s=data["settle_s"], engine_switches=data["engine_switches"], env=data["env"],
+        or "test default", block_size=data["engine"]["block_size"],
         max_num_batched_tokens=data["engine"].get("max_num_batched_tokens", "default"),
         modes_table="\n".join(table(["mode", *[f"L={n} (ms)" for n in lengths], "samples"],
                                     rows)),
