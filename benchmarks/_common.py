@@ -89,7 +89,7 @@ def command_line() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
 
 
-def new_result(bench: str, args: argparse.Namespace, **fields: Any) -> dict:
+def new_result(bench: str, args: argparse.Namespace, /, **fields: Any) -> dict:
     """What every benchmark's JSON starts with: name, command line, --quick, the machine
     and its load average now, then ``fields``. ``finish`` adds the end."""
     return {"bench": bench, "command": command_line(), "quick": args.quick,
@@ -123,6 +123,11 @@ def finish(result: dict, json_path: Path | None,
 # -- timing ----------------------------------------------------------------------------------
 
 
+def rotated(items: list, r: int) -> list:
+    """``items`` starting at index r (mod len): round r's order, so none always goes first."""
+    return items[r % len(items):] + items[:r % len(items)]
+
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds one call of ``fn`` takes."""
     start = time.perf_counter()
@@ -139,7 +144,7 @@ def best_interleaved(contenders: dict[Any, Callable[[], object]], reps: int) -> 
         fn()
     best = dict.fromkeys(names, float("inf"))
     for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             best[name] = min(best[name], timed(contenders[name]))
     return best
 

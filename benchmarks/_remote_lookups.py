@@ -168,9 +168,6 @@ def bench_scheduler_thread(args: argparse.Namespace, server_port: int) -> dict:
     return {"budget_ms": BUDGET_S * 1e3, "rows": rows}
 
 
-# -- report ----------------------------------------------------------------------------------
-
-
 def lookup_table(rows: list[dict]) -> str:
     return "\n".join(table(
         ["keys", "present", "median us", "p99 us", "median us/key", "p99 us/key"],

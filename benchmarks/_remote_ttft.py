@@ -198,9 +198,6 @@ def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
             "samples_s": samples}
 
 
-# -- report ----------------------------------------------------------------------------------
-
-
 def ttft_lines(ttft: dict | None) -> list[str]:
     if not ttft or "modes" not in ttft:
         return [f"**TTFT.** Not measured: {(ttft or {}).get('error', 'no data')}.", ""]

@@ -22,9 +22,6 @@ SECTIONS: dict[str, Callable[[dict, Path | None, Targets], list[str]]] = {
     name: importlib.import_module(f"bench_{name}").render_section for name in BENCHES}
 
 
-# -- the report ------------------------------------------------------------------------------
-
-
 def _section(name: str, out: Path, runs: dict[str, dict], targets: Targets) -> list[str]:
     """One benchmark's section, or a few lines saying why it is missing."""
     try:

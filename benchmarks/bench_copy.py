@@ -11,7 +11,6 @@ and more, >= 0.6x below. The CuPy engine's figures come from benchmarks/gpu_chec
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import BenchParser, best_interleaved, finish, span
+from _common import BenchParser, best_interleaved, finish, new_result, span
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
 from kv_offload.copy import cpu_kernel
@@ -83,9 +82,6 @@ def chunk_plan(model: Model, chunk_kib: int, total_mib: float) -> tuple[int, int
                          f"({model.block_bytes >> 10} KiB for this model)")
     bpc = chunk_bytes // model.block_bytes
     return bpc, max(1, int(total_mib * (1 << 20)) // chunk_bytes)
-
-
-# -- torch engine -------------------------------------------------------------------------
 
 
 def cpu_setup(model: Model, bpc: int, n: int):
@@ -165,15 +161,13 @@ def streamed_memcpy(src: torch.Tensor, dst: torch.Tensor, threads: int) -> Calla
     return run
 
 
-# -- report -------------------------------------------------------------------------------
-
-
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     """The report's copy-engine section; adds the target row to ``targets``. Rows without
     a target (alternatives an earlier version measured) are left out."""
     results = [r for r in data["results"] if r.get("target") is not None]
     host = data.get("host", {})
-    load = (host.get("loadavg_start") or [None])[0], (host.get("loadavg_end") or [None])[0]
+    machine = data.get("machine", host)  # older JSON: the load average under "host"
+    load = [(machine.get(k) or [None])[0] for k in ("loadavg_start", "loadavg_end")]
 
     def ratios(big: bool) -> str:
         return span([r["ratio"] for r in results
@@ -228,10 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = BenchParser(__doc__, "toy sizes (seconds)")
     parser.add_argument("--chunk-kib", type=int, nargs="+", default=[256, 2048, 8192],
                         help="chunk sizes in KiB (multiples of one block of every layer)")
-    parser.add_argument("--total-mib", type=float, default=64.0,
-                        help="bytes moved per call (default 64 MiB; --quick: 8)")
-    parser.add_argument("--reps", type=int, default=15,
-                        help="interleaved rounds; the fastest of each contender is kept")
+    parser.sized("--total-mib", 64.0, 8.0, "MiB moved per call", type=float)
+    parser.sized("--reps", 15, 3, "interleaved rounds; the fastest of each contender is kept")
     for name, default in (("layers", 16), ("kv-heads", 2), ("head-dim", 64), ("block-size", 32)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--torch-threads", type=int, metavar="N",
@@ -240,23 +232,18 @@ def main(argv: list[str] | None = None) -> dict:
                         help="TorchCopyEngine num_threads (default: the engine's default)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.total_mib = min(args.total_mib, 8.0)
-        args.reps = min(args.reps, 3)
         print("--quick: toy sizes that fit in caches; the ratios are not meaningful")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     model = Model(args.layers, args.kv_heads, args.head_dim, args.block_size)
-    t0, loadavg_start = time.perf_counter(), os.getloadavg()
+    started = time.perf_counter()
+    result = new_result(
+        "copy", args, model=asdict(model),
+        host={"torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+        args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     cases = bench_torch(model, args.chunk_kib, args.total_mib, args.reps, args.copy_threads)
-    return finish({
-        "benchmark": "bench_copy", "model": asdict(model),
-        "host": {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                 "cpus": os.cpu_count(), "loadavg_start": loadavg_start,
-                 "loadavg_end": os.getloadavg()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "seconds": round(time.perf_counter() - t0, 1),
-        "results": [asdict(c) for c in cases],
-    }, args.json, render_section)
+    result["results"] = [asdict(c) for c in cases]
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":

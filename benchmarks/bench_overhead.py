@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import BenchParser, add_engine_flags, finish, new_result, workdir
+from _common import BenchParser, add_engine_flags, finish, new_result, rotated, workdir
 from _engine import Turns, benchmark_env
 from _markdown import Targets, fill, fmt, table
 
@@ -86,7 +86,7 @@ def run_rounds(args: argparse.Namespace, engines: dict[str, EngineProcess],
                   "store_heavy": args.heavy_max_tokens}
     for r in range(args.rounds):
         batches = prompts_for(r, args)
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = rotated(names, r)
         row: dict[str, Any] = {"round": r, "order": order}
         for workload in args.workloads:
             if workload == "reuse_50":

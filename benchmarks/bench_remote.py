@@ -36,6 +36,7 @@ from _common import (
     new_result,
     package_version,
     prefaulted,
+    rotated,
     span,
     workdir,
 )
@@ -99,9 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if max(args.chunks) > args.total_mib * MiB:
         parser.error("--total-mib must hold at least one chunk of the largest size")
     return args
-
-
-# -- helpers ----------------------------------------------------------------------------------
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float, int]:
@@ -196,13 +194,12 @@ def run_disk(root: Path, srcs: list[memoryview], dsts: list[memoryview], chunk: 
         slab.close()
 
 
-def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: Path
+def bench_io(args: argparse.Namespace, url: str, client: Any, base: Path
              ) -> list[dict]:
     total = args.total_mib * MiB
     src = prefaulted(total)
     src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
     dst = prefaulted(total)
-    flush = clients["remote"].flushall
     rows = []
     for chunk in args.chunks:
         count = total // chunk
@@ -211,10 +208,8 @@ def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: 
         best: dict[tuple[str, int], dict] = {}
         for rep in range(args.repeat):
             for threads in args.thread_counts:
-                order = list(KINDS)
-                order = order[rep % len(order):] + order[: rep % len(order)]  # rotate
                 with ThreadPoolExecutor(threads) as pool:
-                    for kind in order:
+                    for kind in rotated(list(KINDS), rep):
                         tag = f"{kind}-{chunk}-{threads}-{rep}"
                         dst[:nbytes] = 0
                         work = Path(tempfile.mkdtemp(dir=base))
@@ -222,14 +217,14 @@ def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: 
                             if kind == "disk":
                                 times = run_disk(work, srcs, dsts, chunk, pool)
                             elif kind == "raw":
-                                times = run_raw(clients["remote"], srcs, dsts, tag, pool)
+                                times = run_raw(client, srcs, dsts, tag, pool)
                             else:
-                                times = run_remote(clients[kind], url, args.timeout_s, srcs,
+                                times = run_remote(client, url, args.timeout_s, srcs,
                                                    dsts, chunk, tag, pool)
                         finally:
                             shutil.rmtree(work, ignore_errors=True)
                             if kind != "disk":
-                                flush()
+                                client.flushall()
                         if not np.array_equal(dst[:nbytes], src[:nbytes]):
                             raise RuntimeError(f"{tag}: loaded bytes differ from stored bytes")
                         old = best.get((kind, threads), times)  # lowest of each figure
@@ -266,9 +261,6 @@ def io_ratios(rows: list[dict]) -> list[dict]:
         row["remote_vs_disk_cold_load"] = ratio("remote", "disk", "load_gbps", "load_cold_gbps")
         out.append(row)
     return out
-
-
-# -- report ----------------------------------------------------------------------------------
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
@@ -341,9 +333,6 @@ def plot(io: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-# -- main -------------------------------------------------------------------------------------
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if server_binary() is None:
@@ -351,35 +340,34 @@ def main(argv: list[str] | None = None) -> dict:
     base = workdir(args, "remote")
     started = time.perf_counter()
     server = RedisServer(base / "redis", maxmemory=args.maxmemory)
-    clients: dict[str, Any] = {}
+    client: Any = None
     result = new_result("remote", args, io_total_mib=args.total_mib, repeat=args.repeat,
                         timeout_s=args.timeout_s, header_bytes=HEADER_BYTES,
                         versions={d: package_version(d) for d in ("redis", "hiredis")})
     failed: str | None = None
     try:
         server.start()
-        clients = {"remote": connect_redis(RemoteTarget(server.url), args.timeout_s)}
-        info = clients["remote"].info("server")
+        client = connect_redis(RemoteTarget(server.url), args.timeout_s)
+        info = client.info("server")
         result["server"] = {"version": info.get("redis_version"), "maxmemory": args.maxmemory,
                             "binary": server_binary()}
-        result["clients"] = {kind: client_name(client) for kind, client in clients.items()}
+        result["clients"] = {"remote": client_name(client)}
         if result["versions"]["hiredis"] == "not installed":
             print("WARNING: hiredis is not installed: the client parses with redis-py's "
                   "Python parser", file=sys.stderr, flush=True)
-        for client in clients.values():
-            warm_connections(client, max(args.thread_counts))
+        warm_connections(client, max(args.thread_counts))
         print(f"redis-server {result['server']['version']} at {server.url}; clients "
               f"{result['clients']}", flush=True)
-        result["io"] = bench_io(args, server.url, clients, base)
+        result["io"] = bench_io(args, server.url, client, base)
         result["io_ratios"] = io_ratios(result["io"])
-        result["lookup"] = bench_lookup(args, server.url, clients["remote"])
+        result["lookup"] = bench_lookup(args, server.url, client)
         result["lookup_cluster"] = bench_cluster_lookup(args, base / "cluster")
         print("  lookups done", flush=True)
         result["scheduler_thread"] = bench_scheduler_thread(args, server.port)
         print("  scheduler thread with slow servers done", flush=True)
         failed = engine_parts(args, server, base, result)
     finally:
-        for client in clients.values():
+        if client is not None:
             client.close()
         server.stop()
         if args.keep or failed:

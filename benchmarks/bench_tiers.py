@@ -31,6 +31,7 @@ from _common import (
     fsync_files,
     new_result,
     prefaulted,
+    rotated,
     span,
     timed,
     workdir,
@@ -57,9 +58,6 @@ def parse_args(argv: list[str] | None = None) -> Any:
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache once at start (root only)")
     return parser.parse_args(argv)
-
-
-# -- helpers -------------------------------------------------------------------------
 
 
 def try_drop_caches(wanted: bool) -> str:
@@ -192,7 +190,7 @@ def bench_io(args: Any, base: Path) -> list[dict]:
         best: dict[str, dict] = {}
         errors: dict[str, str] = {}
         for r in range(args.repeat):  # rotating order, so that load spikes hit everyone alike
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in rotated(names, r):
                 if name in errors:
                     continue
                 work = Path(tempfile.mkdtemp(dir=base))
@@ -237,9 +235,6 @@ def io_ratios(rows: list[dict]) -> list[dict]:
                 out.append({"chunk": chunk, "ours": ours_name, "vs": vs, "graded": graded, **{
                     p: round(ours[p + "_gbps"] / ref[p + "_gbps"], 2) for p in PHASES}})
     return out
-
-
-# -- report --------------------------------------------------------------------------
 
 
 def limit_of(vs: str, phase: str) -> float | None:

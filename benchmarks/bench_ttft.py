@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BenchParser, add_engine_flags, csv, finish, new_result, workdir
+from _common import BenchParser, add_engine_flags, csv, finish, new_result, rotated, workdir
 from _engine import TTFT_MODEL, Turns, benchmark_env, example_transfer_config
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
@@ -169,8 +169,7 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
         if plain is None:  # cold and vllm_hit on ours
             cold = [(ours, "cold"), (peer, "cold_peer")]
         for rep in range(args.reps):
-            turn = cold[rep % len(cold):] + cold[:rep % len(cold)]  # rotate who goes first
-            for engine, mode in turn:
+            for engine, mode in rotated(cold, rep):
                 rec.block(engine, mode, [(n, prompt(n, rep)) for n in args.lengths])
         exact = [(n, prompt(n, rep)) for rep in range(args.reps) for n in args.lengths]
         for _ in range(args.passes):  # the prompts are all still in vLLM's cache
