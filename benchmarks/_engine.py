@@ -11,10 +11,7 @@ import os
 import time
 from typing import Any
 
-from kv_offload.testing.engine import IN_PROCESS_ENV, engine_kwargs
-
-__all__ = ["SETTLE_S", "TTFT_MODEL", "Turns", "benchmark_env", "engine_kwargs",
-           "example_transfer_config"]
+from kv_offload.testing.engine import IN_PROCESS_ENV
 
 # The TTFT benchmarks' default model: the test model's geometry with room for 16k positions.
 TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,

@@ -1,7 +1,7 @@
 """Markdown pieces of the benchmark report: numbers, tables, verdicts, prose templates, plots.
 
 Each benchmark renders its own section (``render_section(data, img, targets)``) with these;
-``_report.py`` assembles the page. Prose lives in ``templates/<name>.md``
+``run_all.py`` assembles the page. Prose lives in ``templates/<name>.md``
 (``string.Template``: ``$name`` placeholders, filled by ``fill``).
 """
 

@@ -13,10 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _engine import TTFT_MODEL, benchmark_env, engine_kwargs
+from _engine import TTFT_MODEL, benchmark_env
 from _markdown import Targets, fill, fmt, table, verdict
 
-from kv_offload.testing.engine import EngineProcess, offload_transfer, start_engines
+from kv_offload.testing.engine import (
+    EngineProcess,
+    engine_kwargs,
+    offload_transfer,
+    start_engines,
+)
 from kv_offload.testing.redis_server import SlowProxy
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 

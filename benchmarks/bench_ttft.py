@@ -98,26 +98,22 @@ class Recorder:
     def block(self, engine: EngineProcess, mode: str, prompts: list[tuple[int, str]]) -> None:
         """Run (length, text) requests one by one on ``engine``, recorded as ``mode``."""
         for length, text in prompts:
-            self.run(engine, mode, length, text)
-
-    def run(self, engine: EngineProcess, mode: str, length: int, text: str) -> None:
-        if id(engine) in self._dead:
-            return
-        self.turns.take(engine)
-        try:
-            out = engine.generate([text], max_tokens=1, one_by_one=True)
-        except EngineError as exc:
-            self._dead.add(id(engine))
-            first = str(exc).splitlines()[0]
-            self.errors[mode] = f"L={length}: {first} (engine log: {engine.log_path.name})"
-            print(f"  {mode} at L={length} failed: {first}", file=sys.stderr, flush=True)
-            return
-        m = out["metrics"]
-        self.samples.setdefault(mode, {}).setdefault(length, []).append({
-            "ttft_s": out["latency_s"][0],
-            "vllm_hit": int(m["prefix_cache_hits"]), "external_hit": int(m["external_hits"]),
-            "host_hit": int(m["hits_host"]), "disk_hit": int(m["hits_disk"]),
-        })
+            if id(engine) in self._dead:
+                return
+            self.turns.take(engine)
+            try:
+                out = engine.generate([text], max_tokens=1, one_by_one=True)
+            except EngineError as exc:
+                self._dead.add(id(engine))
+                first = str(exc).splitlines()[0]
+                self.errors[mode] = f"L={length}: {first} (engine log: {engine.log_path.name})"
+                print(f"  {mode} at L={length} failed: {first}", file=sys.stderr, flush=True)
+                return
+            m = out["metrics"]
+            self.samples.setdefault(mode, {}).setdefault(length, []).append({
+                "ttft_s": out["latency_s"][0],
+                "vllm_hit": int(m["prefix_cache_hits"]), "external_hit": int(m["external_hits"]),
+                "host_hit": int(m["hits_host"]), "disk_hit": int(m["hits_disk"])})
 
     def reset(self, *engines: EngineProcess) -> None:
         """reset_prefix_cache() on the engines still alive."""
@@ -189,13 +185,6 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
     finally:
         for e in engines:
             e.close()
-
-
-def spawn_wave_two(args: argparse.Namespace, dirs: dict[str, Path],
-                   model: Path) -> list[EngineProcess]:
-    """Spawn (without waiting) the fresh engines of wave two: ours and the peer."""
-    return [spawn(args, model, "ours-2", offload_transfer(args.ours), dirs),
-            spawn(args, model, "peer-2", example_transfer_config(dirs["peer"]), dirs)]
 
 
 def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProcess]
@@ -344,10 +333,14 @@ def main(argv: list[str] | None = None) -> dict:
     model = make_tiny_model(**model_kwargs)
     started = time.perf_counter()
     rec = Recorder(Turns(0.0) if args.quick else Turns())  # --quick: no figures to protect
-    early = spawn_wave_two(args, dirs, model) if args.early_start else None
+    def spawn_wave_two() -> list[EngineProcess]:  # ours and the peer, fresh processes
+        return [spawn(args, model, "ours-2", offload_transfer(args.ours), dirs),
+                spawn(args, model, "peer-2", example_transfer_config(dirs["peer"]), dirs)]
+
+    early = spawn_wave_two() if args.early_start else None
     try:
         startup = wave_one(args, rec, dirs, model)
-        startup.update(wave_two(args, rec, early or spawn_wave_two(args, dirs, model)))
+        startup.update(wave_two(args, rec, early or spawn_wave_two()))
     except BaseException:
         for e in early or ():
             e.close()
