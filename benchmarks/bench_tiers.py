@@ -72,14 +72,15 @@ def try_drop_caches(wanted: bool) -> str:
         return f"drop_caches refused ({exc.strerror}); cold reads use POSIX_FADV_DONTNEED"
 
 
-def phases(store: Callable[[], object], load: Callable[[], object], files: Callable[[], list],
-           load_cold: Callable[[], object] | None = None) -> dict[str, float]:
-    """Seconds of a contender's four phases: write, write + fsync, warm read, cold read."""
+def phases(store: Callable[[], object], load: Callable[[], object], files: list
+           ) -> dict[str, float]:
+    """Seconds of a contender's four phases: write, write + fsync of ``files``, warm read,
+    cold read (after ``files`` are dropped from the page cache)."""
     out = {"write": timed(store)}
-    out["write_sync"] = out["write"] + timed(lambda: fsync_files(files()))
+    out["write_sync"] = out["write"] + timed(lambda: fsync_files(files))
     out["read_warm"] = timed(load)
-    fsync_files(files(), evict=True)
-    out["read_cold"] = timed(load_cold or load)
+    fsync_files(files, evict=True)
+    out["read_cold"] = timed(load)
     return out
 
 
@@ -122,7 +123,7 @@ def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int) -> dict:
                 raise RuntimeError("ours: a chunk failed to load")
 
     files = [slab.path, *sorted((root / "index").glob("*.mdb"))]
-    out: dict[str, Any] = phases(store, load, lambda: files)
+    out: dict[str, Any] = phases(store, load, files)
     sync = out["write_sync"] - out["write"]
     out["slab"] = dict(zip(PHASES, (slab_s[0], slab_s[0] + sync, slab_s[1], slab_s[2])))
     index.close()
@@ -147,7 +148,7 @@ def run_raw(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int) -> dict:
             os.readv(fd, [view])
         os.close(fd)
 
-    return phases(store, load, lambda: [path])
+    return phases(store, load, [path])
 
 
 def run_vllm(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, o_direct: bool) -> dict:
@@ -167,7 +168,7 @@ def run_vllm(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, o_direct:
         return run
 
     return phases(batches(fs_io.batch_store_block, src), batches(fs_io.batch_load_block, dst),
-                  lambda: paths)
+                  paths)
 
 
 CONTENDERS: dict[str, Callable[[Path, np.ndarray, np.ndarray, int], dict]] = {
@@ -254,11 +255,10 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
         return span([r[phase] for r in ratios if r["ours"] == ours and r["vs"].startswith("raw")])
 
     load = data["machine"]["loadavg_start"][0], data["machine"]["loadavg_end"][0]
-    lines = fill("tiers", total_mib=data["io_total_mib"], cache_note=data["cache_note"],
-                 repeat=data.get("repeat", "?"), loadavg=f"{load[0]:.1f} -> {load[1]:.1f}",
-                 slab_warm=ratio_span(SLAB, "read_warm"), slab_cold=ratio_span(SLAB, "read_cold"),
-                 slab_write=ratio_span(SLAB, "write"), slab_sync=ratio_span(SLAB, "write_sync"),
-                 ours_warm=ratio_span(OURS, "read_warm"), ours_write=ratio_span(OURS, "write"))
+    lines = fill("tiers", data, total_mib=data["io_total_mib"],
+                 loadavg=f"{load[0]:.1f} -> {load[1]:.1f}",
+                 **{f"{tag}_{phase}": ratio_span(name, phase) for tag, name in
+                    (("slab", SLAB), ("ours", OURS)) for phase in PHASES})
     lines += table(["chunk KiB", "contender", "write GB/s", "write+fsync GB/s", "read warm GB/s",
                     "read cold GB/s", "note"],
                    [[r["chunk"] // KiB or "-", r["contender"], "n/a", "", "", "", r["error"][:60]]
@@ -306,8 +306,7 @@ def plot(io: list[dict], path: Path) -> None:
         if memcpy:
             ax.axhline(memcpy[phase + "_gbps"], color="gray", linestyle=":", label="memcpy")
         chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
-        ax.set_ylabel("GB/s")
-        ax.set_title(title)
+        ax.set(ylabel="GB/s", title=title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
     save(fig, plt, path)

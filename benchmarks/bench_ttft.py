@@ -178,10 +178,8 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
         rec.reset(ours)
         rec.block(ours, "cpu_new_suffix",
                   [(n, prompt(n, rep, suffix=1)) for rep in range(args.reps) for n in args.lengths])
-        startup = {"ours": ours.startup_s, "peer": peer.startup_s}
-        if plain is not None:
-            startup["plain"] = plain.startup_s
-        return startup
+        return {name: e.startup_s for name, e in (("ours", ours), ("peer", peer), ("plain", plain))
+                if e is not None}
     finally:
         for e in engines:
             e.close()
@@ -226,12 +224,10 @@ def verdicts(result: dict) -> list[dict]:
     """PASS/MISS per target at 4k tokens (or the longest length measured below it)."""
     lengths = [int(k) for k in result["ratios"]]
     at = max((n for n in lengths if n <= TARGET_LENGTH), default=max(lengths))
-    out = []
-    for key, limit, what in TARGETS:
-        value = result["ratios"][str(at)].get(key)
-        out.append({"target": what, "length": at, "key": key, "value": value, "limit": limit,
-                    "pass": value is not None and value <= limit})
-    return out
+    values = {key: result["ratios"][str(at)].get(key) for key, _, _ in TARGETS}
+    return [{"target": what, "length": at, "key": key, "value": values[key], "limit": limit,
+             "pass": values[key] is not None and values[key] <= limit}
+            for key, limit, what in TARGETS]
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
@@ -284,9 +280,8 @@ def plot(data: dict, path: Path) -> bool:
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
-    ax.set_xlabel("prefix tokens")
-    ax.set_ylabel("TTFT, median (ms)")
-    ax.set_title("Time to first token by mode (vLLM CPU backend)")
+    ax.set(xlabel="prefix tokens", ylabel="TTFT, median (ms)",
+           title="Time to first token by mode (vLLM CPU backend)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     return save(fig, plt, path)
@@ -312,12 +307,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.in_process = args.in_process or args.quick
     args.env = benchmark_env(in_process=args.in_process,
                              vllm_default_binding=args.vllm_default_binding)
-    args.max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
+    max_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
     # Whole prompts in one step: vLLM's ExampleConnector stores only the first scheduled
     # part of a chunked prefill and then crashes its engine loading it (shape mismatch).
-    args.max_num_batched_tokens = args.max_model_len
-    args.engine = engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
-                                max_num_batched_tokens=args.max_num_batched_tokens)
+    args.engine = engine_kwargs(max_model_len=max_len, in_process=args.in_process,
+                                max_num_batched_tokens=max_len)
     return args
 
 
