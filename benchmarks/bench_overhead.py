@@ -42,6 +42,8 @@ WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
 CONTENDERS = ("plain", "ours", "ours_bg")
 VARIANTS = {"ours": False, "ours_bg": True}  # name -> cpu_background_stores
 GRADED = ("no_reuse", "store_heavy")
+PAIRS = (  # (numerator, denominator, key suffix) of the ratios paired per round
+    ("ours", "plain", ""), ("ours_bg", "plain", "_bg"), ("ours_bg", "ours", "_bg_vs_sync"))
 
 
 def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -125,15 +127,11 @@ def summarize(rounds: list[dict], workloads: list[str]) -> dict[str, dict[str, A
             for key in ("external_hit_tokens", "chunks_stored"):
                 counts = [x[name].get(key) for x in rows]
                 summary[name][key] = None if None in counts else int(sum(counts))
-        for num, den, suffix in (("ours", "plain", ""), ("ours_bg", "plain", "_bg"),
-                                 ("ours_bg", "ours", "_bg_vs_sync")):
+        for num, den, suffix in PAIRS:
             summary["throughput_ratio" + suffix] = paired(rows, "throughput_tok_s", num, den)
             summary["ttft_ratio" + suffix] = paired(rows, "mean_ttft_s", num, den)
         out[workload] = summary
     return out
-
-
-RATIO_ROWS = (("ours/plain", ""), ("ours_bg/plain", "_bg"), ("ours_bg/ours", "_bg_vs_sync"))
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
@@ -145,8 +143,8 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
             ttft = e["mean_ttft_s"] and e["mean_ttft_s"] * 1e3
             rows.append([workload, name, fmt(e["throughput_tok_s"], ".0f"), fmt(ttft, ".0f"),
                          e["external_hit_tokens"], fmt(e.get("chunks_stored"), ".0f"), ""])
-        for label, suffix in RATIO_ROWS:
-            rows.append([workload, label, fmt(s["throughput_ratio" + suffix]),
+        for num, den, suffix in PAIRS:
+            rows.append([workload, f"{num}/{den}", fmt(s["throughput_ratio" + suffix]),
                          fmt(s["ttft_ratio" + suffix]), "", "", "paired per round, median"])
     for v in data["verdicts"]:
         targets.add(v["target"], v["value"], f">= {v['limit']}", v["pass"], "bench_overhead")

@@ -280,10 +280,8 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
                                                       "store_cpu_s_per_gb", "load_cpu_s_per_gb")]]
                     for r in io])
 
-    def col(key: str) -> str:
-        return span([r[key] for r in data["io_ratios"] if isinstance(r.get(key), (int, float))])
-
-    lines += fill("remote_words", **{key: col(key) for key, _ in RATIO_COLUMNS},
+    lines += fill("remote_words", **{k: span([r.get(k) for r in data["io_ratios"]])
+                                     for k, _ in RATIO_COLUMNS},
                   table="\n".join(table(
                       ["chunk KiB", "threads", *[name for _, name in RATIO_COLUMNS]],
                       [[r["chunk"] // KiB, r["threads"], *[fmt(r.get(k), ".2f")

@@ -209,15 +209,9 @@ def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
     def med(mode: str, length: str) -> float | None:
         return modes.get(mode, {}).get(length, {}).get("median_s")
 
-    out: dict[str, dict[str, float]] = {}
-    for length in modes.get("cold", {}):
-        row = {}
-        for name, num, den in RATIOS:
-            a, b = med(num, length), med(den, length)
-            if a is not None and b:
-                row[name] = round(a / b, 4)
-        out[length] = row
-    return out
+    return {length: {name: round(a / b, 4) for name, num, den in RATIOS
+                     if (a := med(num, length)) is not None and (b := med(den, length))}
+            for length in modes.get("cold", {})}
 
 
 def verdicts(result: dict) -> list[dict]:
