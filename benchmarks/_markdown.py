@@ -1,7 +1,7 @@
 """Markdown pieces of the benchmark report: numbers, tables, verdicts, prose templates, plots.
 
 Each benchmark renders its own section (``render_section(data, img, targets)``) with these;
-``_report.py`` assembles the page. Prose lives in ``templates/<name>.md``
+``run_all.py`` assembles the page. Prose lives in ``templates/<name>.md``
 (``string.Template``: ``$name`` placeholders, filled by ``fill``).
 """
 
@@ -36,11 +36,13 @@ def verdict(ok: bool | None) -> str:
     return "-" if ok is None else ("**PASS**" if ok else "**MISS**")
 
 
-def fill(name: str, **values: Any) -> list[str]:
-    """The lines of ``templates/<name>.md`` with its placeholders filled; a KeyError
-    names a placeholder left without a value."""
+def fill(name: str, data: dict | None = None, **values: Any) -> list[str]:
+    """The lines of ``templates/<name>.md`` with its placeholders filled from ``values``,
+    else from the same keys of ``data`` (a benchmark's JSON); a KeyError names a
+    placeholder left without a value."""
     text = string.Template((TEMPLATES / f"{name}.md").read_text())
-    return text.substitute({k: str(v) for k, v in values.items()}).rstrip().splitlines() + [""]
+    filled = {k: str(v) for k, v in {**(data or {}), **values}.items()}
+    return text.substitute(filled).rstrip().splitlines() + [""]
 
 
 class Targets:
@@ -62,9 +64,10 @@ def pyplot() -> Any:
     return plt
 
 
-def save(fig: Any, plt: Any, path: Path) -> bool:
+def save(fig: Any, plt: Any, path: Path, rect: tuple | None = None) -> bool:
+    """Write ``fig`` to ``path`` (``rect``: the figure's part the axes may fill)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -1,6 +1,6 @@
 """bench_remote's lookup figures: ``RemoteTier.lookup``'s latency per request and per key
-(standalone and cluster), and the scheduler thread's time per request with a fast, a
-slowish and a slow server (``RemoteLookups`` against the synchronous lookup it replaced).
+(standalone and cluster), and the scheduler thread's time per request with
+``RemoteLookups`` and a fast, a slowish and a slow server.
 """
 
 from __future__ import annotations
@@ -68,14 +68,7 @@ def bench_lookup(args: argparse.Namespace, url: str, client: Any) -> list[dict]:
     (``connect_redis``'s): on a standalone server one read-only Lua script."""
     tier = RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1, payload_bytes=4096,
                       timeout_s=args.timeout_s, connect=lambda _t, _s: client)
-    largest = max(args.lookup_sizes)
-    present = chunk_keys("lookup-present", largest)
-    if not all(tier.write(k, 0, memoryview(bytes(4096))) for k in present):
-        raise RuntimeError("lookup: could not write the present keys")
-    rows = _time_lookups(tier.lookup, args.lookup_sizes, args.lookup_calls, present,
-                         chunk_keys("lookup-absent", largest))
-    if tier.health.num_failures:  # errors answer 0
-        raise RuntimeError("lookup: RemoteTier recorded failures")
+    rows = _tier_lookups(tier, args, "lookup", args.lookup_calls)
     client.flushall()
     return rows
 
@@ -84,35 +77,32 @@ def bench_cluster_lookup(args: argparse.Namespace, workdir: Any) -> list[dict]:
     """The same lookups against a 3-node cluster on loopback (one pipeline per node, all
     sent before any reply is read)."""
     with RedisCluster(workdir) as cluster:
-        target = RemoteTarget(cluster_nodes=tuple(cluster.seeds))
-        tier = RemoteTier(target, namespace=NAMESPACE, num_ranks=1, payload_bytes=4096,
-                          timeout_s=args.timeout_s)
-        largest = max(args.lookup_sizes)
-        present = chunk_keys("cluster-present", largest)
-        if not all(tier.write(k, 0, memoryview(bytes(4096))) for k in present):
-            raise RuntimeError("cluster lookup: could not write the present keys")
-        rows = _time_lookups(tier.lookup, args.lookup_sizes, max(10, args.lookup_calls // 4),
-                             present, chunk_keys("cluster-absent", largest))
-        if tier.health.num_failures:
-            raise RuntimeError("cluster lookup: RemoteTier recorded failures")
+        tier = RemoteTier(RemoteTarget(cluster_nodes=tuple(cluster.seeds)), namespace=NAMESPACE,
+                          num_ranks=1, payload_bytes=4096, timeout_s=args.timeout_s)
+        rows = _tier_lookups(tier, args, "cluster", max(10, args.lookup_calls // 4))
         tier.close()
     return rows
 
 
-def _simulate(tier: RemoteTier, keys: list[list[bytes]], asynchronous: bool,
-              step_s: float) -> list[dict]:
+def _tier_lookups(tier: RemoteTier, args: argparse.Namespace, tag: str, calls: int
+                  ) -> list[dict]:
+    """Write the present keys through ``tier``, then time its lookups (``_time_lookups``)."""
+    largest = max(args.lookup_keys)
+    present = chunk_keys(f"{tag}-present", largest)
+    if not all(tier.write(k, 0, memoryview(bytes(4096))) for k in present):
+        raise RuntimeError(f"{tag}: could not write the present keys")
+    rows = _time_lookups(tier.lookup, args.lookup_keys, calls, present,
+                         chunk_keys(f"{tag}-absent", largest))
+    if tier.health.num_failures:  # errors answer 0
+        raise RuntimeError(f"{tag}: RemoteTier recorded failures")
+    return rows
+
+
+def _simulate(tier: RemoteTier, keys: list[list[bytes]], step_s: float) -> list[dict]:
     """vLLM's scheduler in miniature: one request arrives per step; every step asks each
-    waiting request again. Per request: seconds spent in the lookup call(s) on this
-    (the scheduler) thread, seconds from arrival to an answer, the answer."""
+    waiting request again (``RemoteLookups.ask``). Per request: seconds spent in the asks
+    on this (the scheduler) thread, seconds from arrival to an answer, the answer."""
     out: list[dict] = []
-    if not asynchronous:
-        for req_keys in keys:
-            start = time.perf_counter()
-            hits = tier.lookup(req_keys)
-            spent = time.perf_counter() - start
-            out.append({"thread_s": spent, "wait_s": spent, "hits": hits})
-            time.sleep(step_s)
-        return out
     lookups = RemoteLookups(tier, budget_s=BUDGET_S)
     waiting: dict[str, dict] = {}
     try:
@@ -138,48 +128,44 @@ def _simulate(tier: RemoteTier, keys: list[list[bytes]], asynchronous: bool,
 
 
 def bench_scheduler_thread(args: argparse.Namespace, server_port: int) -> dict:
-    """Scheduler-thread time per request: ``RemoteLookups.ask`` (asynchronous) against
-    ``RemoteTier.lookup`` on the scheduler thread (synchronous, before), each with the
-    socket timeout the connector gives the scheduler's tier (the budget)."""
+    """Scheduler-thread time per request with ``RemoteLookups.ask``, the scheduler's tier
+    with the socket timeout the connector gives it (the budget). (The synchronous
+    ``RemoteTier.lookup`` it replaced is no longer timed: docs/remote-tier.md has its
+    last figures.)"""
     requests = 20 if args.quick else 100
     rows = []
     for scenario, (label, delay) in SERVERS.items():
-        for asynchronous in (False, True):
-            proxy = SlowProxy(server_port, delay_s=delay).start() if delay else None
-            url = proxy.url if proxy else f"redis://127.0.0.1:{server_port}/0"
-            tier = RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1,
-                              payload_bytes=4096, timeout_s=BUDGET_S)
-            half = chunk_keys(f"sched-{scenario}", 8)
-            direct = RemoteTier(RemoteTarget(f"redis://127.0.0.1:{server_port}/0"),
-                                namespace=NAMESPACE, num_ranks=1, payload_bytes=4096,
-                                timeout_s=args.timeout_s)
-            if not all(direct.write(k, 0, memoryview(bytes(4096))) for k in half[:4]):
-                raise RuntimeError("scheduler thread: could not write the present keys")
-            direct.close()
-            keys = [half if i % 2 else chunk_keys(f"cold-{scenario}-{asynchronous}-{i}", 8)
-                    for i in range(requests)]
-            try:
-                got = _simulate(tier, keys, asynchronous, step_s=0.002)
-            finally:
-                tier.close()
-                if proxy:
-                    proxy.stop()
-            thread_us = sorted(r["thread_s"] * 1e6 for r in got)
-            wait_ms = sorted(r["wait_s"] * 1e3 for r in got)
-            rows.append({
-                "server": scenario, "label": label,
-                "method": "RemoteLookups.ask" if asynchronous else "RemoteTier.lookup (sync)",
-                "requests": len(got),
-                "thread_us_median": round(statistics.median(thread_us), 1),
-                "thread_us_p99": round(thread_us[min(len(got) - 1, round(0.99 * len(got)))], 1),
-                "thread_us_total_per_request": round(sum(thread_us) / len(got), 1),
-                "answer_ms_median": round(statistics.median(wait_ms), 2),
-                "answer_ms_max": round(wait_ms[-1], 2),
-                "hit_requests": sum(r["hits"] > 0 for r in got)})
+        proxy = SlowProxy(server_port, delay_s=delay).start() if delay else None
+        url = proxy.url if proxy else f"redis://127.0.0.1:{server_port}/0"
+        tier = RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1,
+                          payload_bytes=4096, timeout_s=BUDGET_S)
+        half = chunk_keys(f"sched-{scenario}", 8)
+        direct = RemoteTier(RemoteTarget(f"redis://127.0.0.1:{server_port}/0"),
+                            namespace=NAMESPACE, num_ranks=1, payload_bytes=4096,
+                            timeout_s=args.timeout_s)
+        if not all(direct.write(k, 0, memoryview(bytes(4096))) for k in half[:4]):
+            raise RuntimeError("scheduler thread: could not write the present keys")
+        direct.close()
+        keys = [half if i % 2 else chunk_keys(f"cold-{scenario}-{i}", 8)
+                for i in range(requests)]
+        try:
+            got = _simulate(tier, keys, step_s=0.002)
+        finally:
+            tier.close()
+            if proxy:
+                proxy.stop()
+        thread_us = sorted(r["thread_s"] * 1e6 for r in got)
+        wait_ms = sorted(r["wait_s"] * 1e3 for r in got)
+        rows.append({
+            "server": scenario, "label": label, "method": "RemoteLookups.ask",
+            "requests": len(got),
+            "thread_us_median": round(statistics.median(thread_us), 1),
+            "thread_us_p99": round(thread_us[min(len(got) - 1, round(0.99 * len(got)))], 1),
+            "thread_us_total_per_request": round(sum(thread_us) / len(got), 1),
+            "answer_ms_median": round(statistics.median(wait_ms), 2),
+            "answer_ms_max": round(wait_ms[-1], 2),
+            "hit_requests": sum(r["hits"] > 0 for r in got)})
     return {"budget_ms": BUDGET_S * 1e3, "rows": rows}
-
-
-# -- report ----------------------------------------------------------------------------------
 
 
 def lookup_table(rows: list[dict]) -> str:

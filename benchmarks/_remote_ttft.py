@@ -1,14 +1,7 @@
 """bench_remote's TTFT figures, with their report lines: one engine loading from Redis
-against its own cold prefill, and a slow server against no remote tier.
-
-The slow server: two engines side by side, one with the remote tier behind a proxy that
-holds every Redis reply 50-200 ms, one without a remote tier. Per round, vLLM's prefix
-caches are dropped and the engines run, one request at a time with max_tokens=1,
-alternating request by request (which engine goes first alternates too): the "local"
-prompts (stored in the CPU tier by a first pass: local hits) and "fresh" prompts (never
-seen: no reuse anywhere). Median TTFT per kind and length, remote / plain of the medians
-(target: <= 1.2) and the median of the per-request ratios (paired samples: robust to load
-from other processes). The tokens of both engines must be equal (the script reports it).
+against its own cold prefill, and a slow server (a proxy holding every reply 50-200 ms)
+against no remote tier, two engines request by request, paired (target: <= 1.2x).
+The method in full: templates/remote_ttft.md and remote_slow.md.
 """
 
 from __future__ import annotations
@@ -20,80 +13,106 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _engine import benchmark_env, engine_kwargs
+from _engine import TTFT_MODEL, benchmark_env
 from _markdown import Targets, fill, fmt, table, verdict
 
-from kv_offload.testing.engine import EngineProcess, offload_transfer, start_engines
+from kv_offload.testing.engine import (
+    EngineProcess,
+    engine_kwargs,
+    offload_transfer,
+    start_engines,
+)
 from kv_offload.testing.redis_server import SlowProxy
-from kv_offload.testing.tiny_model import make_prompt
+from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
 SUFFIX_TOKENS = 16
-# Same geometry as bench_ttft's default model (its cached files are reused).
-TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                  max_position=16384)
 SLOW_TARGET = 1.2  # the slow server: TTFT remote / no remote tier, medians
+DELAY_S = (0.05, 0.2)
 
 
-def ttft_prompt(length: int, rnd: int) -> str:
-    seed = 30_000 + length * 10 + rnd  # distinct per (length, round): no shared prefixes
-    return make_prompt(length, seed=seed) + make_prompt(SUFFIX_TOKENS, seed=700_000 + seed)
+def engine_parts(args: argparse.Namespace, server: Any, base: Path, result: dict) -> str | None:
+    """The TTFT parts, into ``result["ttft"]`` and ``result["slow_ttft"]``. A part that
+    fails records its error and the others still run; returns what failed, or None."""
+    if args.no_engine:
+        result["ttft"] = {"error": "skipped (--no-engine)"}
+        return None
+    parts = {"ttft": lambda: bench_ttft(args, server.url, base)}
+    if not args.no_slow_ttft:
+        parts["slow_ttft"] = lambda: slow_ttft(args, server.port, base)
+    failed = []
+    for key, part in parts.items():
+        try:
+            result[key] = part()
+        except Exception as exc:  # keep the other figures; fail at the end
+            first = (str(exc).strip().splitlines() or [""])[0]
+            result[key] = {"error": f"{type(exc).__name__}: {first}"[:300]}
+            print(str(exc)[-4000:], file=sys.stderr)
+        if "error" in result[key]:
+            failed.append(f"{key} failed: {result[key]['error']}")
+    warn_hits(result["ttft"])
+    return "; ".join(failed) or None
 
 
-def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
-    from kv_offload.testing.tiny_model import make_tiny_model
-    from kv_offload.testing.workload import run_in_subprocess
-
+def _setup(args: argparse.Namespace) -> tuple[dict, Path, dict, dict]:
+    """(model geometry, model path, engine kwargs, environment) of both TTFT parts:
+    bench_ttft's default model (its cached files are reused), the test model with --quick."""
     model_kwargs = {} if args.quick else dict(TTFT_MODEL)
-    model = make_tiny_model(**model_kwargs)
     max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
     engine = engine_kwargs(in_process=args.in_process, max_model_len=max_model_len,
                            max_num_batched_tokens=max_model_len)
     env = benchmark_env(in_process=args.in_process, vllm_default_binding=False)
+    return model_kwargs, make_tiny_model(**model_kwargs), engine, env
+
+
+def _prompt(length: int, seed: int) -> str:
+    """``length`` tokens, then a suffix of SUFFIX_TOKENS (distinct seeds share nothing)."""
+    return make_prompt(length, seed=seed) + make_prompt(SUFFIX_TOKENS, seed=700_000 + seed)
+
+
+def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
+    """One engine, remote tier on, no disk tier: per round new prompts cold, then again
+    after reset_prefix_cache(reset_connector=True), loaded from Redis."""
+    model_kwargs, model, engine, env = _setup(args)
     offload = {"cpu_size": "1GiB", "remote_url": url, "remote_timeout_s": args.timeout_s}
-    phases: list[dict] = [{"name": "warm-up", "prompts": [make_prompt(64, seed=7)],
-                           "max_tokens": 1}]
-    for rnd in range(args.rounds):
-        prompts = [ttft_prompt(n, rnd) for n in args.lengths]
-        common = {"prompts": prompts, "max_tokens": 1, "one_by_one": True}
-        phases.append({"name": f"cold-{rnd}", **common})
-        # The stores of a request are reported to the scheduler at a later engine step;
-        # until then their CPU-tier entries stay pinned and reset_connector keeps them
-        # (the remote pass would then hit the CPU tier). One short request that stores
-        # nothing steps the engine.
-        phases.append({"name": f"flush-{rnd}", "prompts": [make_prompt(32, seed=8 + rnd)],
-                       "max_tokens": 1})
-        phases.append({"name": f"remote-{rnd}", **common, "reset_prefix_cache": True,
-                       "reset_connector": True})
-    spec = {"model": str(model), "offload": offload, "engine": engine, "phases": phases}
-    started = time.perf_counter()
-    out = run_in_subprocess(spec, base / "engine", env=env, timeout_s=1800)
-    by_name = {p["name"]: p for p in out["phases"]}
     samples: dict[str, dict[int, list[float]]] = {"cold": {}, "remote": {}}
+    hits = dict.fromkeys(("remote", "host", "cold_external"), 0.0)
     mismatches = []
-    for rnd in range(args.rounds):
-        cold, remote = by_name[f"cold-{rnd}"], by_name[f"remote-{rnd}"]
-        if cold["tokens"] != remote["tokens"]:
-            mismatches.append(rnd)
-        for i, n in enumerate(args.lengths):
-            samples["cold"].setdefault(n, []).append(cold["latency_s"][i])
-            samples["remote"].setdefault(n, []).append(remote["latency_s"][i])
-    remote_hits = sum(by_name[f"remote-{r}"]["metrics"]["hits_external_unspecified"]
-                      for r in range(args.rounds))
-    expected_hits = args.rounds * sum(args.lengths)
+    started = time.perf_counter()
+    with EngineProcess(model, log_path=base / "engine" / "log.txt", engine=engine,
+                       transfer=offload_transfer(offload), in_process=args.in_process,
+                       env=env, timeout_s=1800) as eng:
+        eng.generate([make_prompt(64, seed=7)], max_tokens=1)  # warm-up
+        for rnd in range(args.rounds):
+            prompts = [_prompt(n, 30_000 + n * 10 + rnd) for n in args.lengths]
+            cold = eng.generate(prompts, max_tokens=1, one_by_one=True)
+            # The stores of a request are reported to the scheduler at a later engine
+            # step; until then their CPU-tier entries stay pinned and reset_connector
+            # keeps them (the remote pass would then hit the CPU tier). One short request
+            # that stores nothing steps the engine.
+            eng.generate([make_prompt(32, seed=8 + rnd)], max_tokens=1)
+            eng.reset(connector=True)
+            remote = eng.generate(prompts, max_tokens=1, one_by_one=True)
+            if cold["tokens"] != remote["tokens"]:
+                mismatches.append(rnd)
+            for mode, out in (("cold", cold), ("remote", remote)):
+                for n, latency in zip(args.lengths, out["latency_s"]):
+                    samples[mode].setdefault(n, []).append(latency)
+            hits["remote"] += remote["metrics"]["hits_external_unspecified"]
+            hits["host"] += remote["metrics"]["hits_host"]
+            hits["cold_external"] += cold["metrics"]["external_hits"]
+    remote_hits, expected_hits = hits["remote"], args.rounds * sum(args.lengths)
     result: dict[str, Any] = {
         "model": {"name": "test default" if args.quick else "tiny", **model_kwargs},
         "engine": engine, "env": env, "offload": {k: v for k, v in offload.items()
                                                   if k != "remote_url"},
         "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "rounds": args.rounds,
-        "startup_s": round(out["startup_s"], 1),
+        "startup_s": round(eng.startup_s or 0.0, 1),
         "seconds": round(time.perf_counter() - started, 1),
         "modes": {mode: {str(n): {"median_s": statistics.median(v), "samples_s": v}
                          for n, v in per.items()} for mode, per in samples.items()},
         "remote_hit_tokens": remote_hits, "expected_hit_tokens": expected_hits,
-        "remote_pass_host_hit_tokens": sum(by_name[f"remote-{r}"]["metrics"]["hits_host"]
-                                           for r in range(args.rounds)),
-        "cold_external_hit_tokens": sum(by_name[f"cold-{r}"]["metrics"]["external_hits"]
-                                        for r in range(args.rounds)),
+        "remote_pass_host_hit_tokens": hits["host"],
+        "cold_external_hit_tokens": hits["cold_external"],
         "tokens_equal": not mismatches,
     }
     result["ratios"] = {
@@ -103,18 +122,6 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
     if mismatches:
         result["error"] = f"tokens differ between the cold and remote passes in rounds {mismatches}"
     return result
-
-
-def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
-    """Slow-server TTFT side by side (``bench_slow_ttft``), same model and engine as above."""
-    from kv_offload.testing.tiny_model import make_tiny_model
-
-    model = make_tiny_model(**({} if args.quick else dict(TTFT_MODEL)))
-    max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
-    engine = engine_kwargs(in_process=args.in_process, max_model_len=max_model_len,
-                           max_num_batched_tokens=max_model_len)
-    env = benchmark_env(in_process=args.in_process, vllm_default_binding=False)
-    return bench_slow_ttft(args, server_port, base, model, engine, env)
 
 
 def warn_hits(ttft: dict) -> None:
@@ -132,13 +139,6 @@ def warn_hits(ttft: dict) -> None:
               file=sys.stderr, flush=True)
 
 
-DELAY_S = (0.05, 0.2)
-
-
-def _prompt(length: int, seed: int) -> str:
-    return make_prompt(length, seed=seed) + make_prompt(16, seed=900_000 + seed)
-
-
 def _flush(engine: EngineProcess, seed: int) -> None:
     """Short requests that step the engine, so the first pass's stores are reported
     and published in the CPU tier before the local prompts come back."""
@@ -147,8 +147,9 @@ def _flush(engine: EngineProcess, seed: int) -> None:
         time.sleep(0.3)
 
 
-def bench_slow_ttft(args: Any, server_port: int, base: Path, model: Path,
-                    engine: dict, env: dict) -> dict:
+def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
+    """The slow server against no remote tier, side by side (see the module docstring)."""
+    _, model, engine, env = _setup(args)
     lengths = args.lengths
     local = [_prompt(n, 50_000 + n) for n in lengths]
     proxy = SlowProxy(server_port, delay_s=DELAY_S).start()
@@ -202,9 +203,6 @@ def bench_slow_ttft(args: Any, server_port: int, base: Path, model: Path,
             "samples_s": samples}
 
 
-# -- report ----------------------------------------------------------------------------------
-
-
 def ttft_lines(ttft: dict | None) -> list[str]:
     if not ttft or "modes" not in ttft:
         return [f"**TTFT.** Not measured: {(ttft or {}).get('error', 'no data')}.", ""]
@@ -214,17 +212,13 @@ def ttft_lines(ttft: dict | None) -> list[str]:
             for mode in ("cold", "remote")]
     rows.append(["remote / cold", *[fmt(ttft["ratios"][n]) for n in lengths]])
     return fill(
-        "remote_ttft", model=ttft["model"]["name"], offload=ttft["offload"], env=ttft["env"],
-        rounds=ttft["rounds"], suffix_tokens=ttft["suffix_tokens"],
-        in_process="**This run used the single-process engine (--quick). There, remote loads "
-                   "were several times slower than with vLLM's default engine processes (the "
-                   "I/O threads share one interpreter, and its GIL, with the engine loop): "
-                   "these figures are not representative.**\n\n" if in_process else "",
+        "remote_ttft", ttft, model=ttft["model"]["name"],
+        in_process="\n".join(fill("remote_in_process")) + "\n" if in_process else "",
         table="\n".join(table(["TTFT", *[f"L={n} (ms)" for n in lengths]], rows)),
         ratios=", ".join(f"{fmt(ttft['ratios'][n], '.2f')}x at {n} tokens" for n in lengths),
         hits=fmt(ttft["remote_hit_tokens"], ".0f"), expected=fmt(ttft["expected_hit_tokens"], ".0f"),
         host_hits=fmt(ttft["remote_pass_host_hit_tokens"], ".0f"),
-        tokens_equal=ttft["tokens_equal"], startup=fmt(ttft["startup_s"], ".0f"))
+        startup=fmt(ttft["startup_s"], ".0f"))
 
 
 def slow_ttft_lines(slow: dict | None, targets: Targets) -> list[str]:
@@ -240,9 +234,9 @@ def slow_ttft_lines(slow: dict | None, targets: Targets) -> list[str]:
                 f"({sum(r <= SLOW_TARGET for r in ratios)} of {len(ratios)} cases)",
                 max(ratios), f"<= {SLOW_TARGET} (worst case shown)",
                 all(r <= SLOW_TARGET for r in ratios), "bench_remote")
-    return fill("remote_slow", low=f"{slow['delay_ms'][0]:.0f}", high=f"{slow['delay_ms'][1]:.0f}",
-                rounds=slow["rounds"], tokens_equal=slow["tokens_equal"],
-                local_hits=slow["local_hit_tokens"], table="\n".join(table(
+    return fill("remote_slow", slow, low=f"{slow['delay_ms'][0]:.0f}",
+                high=f"{slow['delay_ms'][1]:.0f}", local_hits=slow["local_hit_tokens"],
+                table="\n".join(table(
                     ["prompts", "L", "no remote tier (ms)", "remote tier (ms)", "ratio of medians",
                      "median of paired ratios", "verdict"],
                     [[kind, n, fmt(slow["median_s"]["plain"][kind][n] * 1e3, ".1f"),

@@ -1,13 +1,9 @@
 """Copy-engine throughput against a plain memcpy of the same bytes, side by side.
 
-Torch engine (KV in host memory, vLLM CPU layout): moves N chunks between engine planes
-and host slots in both directions, with contiguous block ids (a fresh request) and
-shuffled ones (a fragmented cache), next to the best memcpy of the same bytes: the
-fastest of ``torch.Tensor.copy_`` (torch's threads), ``np.copyto`` (one thread) and the
-engine's own streamed copy loop on its threads, of one contiguous buffer. All contenders
-run once per round in rotated order, the fastest round of each is kept. Targets: >= 0.8x
-memcpy for chunks of 2 MiB and more, >= 0.6x below. The CuPy engine's figures against
-one pinned ``cudaMemcpyAsync`` come from ``gpu_check.py`` (its ``transfer`` part).
+The torch engine (KV in host memory, vLLM CPU layout) moves chunks between engine planes
+and host slots both ways, with contiguous and shuffled block ids, against the fastest
+memcpy of the same bytes (templates/copy.md). Targets: >= 0.8x memcpy for chunks of 2 MiB
+and more, >= 0.6x below. The CuPy engine's figures come from benchmarks/gpu_check.sh.
 
     python benchmarks/bench_copy.py            # default sizes, ~30 s on 2 cores
     python benchmarks/bench_copy.py --quick    # toy sizes, seconds
@@ -15,8 +11,6 @@ one pinned ``cudaMemcpyAsync`` come from ``gpu_check.py`` (its ``transfer`` part
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,17 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import BenchParser, best_interleaved, finish, new_result, span
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _common import bench_parser, best_interleaved, finish, span  # noqa: E402
-from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict  # noqa: E402
-
-from kv_offload.copy import cpu_kernel  # noqa: E402
-from kv_offload.copy.plan import SlotLayout  # noqa: E402
-from kv_offload.copy.planes import planes_from_kv_tensor  # noqa: E402
-from kv_offload.copy.torch_engine import TorchCopyEngine  # noqa: E402
-from kv_offload.host_buffer import allocate_host_slots  # noqa: E402
+from kv_offload.copy import cpu_kernel
+from kv_offload.copy.plan import SlotLayout
+from kv_offload.copy.planes import planes_from_kv_tensor
+from kv_offload.copy.torch_engine import TorchCopyEngine
+from kv_offload.host_buffer import allocate_host_slots
 
 CPU_TARGET, CPU_TARGET_LARGE = 0.6, 0.8
 
@@ -53,20 +44,6 @@ class Model:
     def block_bytes(self) -> int:
         """Bytes of one block of every layer (K and V)."""
         return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * self.dtype_bytes
-
-
-@dataclass
-class Case:
-    engine: str
-    chunk_kib: int
-    ids: str
-    direction: str
-    total_mib: float
-    engine_gbps: float
-    memcpy_gbps: float
-    ratio: float
-    target: float
-    detail: str = ""
 
 
 def cpu_target(chunk_kib: int) -> float:
@@ -93,9 +70,6 @@ def chunk_plan(model: Model, chunk_kib: int, total_mib: float) -> tuple[int, int
     return bpc, max(1, int(total_mib * (1 << 20)) // chunk_bytes)
 
 
-# -- torch engine -------------------------------------------------------------------------
-
-
 def cpu_setup(model: Model, bpc: int, n: int):
     num_blocks = max(4 * n * bpc, 64)
     tensors = [torch.ones((num_blocks, model.kv_heads, model.block_size, 2 * model.head_dim),
@@ -108,7 +82,7 @@ def cpu_setup(model: Model, bpc: int, n: int):
 
 
 def bench_torch(model: Model, chunks_kib: list[int], total_mib: float, reps: int,
-                num_threads: int | None) -> list[Case]:
+                num_threads: int | None) -> list[dict]:
     """Every case of every chunk size in one set of interleaved rounds, so that a burst
     of load on the shared machine hits all cases alike instead of the last few."""
     rng = np.random.default_rng(0)
@@ -145,7 +119,7 @@ def bench_torch(model: Model, chunks_kib: list[int], total_mib: float, reps: int
         chunk_kib, pattern, direction = key
         total, base = sizes[chunk_kib]
         t_mem = min(timed[(chunk_kib, b)] for b in base)
-        cases.append(Case(
+        cases.append(dict(
             engine="torch", chunk_kib=chunk_kib, ids=pattern, direction=direction,
             total_mib=total / (1 << 20), engine_gbps=total / seconds / 1e9,
             memcpy_gbps=total / t_mem / 1e9, ratio=t_mem / seconds, target=cpu_target(chunk_kib),
@@ -173,15 +147,13 @@ def streamed_memcpy(src: torch.Tensor, dst: torch.Tensor, threads: int) -> Calla
     return run
 
 
-# -- report -------------------------------------------------------------------------------
-
-
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     """The report's copy-engine section; adds the target row to ``targets``. Rows without
     a target (alternatives an earlier version measured) are left out."""
     results = [r for r in data["results"] if r.get("target") is not None]
     host = data.get("host", {})
-    load = (host.get("loadavg_start") or [None])[0], (host.get("loadavg_end") or [None])[0]
+    machine = data.get("machine", host)  # older JSON: the load average under "host"
+    load = [(machine.get(k) or [None])[0] for k in ("loadavg_start", "loadavg_end")]
 
     def ratios(big: bool) -> str:
         return span([r["ratio"] for r in results
@@ -225,21 +197,18 @@ def plot(results: list[dict], path: Path) -> None:
             ax.plot(*zip(*sorted(pts)), "--" if label.startswith("memcpy") else "-", marker="o",
                     label=label)
         chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"copy engine, {direction}")
+        ax.set(ylabel="GB/s", title=f"copy engine, {direction}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     save(fig, plt, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = bench_parser(__doc__, "toy sizes (seconds)")
+    parser = BenchParser(__doc__, "toy sizes (seconds)")
     parser.add_argument("--chunk-kib", type=int, nargs="+", default=[256, 2048, 8192],
                         help="chunk sizes in KiB (multiples of one block of every layer)")
-    parser.add_argument("--total-mib", type=float, default=64.0,
-                        help="bytes moved per call (default 64 MiB; --quick: 8)")
-    parser.add_argument("--reps", type=int, default=15,
-                        help="interleaved rounds; the fastest of each contender is kept")
+    parser.sized("--total-mib", 64.0, 8.0, "MiB moved per call", type=float)
+    parser.sized("--reps", 15, 3, "interleaved rounds; the fastest of each contender is kept")
     for name, default in (("layers", 16), ("kv-heads", 2), ("head-dim", 64), ("block-size", 32)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--torch-threads", type=int, metavar="N",
@@ -248,23 +217,18 @@ def main(argv: list[str] | None = None) -> dict:
                         help="TorchCopyEngine num_threads (default: the engine's default)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.total_mib = min(args.total_mib, 8.0)
-        args.reps = min(args.reps, 3)
         print("--quick: toy sizes that fit in caches; the ratios are not meaningful")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     model = Model(args.layers, args.kv_heads, args.head_dim, args.block_size)
-    t0, loadavg_start = time.perf_counter(), os.getloadavg()
+    started = time.perf_counter()
+    result = new_result(
+        "copy", args, model=asdict(model),
+        host={"torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+        args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     cases = bench_torch(model, args.chunk_kib, args.total_mib, args.reps, args.copy_threads)
-    return finish({
-        "benchmark": "bench_copy", "model": asdict(model),
-        "host": {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                 "cpus": os.cpu_count(), "loadavg_start": loadavg_start,
-                 "loadavg_end": os.getloadavg()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "seconds": round(time.perf_counter() - t0, 1),
-        "results": [asdict(c) for c in cases],
-    }, args.json, render_section)
+    result["results"] = cases
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":

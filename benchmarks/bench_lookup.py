@@ -1,23 +1,10 @@
 """Scheduler-side cost of lookups and planning as the store grows (10k, 100k, 1M chunks).
 
-Builds, for each size N, an ``OffloadScheduler`` whose CPU index holds N chunks (N slots,
-full) and whose ``DiskIndex`` holds N other chunks (capacity N slots, full), then drives
-it with fake 4k-token requests (16 chunks of 256 tokens, block hashes as vLLM chains
-them) and times, per call, with the median over many requests:
-
-- ``num_matched_tokens`` for a request whose chunks are all in the CPU tier, all only
-  on disk, or missing (us per chunk; per request for the miss);
-- ``plan_load`` + ``plan_step`` that turn a hit into a LoadJob (disk hits stage into the
-  full CPU tier, so each evicts an LRU entry), and the ``on_report`` that completes it;
-- ``plan_step`` that plans the store of 16 new chunks into full tiers (a CPU and a disk
-  eviction per chunk), and the ``on_report`` that publishes and commits them;
-- ``plan_step`` of a decode step of 16 running requests with nothing new to store
-  (us per request: the cost every engine step pays).
-
-Target (docs/benchmarks.md): lookup <= 5 us per chunk at 1M chunks; lookup and planning
-cost flat as N grows (the 1M figure within 2x of the 10k one), checked for every cost the
-scheduler thread pays: lookups, load and store planning, store commits and the batched
-LRU access flush that plan_step runs every 2 s.
+An ``OffloadScheduler`` over a full CPU index and a full ``DiskIndex`` of N chunks each,
+driven with fake 4k-token requests: lookups (CPU hit, disk hit, miss), load and store
+planning and their completion, the batched LRU access flush, and a decode step's
+``plan_step``; medians per call. Targets: lookup <= 5 us per chunk at 1M chunks, and
+every cost flat (1M within 2x of 10k). The method in full: templates/lookup.md.
 
     python benchmarks/bench_lookup.py --quick --json /tmp/lookup.json   # 10k only, seconds
     python benchmarks/bench_lookup.py --json lookup.json                # 10k, 100k, 1M
@@ -26,8 +13,6 @@ LRU access flush that plan_step runs every 2 s.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import shutil
 import statistics
@@ -37,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import bench_parser, command_line, finish
+from _common import BenchParser, csv, finish, new_result, workdir
 from _markdown import Targets, fill, fmt, table
 
 from kv_offload.disk import DiskIndex
@@ -121,25 +106,20 @@ class Bench:
 
     # -- measurements: each returns seconds per call -------------------------------------
 
-    def lookup(self, groups: list[list[bytes]], expected: int) -> float:
-        req = self.request(self.rng.choice(groups))
+    def lookup(self, groups: list[list[bytes]] | None) -> float:
+        """One lookup of a random stored group (all hit), or of new keys (``None``: miss)."""
+        keys = self.rng.choice(groups) if groups else self.new_keys()
+        req = self.request(keys)
         start = time.perf_counter()
         hit = self.sched.num_matched_tokens(req, 0)
         elapsed = time.perf_counter() - start
         self.sched.request_finished(req.request_id)
-        if hit != expected:
-            raise RuntimeError(f"lookup bench: expected {expected} hit tokens, got {hit}")
+        if hit != (CHUNKS_PER_REQUEST * CHUNK_TOKENS if groups else 0):
+            raise RuntimeError(f"lookup bench: {hit} hit tokens, groups given: {bool(groups)}")
         return elapsed
 
-    def miss(self) -> float:
-        req = self.request([self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)])
-        start = time.perf_counter()
-        hit = self.sched.num_matched_tokens(req, 0)
-        elapsed = time.perf_counter() - start
-        self.sched.request_finished(req.request_id)
-        if hit:
-            raise RuntimeError("lookup bench: a random request hit")
-        return elapsed
+    def new_keys(self) -> list[bytes]:
+        return [self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)]
 
     def load(self, groups: list[list[bytes]]) -> tuple[float, float]:
         """(plan_load + plan_step, on_report) seconds for one request's 16-chunk hit."""
@@ -158,7 +138,7 @@ class Bench:
 
     def store(self) -> tuple[float, float]:
         """(plan_step, on_report) seconds to store a request's 16 new chunks."""
-        req = self.request([self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)])
+        req = self.request(self.new_keys())
         self.sched.num_matched_tokens(req, 0)
         start = time.perf_counter()
         (job,) = self.sched.plan_step([(req.request_id, req.num_tokens)]).stores
@@ -173,8 +153,7 @@ class Bench:
     def decode_steps(self, num_requests: int, num_steps: int) -> list[float]:
         """Seconds per plan_step over ``num_requests`` running requests whose chunks are
         all stored already (decode steps: nothing new to plan)."""
-        reqs = [self.request([self.rng.randbytes(32) for _ in range(CHUNKS_PER_REQUEST)])
-                for _ in range(num_requests)]
+        reqs = [self.request(self.new_keys()) for _ in range(num_requests)]
         for req in reqs:
             self.sched.num_matched_tokens(req, 0)
         plan = self.sched.plan_step([(r.request_id, r.num_tokens) for r in reqs])
@@ -207,14 +186,12 @@ def measure(n: int, calls: int, base: Path, seed: int) -> dict:
     bench = Bench(n, root, random.Random(seed))
     try:
         per = CHUNKS_PER_REQUEST
-        full = per * CHUNK_TOKENS
         row = {"num_chunks": n, "fill_cpu_s": round(bench.fill_cpu_s, 2),
                "fill_disk_s": round(bench.fill_disk_s, 2)}
-        row["lookup_cpu_us_per_chunk"] = median_us(
-            [bench.lookup(bench.cpu_groups, full) for _ in range(calls)], per)
-        row["lookup_disk_us_per_chunk"] = median_us(
-            [bench.lookup(bench.disk_groups, full) for _ in range(calls)], per)
-        row["lookup_miss_us_per_request"] = median_us([bench.miss() for _ in range(calls)])
+        for key, groups, div in (("lookup_cpu_us_per_chunk", bench.cpu_groups, per),
+                                 ("lookup_disk_us_per_chunk", bench.disk_groups, per),
+                                 ("lookup_miss_us_per_request", None, 1)):
+            row[key] = median_us([bench.lookup(groups) for _ in range(calls)], div)
         flush = time.perf_counter()
         bench.disk.flush_access()  # the accesses of the lookups above, batched
         row["access_flush_us_per_chunk"] = round(
@@ -277,53 +254,38 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     for v in data["verdicts"]:
         targets.add(f"Scheduler: {v['target']}", v["value"], f"<= {v['limit']}", v["pass"],
                     "bench_lookup")
-    return fill("lookup", chunks_per_request=data["chunks_per_request"],
-                chunk_tokens=data["chunk_tokens"], calls=data["calls"],
-                table="\n".join(table(["chunks", *names], rows)))
+    return fill("lookup", data, table="\n".join(table(["chunks", *names], rows)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = bench_parser(__doc__, "10k chunks only, fewer calls")
-    parser.add_argument("--sizes", type=str, default=None,
-                        help="comma-separated store sizes in chunks (default 10000,100000,1000000)")
-    parser.add_argument("--calls", type=int, default=None,
-                        help="timed calls per figure (default 2000, --quick 200)")
-    parser.add_argument("--dir", type=Path, default=None, help="where the LMDB index goes")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = BenchParser(__doc__, "10k chunks only, fewer calls")
+    parser.sized("--sizes", "10000,100000,1000000", "10000",
+                 "comma-separated store sizes in chunks", type=str)
+    parser.sized("--calls", 2000, 200, "timed calls per figure")
+    parser.add_workdir()
     args = parser.parse_args(argv)
-    sizes = args.sizes or ("10000" if args.quick else "10000,100000,1000000")
-    args.sizes = sorted(int(s) for s in sizes.split(","))
+    args.sizes = sorted(csv(args.sizes))
     if min(args.sizes) < 4 * CHUNKS_PER_REQUEST:
         parser.error(f"--sizes: each size must be >= {4 * CHUNKS_PER_REQUEST} chunks")
-    args.calls = args.calls or (200 if args.quick else 2000)
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-lookup-", dir=args.dir))
+    base = workdir(args, "lookup")
     started = time.perf_counter()
+    result = new_result("lookup", args, chunk_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
+                        chunks_per_request=CHUNKS_PER_REQUEST, calls=args.calls,
+                        target_us_per_chunk=TARGET_US_PER_CHUNK, flat_factor=FLAT_FACTOR,
+                        results=[])
     try:
-        result = {
-            "bench": "lookup",
-            "command": command_line(),
-            "quick": args.quick,
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "loadavg_start": os.getloadavg()},
-            "chunk_tokens": CHUNK_TOKENS, "block_size": BLOCK_SIZE,
-            "chunks_per_request": CHUNKS_PER_REQUEST, "calls": args.calls,
-            "target_us_per_chunk": TARGET_US_PER_CHUNK, "flat_factor": FLAT_FACTOR,
-            "results": [],
-        }
         for i, n in enumerate(args.sizes):
-            result["results"].append(measure(n, args.calls, base, args.seed + i))
+            result["results"].append(measure(n, args.calls, base, seed=i))
             print(f"  {n} chunks done ({time.perf_counter() - started:.0f} s)", flush=True)
         result["verdicts"] = verdicts(result["results"])
-        result["machine"]["loadavg_end"] = os.getloadavg()
-        result["seconds"] = round(time.perf_counter() - started, 1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return finish(result, args.json, render_section)
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,12 @@
 """What our connector costs when nothing is reused or every request stores, and what it
 gains with 50% reuse.
 
-Three engines of the same process kind run side by side: plain vLLM (no connector),
-vLLM with kv-offload (CPU and disk tier on, generated tokens stored too, chunks of 64
-tokens) copying stores synchronously at the end of the step (``ours``), and the same with
-``cpu_background_stores=True`` (``ours_bg``: copies on a store thread, overlapping the
-next forward). Each round gives all three the same batches, rotating which one goes
-first, and every round uses new prompts:
-
-  no_reuse   32 distinct prompts of 1k tokens (+16-token suffix), 8 output tokens each:
-             everything is computed, and ours also stores every chunk to CPU and disk
-  reuse_50   after reset_prefix_cache() on both: 16 prompts repeat a prefix of this
-             round's no_reuse batch with a new suffix, 16 are new. vLLM's own cache
-             was reset (as if evicted), so plain recomputes them; ours loads them
-  store_heavy 16 prompts of 3 chunks + 0..63 tokens (staggered, so that decode steps
-             complete chunks all the time), 192 output tokens each: ours stores every
-             prompt and generated chunk while decoding
-
-Throughput is (prompt + output tokens) / wall seconds of the batch; TTFT is vLLM's
-per-request first_token_latency (queueing included, all requests arrive at once).
-Before each batch the other engine gets SETTLE_S to stop spinning (see _engine.Turns).
-Ratios ours/plain are taken per round (paired) and the median is reported. Targets
-(issue 15): no_reuse and store_heavy throughput >= 0.97x plain.
+Plain vLLM, ours (synchronous store copies) and ours_bg (``cpu_background_stores``) side
+by side, the same batches each round in rotating order (``_engine.Turns``), new prompts
+every round; workloads no_reuse, reuse_50 (after reset_prefix_cache) and store_heavy
+(staggered long prompts, generated tokens stored). Throughput and mean TTFT per batch,
+ratios paired per round (median). Targets: no_reuse and store_heavy throughput >= 0.97x
+plain. The method in full: templates/overhead.md.
 
     python benchmarks/bench_overhead.py --quick --json /tmp/overhead.json
     python benchmarks/bench_overhead.py --json overhead.json          # ~10 min, 2 cores
@@ -34,12 +19,11 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import add_engine_flags, bench_parser, command_line, finish
+from _common import BenchParser, add_engine_flags, finish, new_result, rotated, workdir
 from _engine import Turns, benchmark_env
 from _markdown import Targets, fill, fmt, table
 
@@ -58,6 +42,8 @@ WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
 CONTENDERS = ("plain", "ours", "ours_bg")
 VARIANTS = {"ours": False, "ours_bg": True}  # name -> cpu_background_stores
 GRADED = ("no_reuse", "store_heavy")
+PAIRS = (  # (numerator, denominator, key suffix) of the ratios paired per round
+    ("ours", "plain", ""), ("ours_bg", "plain", "_bg"), ("ours_bg", "ours", "_bg_vs_sync"))
 
 
 def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -70,10 +56,9 @@ def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
 
     n, h = args.num_prompts, args.heavy_prompts
     no_reuse = [prefix(i) + suffix(i, 0) for i in range(n)]
-    reuse = []
-    for i in range(n):  # alternate: a repeated prefix with a new suffix, then a new prompt
-        reuse.append(prefix(i // 2) + suffix(i // 2, 1) if i % 2 == 0
-                     else prefix(n + i) + suffix(n + i, 0))
+    # reuse_50 alternates: a prefix of no_reuse with a new suffix, then a new prompt
+    reuse = [prefix(i // 2) + suffix(i // 2, 1) if i % 2 == 0 else prefix(n + i) + suffix(n + i, 0)
+             for i in range(n)]
     # lengths spread over one chunk: requests complete their chunks on different steps
     heavy = [make_prompt(args.heavy_prompt_tokens + i * args.chunk_tokens // h,
                          seed=900_000 + round_ * 1000 + i) for i in range(h)]
@@ -102,7 +87,7 @@ def run_rounds(args: argparse.Namespace, engines: dict[str, EngineProcess],
                   "store_heavy": args.heavy_max_tokens}
     for r in range(args.rounds):
         batches = prompts_for(r, args)
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = rotated(names, r)
         row: dict[str, Any] = {"round": r, "order": order}
         for workload in args.workloads:
             if workload == "reuse_50":
@@ -142,15 +127,11 @@ def summarize(rounds: list[dict], workloads: list[str]) -> dict[str, dict[str, A
             for key in ("external_hit_tokens", "chunks_stored"):
                 counts = [x[name].get(key) for x in rows]
                 summary[name][key] = None if None in counts else int(sum(counts))
-        for num, den, suffix in (("ours", "plain", ""), ("ours_bg", "plain", "_bg"),
-                                 ("ours_bg", "ours", "_bg_vs_sync")):
+        for num, den, suffix in PAIRS:
             summary["throughput_ratio" + suffix] = paired(rows, "throughput_tok_s", num, den)
             summary["ttft_ratio" + suffix] = paired(rows, "mean_ttft_s", num, den)
         out[workload] = summary
     return out
-
-
-RATIO_ROWS = (("ours/plain", ""), ("ours_bg/plain", "_bg"), ("ours_bg/ours", "_bg_vs_sync"))
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
@@ -162,8 +143,8 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
             ttft = e["mean_ttft_s"] and e["mean_ttft_s"] * 1e3
             rows.append([workload, name, fmt(e["throughput_tok_s"], ".0f"), fmt(ttft, ".0f"),
                          e["external_hit_tokens"], fmt(e.get("chunks_stored"), ".0f"), ""])
-        for label, suffix in RATIO_ROWS:
-            rows.append([workload, label, fmt(s["throughput_ratio" + suffix]),
+        for num, den, suffix in PAIRS:
+            rows.append([workload, f"{num}/{den}", fmt(s["throughput_ratio" + suffix]),
                          fmt(s["ttft_ratio" + suffix]), "", "", "paired per round, median"])
     for v in data["verdicts"]:
         targets.add(v["target"], v["value"], f">= {v['limit']}", v["pass"], "bench_overhead")
@@ -174,42 +155,27 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     load = data["machine"]
     header = ["workload", "engine", "tokens/s", "mean TTFT (ms)", "external hit tokens",
               "chunks stored (CPU)", "note"]
-    return fill("overhead", num_prompts=data["num_prompts"], prompt_tokens=data["prompt_tokens"],
-                suffix_tokens=data["suffix_tokens"], max_tokens=data["max_tokens"],
-                heavy_prompts=data["heavy_prompts"],
-                heavy_prompt_tokens=data["heavy_prompt_tokens"],
-                heavy_max_tokens=data["heavy_max_tokens"], ours_config=data["ours_config"],
-                rounds=data["rounds"], env=data["env"],
-                topology="one process per engine (--in-process)" if data["in_process"]
-                else "vLLM's default engine processes",
-                command=data["command"],
-                loadavg=" -> ".join(f"{x:.2f}" for x in (load["loadavg_start"][0],
-                                                          load["loadavg_end"][0])),
+    return fill("overhead", data, topology="one process per engine (--in-process)"
+                if data["in_process"] else "vLLM's default engine processes",
+                loadavg=f"{load['loadavg_start'][0]:.2f} -> {load['loadavg_end'][0]:.2f}",
                 bg_vs_sync=", ".join(f"{w} {fmt(v)}" for w, v in sync.items()),
                 table="\n".join(table(header, rows)),
                 notes="\n\n".join(data.get("notes", [])))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = bench_parser(__doc__, "smoke test: 4 prompts of 256 tokens, one round")
-    parser.add_argument("--num-prompts", type=int, default=None, help="default 32")
-    parser.add_argument("--prompt-tokens", type=int, default=None,
-                        help="prefix tokens per prompt (default 1024)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="output tokens (default 8)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 6)")
-    parser.add_argument("--heavy-prompts", type=int, default=None,
-                        help="store_heavy: prompts per batch (default 16)")
-    parser.add_argument("--heavy-prompt-tokens", type=int, default=None,
-                        help="store_heavy: shortest prompt (default 3 chunks); the others "
-                             "are longer by up to one chunk")
-    parser.add_argument("--heavy-max-tokens", type=int, default=None,
-                        help="store_heavy: output tokens (default 192)")
+    parser = BenchParser(__doc__, "smoke test: 4 prompts of 256 tokens, one round")
+    parser.sized("--num-prompts", 32, 4, "prompts per batch")
+    parser.sized("--prompt-tokens", 1024, 256, "prefix tokens per prompt")
+    parser.sized("--max-tokens", 8, 4, "output tokens")
+    parser.sized("--rounds", 6, 1, "interleaved rounds")  # each engine first as often
+    parser.sized("--heavy-prompts", 16, 2, "store_heavy: prompts per batch")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated subset to run (reuse_50 needs no_reuse)")
     parser.add_argument("--chunk-tokens", type=int, default=64,
                         help="kv-offload's chunk_tokens (default 64)")
     add_engine_flags(parser)
-    parser.add_argument("--dir", type=Path, default=None, help="where the store and logs go")
+    parser.add_workdir()
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     args.workloads = [w for w in WORKLOADS if w in names]
@@ -217,15 +183,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             or ("reuse_50" in args.workloads and "no_reuse" not in args.workloads)):
         parser.error(f"--workloads: a non-empty subset of {','.join(WORKLOADS)}; reuse_50 "
                      "repeats prefixes of no_reuse, so it needs no_reuse too")
-    args.num_prompts = args.num_prompts or (4 if args.quick else 32)
-    args.prompt_tokens = args.prompt_tokens or (256 if args.quick else 1024)
-    args.max_tokens = args.max_tokens or (4 if args.quick else 8)
-    args.rounds = args.rounds or (1 if args.quick else 6)  # each engine first as often
-    args.heavy_prompts = args.heavy_prompts or (2 if args.quick else 16)
-    args.heavy_prompt_tokens = args.heavy_prompt_tokens or (
-        args.chunk_tokens if args.quick else 3 * args.chunk_tokens)
-    args.heavy_max_tokens = args.heavy_max_tokens or (2 * args.chunk_tokens if args.quick
-                                                      else 192)
+    # store_heavy: prompts of 3 chunks (--quick 1) + up to one more, 192 output tokens
+    args.heavy_prompt_tokens = args.chunk_tokens * (1 if args.quick else 3)
+    args.heavy_max_tokens = 2 * args.chunk_tokens if args.quick else 192
     args.in_process = args.in_process or args.quick
     return args
 
@@ -244,7 +204,7 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-overhead-", dir=args.dir))
+    base = workdir(args, "overhead")
     ours_cfg = {"cpu_size": "1GiB", "disk_size": "4GiB", "chunk_tokens": args.chunk_tokens,
                 "store_generated": True}
     transfers = {"plain": None, **{  # each variant has a store of its own: no shared hits
@@ -277,25 +237,17 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             print(f"bench_overhead failed; engine logs kept in {base / 'logs'}", file=sys.stderr)
     summary = summarize(rounds, args.workloads)
-    result = {
-        "bench": "overhead",
-        "command": command_line(),
-        "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "loadavg_start": loadavg_start,
-                    "loadavg_end": os.getloadavg()},
-        "model": {"name": "test default", "path": str(model)},
-        "engine": engine, "env": env, "in_process": args.in_process,
-        "ours_config": ours_cfg, "variants": {n: {"cpu_background_stores": b}
-                                              for n, b in VARIANTS.items()},
-        "num_prompts": args.num_prompts, "prompt_tokens": args.prompt_tokens,
-        "suffix_tokens": SUFFIX_TOKENS, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "heavy_prompts": args.heavy_prompts, "heavy_prompt_tokens": args.heavy_prompt_tokens,
-        "heavy_max_tokens": args.heavy_max_tokens, "workloads": args.workloads,
-        "startup_s": {name: e.startup_s for name, e in engines.items()},
-        "per_round": rounds, "summary": summary, "verdicts": verdicts(summary),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-    return finish(result, args.json, render_section)
+    result = new_result(
+        "overhead", args, model={"name": "test default", "path": str(model)}, engine=engine,
+        env=env, in_process=args.in_process, ours_config=ours_cfg,
+        variants={n: {"cpu_background_stores": b} for n, b in VARIANTS.items()},
+        **{k: getattr(args, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "rounds",
+                                         "heavy_prompts", "heavy_prompt_tokens",
+                                         "heavy_max_tokens", "workloads")},
+        suffix_tokens=SUFFIX_TOKENS, startup_s={name: e.startup_s for name, e in engines.items()},
+        per_round=rounds, summary=summary, verdicts=verdicts(summary))
+    result["machine"]["loadavg_start"] = loadavg_start
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,11 @@
 """Remote tier (Redis/Valkey) benchmarks, next to the disk tier, in one run on one machine.
 
-A throwaway ``redis-server`` is started on loopback (stopped again whatever happens):
-
-1. I/O: store and load N chunks of 256 KiB, 2 MiB and 8 MiB with 1 and 4 threads:
-   ``RemoteTier.write`` / ``read_into`` on ``connect_redis``'s client (ours) against raw
-   SET/GET of the same bytes and the disk tier's ``SlabFile``; GB/s and the client's CPU
-   seconds and page faults per GB, the best of the runs.
-2. Lookup of 16, 64 and 256 keys, all present or none (standalone and a 3-node cluster),
-   and the scheduler thread's time per request with ``RemoteLookups`` against the
-   synchronous lookup, with the server direct and behind a slow proxy.
-3. TTFT with a slow server (``_remote_ttft``): remote tier behind a proxy holding each
-   reply 50-200 ms against no remote tier, side by side.
-4. TTFT: one engine with ``remote_url`` and no disk tier, cold against the same prompts
-   after ``reset_prefix_cache(reset_connector=True)`` (loaded from Redis); the script
-   fails when the tokens differ. --quick runs the engine in one process (faster start,
-   not the default topology: its remote TTFT means nothing).
-
-What each figure means is in templates/remote*.md (the report's prose).
+On a throwaway loopback ``redis-server``: store/load GB/s and client CPU of ours against
+raw SET/GET and the disk slab; lookup latency (standalone and a 3-node cluster) and the
+scheduler thread's time with ``RemoteLookups`` (``_remote_lookups``); TTFT loading from
+Redis against cold prefill, and with a slow server against no remote tier
+(``_remote_ttft``). --quick runs the engine in one process (its remote TTFT means
+nothing). The method in full: templates/remote*.md.
 
     python benchmarks/bench_remote.py --quick --json /tmp/remote.json   # ~1 min
     python benchmarks/bench_remote.py --json remote.json                # ~5 min, 2 cores
@@ -25,9 +14,6 @@ What each figure means is in templates/remote*.md (the report's prose).
 from __future__ import annotations
 
 import argparse
-import mmap
-import os
-import platform
 import resource
 import shutil
 import sys
@@ -35,30 +21,40 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import bench_parser, command_line, finish, span  # noqa: E402
-from _markdown import Targets, chunk_axis, fill, fmt, pyplot, table  # noqa: E402
-from _remote_lookups import (  # noqa: E402
+from _common import (
+    BenchParser,
+    KiB,
+    MiB,
+    chunk_views,
+    csv,
+    finish,
+    fsync_files,
+    new_result,
+    package_version,
+    prefaulted,
+    rotated,
+    span,
+    workdir,
+)
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table
+from _remote_lookups import (
     bench_cluster_lookup,
     bench_lookup,
     bench_scheduler_thread,
     chunk_keys,
     lookup_lines,
 )
-from _remote_ttft import bench_ttft, slow_ttft, slow_ttft_lines, ttft_lines, warn_hits  # noqa: E402
+from _remote_ttft import engine_parts, slow_ttft_lines, ttft_lines
 
-from kv_offload.disk import SlabFile  # noqa: E402
-from kv_offload.remote.tier import RemoteTarget, RemoteTier, connect_redis  # noqa: E402
-from kv_offload.remote.values import HEADER_BYTES, ValueCheck  # noqa: E402
-from kv_offload.testing.redis_server import RedisServer, server_binary  # noqa: E402
+from kv_offload.disk import SlabFile
+from kv_offload.remote.tier import RemoteTarget, RemoteTier, connect_redis
+from kv_offload.remote.values import HEADER_BYTES, ValueCheck
+from kv_offload.testing.redis_server import RedisServer, server_binary
 
-KiB, MiB = 1 << 10, 1 << 20
 NAMESPACE = "bench"
 KINDS = {  # I/O contender -> label
     "remote": "ours (hiredis parser + zero-copy packer)",
@@ -73,56 +69,36 @@ RATIO_COLUMNS = (  # io_ratios key -> column header
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = bench_parser(__doc__)
-    parser.add_argument("--chunk-kib", type=str, default="256,2048,8192",
+    parser = BenchParser(__doc__)
+    parser.add_argument("--chunk-kib", type=csv, default=[256, 2048, 8192],
                         help="comma-separated chunk sizes in KiB (default 256,2048,8192)")
-    parser.add_argument("--threads", type=str, default="1,4",
+    parser.add_argument("--threads", type=csv, default=[1, 4],
                         help="comma-separated I/O thread counts (default 1,4)")
-    parser.add_argument("--total-mib", type=int, default=None,
-                        help="bytes moved per chunk size and contender (default 256, --quick 16)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help="runs per I/O contender, fastest kept (default 3, --quick 1)")
-    parser.add_argument("--lookup-keys", type=str, default="16,64,256",
+    parser.sized("--total-mib", 256, 16, "bytes moved per chunk size and contender")
+    parser.sized("--repeat", 3, 1, "runs per I/O contender, fastest kept")
+    parser.add_argument("--lookup-keys", type=csv, default=[16, 64, 256],
                         help="comma-separated keys per lookup (default 16,64,256)")
-    parser.add_argument("--lookup-calls", type=int, default=None,
-                        help="lookups per figure (default 1000, --quick 100)")
-    parser.add_argument("--lengths", type=str, default=None,
-                        help="TTFT prefix lengths in tokens, multiples of 256 "
-                             "(default 2048,4096; --quick 256,512)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="TTFT rounds (cold pass + remote pass; default 5, --quick 1)")
+    parser.sized("--lookup-calls", 1000, 100, "lookups per figure")
+    parser.sized("--lengths", "2048,4096", "256,512",
+                 "TTFT prefix lengths in tokens, multiples of 256", type=str)
+    parser.sized("--rounds", 5, 1, "TTFT rounds (cold pass + remote pass)")
     parser.add_argument("--no-engine", action="store_true", help="skip the TTFT parts")
     parser.add_argument("--no-slow-ttft", action="store_true",
                         help="skip the slow-server TTFT (two more engines)")
-    parser.add_argument("--maxmemory", type=str, default=None,
-                        help="the Redis server's maxmemory (default 4gb, --quick 512mb)")
+    parser.sized("--maxmemory", "4gb", "512mb", "the Redis server's maxmemory", type=str)
     parser.add_argument("--timeout-s", type=float, default=10.0,
                         help="RemoteTier timeout per call (default 10: a slow benchmark "
                              "call must not trip the tier's backoff)")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where the disk slabs, the server and the engine run go "
-                             "(default: a temp dir under $TMPDIR)")
     parser.add_argument("--in-process", action="store_true",
                         help="engine in one process (the default with --quick)")
-    parser.add_argument("--keep", action="store_true", help="keep the temp dir (engine log)")
+    parser.add_workdir(keep="keep the temporary files (engine log)")
     args = parser.parse_args(argv)
-    args.chunks = [int(x) * KiB for x in args.chunk_kib.split(",")]
-    args.thread_counts = [int(x) for x in args.threads.split(",")]
-    args.total_mib = args.total_mib or (16 if args.quick else 256)
-    args.repeat = args.repeat or (1 if args.quick else 3)
-    args.lookup_sizes = [int(x) for x in args.lookup_keys.split(",")]
-    args.lookup_calls = args.lookup_calls or (100 if args.quick else 1000)
-    lengths = args.lengths or ("256,512" if args.quick else "2048,4096")
-    args.lengths = sorted(int(x) for x in lengths.split(","))
-    args.rounds = args.rounds or (1 if args.quick else 5)
-    args.maxmemory = args.maxmemory or ("512mb" if args.quick else "4gb")
+    args.chunks = [x * KiB for x in args.chunk_kib]
+    args.lengths = sorted(csv(args.lengths))
     args.in_process = args.in_process or args.quick
     if max(args.chunks) > args.total_mib * MiB:
         parser.error("--total-mib must hold at least one chunk of the largest size")
     return args
-
-
-# -- helpers ----------------------------------------------------------------------------------
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float, int]:
@@ -133,17 +109,6 @@ def timed(fn: Callable[[], object]) -> tuple[float, float, int]:
     fn()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-
-
-def prefaulted(nbytes: int) -> np.ndarray:
-    arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
-    arr[:] = 1
-    return arr
-
-
-def views(buf: np.ndarray, chunk: int) -> list[memoryview]:
-    view = memoryview(buf)
-    return [view[i : i + chunk] for i in range(0, buf.nbytes - chunk + 1, chunk)]
 
 
 def client_name(client: Any) -> str:
@@ -221,37 +186,29 @@ def run_disk(root: Path, srcs: list[memoryview], dsts: list[memoryview], chunk: 
 
     try:
         out = {"store": timed(store), "load": timed(load)}
-        fd = os.open(slab.path, os.O_RDONLY)
-        try:  # evict the slab's pages: the next load reads the device
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        fsync_files([slab.path], evict=True)  # the next load reads the device
         out["load_cold"] = timed(load)
         return out
     finally:
         slab.close()
 
 
-def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: Path
+def bench_io(args: argparse.Namespace, url: str, client: Any, base: Path
              ) -> list[dict]:
     total = args.total_mib * MiB
     src = prefaulted(total)
     src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
     dst = prefaulted(total)
-    flush = clients["remote"].flushall
     rows = []
     for chunk in args.chunks:
         count = total // chunk
-        srcs, dsts = views(src, chunk), views(dst, chunk)
+        srcs, dsts = chunk_views(src, chunk), chunk_views(dst, chunk)
         nbytes = count * chunk
         best: dict[tuple[str, int], dict] = {}
         for rep in range(args.repeat):
-            for threads in args.thread_counts:
-                order = list(KINDS)
-                order = order[rep % len(order):] + order[: rep % len(order)]  # rotate
+            for threads in args.threads:
                 with ThreadPoolExecutor(threads) as pool:
-                    for kind in order:
+                    for kind in rotated(list(KINDS), rep):
                         tag = f"{kind}-{chunk}-{threads}-{rep}"
                         dst[:nbytes] = 0
                         work = Path(tempfile.mkdtemp(dir=base))
@@ -259,20 +216,20 @@ def bench_io(args: argparse.Namespace, url: str, clients: dict[str, Any], base: 
                             if kind == "disk":
                                 times = run_disk(work, srcs, dsts, chunk, pool)
                             elif kind == "raw":
-                                times = run_raw(clients["remote"], srcs, dsts, tag, pool)
+                                times = run_raw(client, srcs, dsts, tag, pool)
                             else:
-                                times = run_remote(clients[kind], url, args.timeout_s, srcs,
+                                times = run_remote(client, url, args.timeout_s, srcs,
                                                    dsts, chunk, tag, pool)
                         finally:
                             shutil.rmtree(work, ignore_errors=True)
                             if kind != "disk":
-                                flush()
+                                client.flushall()
                         if not np.array_equal(dst[:nbytes], src[:nbytes]):
                             raise RuntimeError(f"{tag}: loaded bytes differ from stored bytes")
                         old = best.get((kind, threads), times)  # lowest of each figure
                         best[(kind, threads)] = {k: tuple(map(min, v, old[k]))
                                                  for k, v in times.items()}
-        for threads in args.thread_counts:
+        for threads in args.threads:
             for kind, label in KINDS.items():
                 times = best[(kind, threads)]
                 row = {"chunk": chunk, "threads": threads, "kind": kind, "contender": label,
@@ -305,19 +262,15 @@ def io_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-# -- report ----------------------------------------------------------------------------------
-
-
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     """The report's remote-tier section: ours against raw SET/GET and the disk tier,
     lookups, TTFT, then what an earlier version measured (templates/remote_history.md)."""
     server, versions, load = data["server"], data["versions"], data["machine"]
     io = [r for r in data["io"] if r["kind"] in KINDS]  # older JSON has more contenders
-    lines = fill("remote", server_version=server.get("version", "?"),
+    lines = fill("remote", data, server_version=server.get("version", "?"),
                  maxmemory=server.get("maxmemory", "?"), redis=versions.get("redis", "?"),
-                 hiredis=versions.get("hiredis", "?"), io_total_mib=data["io_total_mib"],
-                 repeat=data["repeat"], header_bytes=data.get("header_bytes", HEADER_BYTES),
-                 client_remote=data["clients"]["remote"],
+                 hiredis=versions.get("hiredis", "?"), client_remote=data["clients"]["remote"],
+                 header_bytes=data.get("header_bytes", HEADER_BYTES),
                  load_start=fmt(load["loadavg_start"][0], ".1f"),
                  load_end=fmt(load["loadavg_end"][0], ".1f"))
     lines += table(["chunk KiB", "threads", "contender", "store GB/s", "load GB/s",
@@ -327,12 +280,8 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
                                                       "store_cpu_s_per_gb", "load_cpu_s_per_gb")]]
                     for r in io])
 
-    def col(key: str) -> str:
-        return span([r[key] for r in data["io_ratios"] if isinstance(r.get(key), (int, float))])
-
-    lines += fill("remote_words", raw_store=col("ours_vs_raw_store"),
-                  raw_load=col("ours_vs_raw_load"), disk_store=col("remote_vs_disk_store"),
-                  disk_load=col("remote_vs_disk_load"), disk_cold=col("remote_vs_disk_cold_load"),
+    lines += fill("remote_words", **{k: span([r.get(k) for r in data["io_ratios"]])
+                                     for k, _ in RATIO_COLUMNS},
                   table="\n".join(table(
                       ["chunk KiB", "threads", *[name for _, name in RATIO_COLUMNS]],
                       [[r["chunk"] // KiB, r["threads"], *[fmt(r.get(k), ".2f")
@@ -363,106 +312,62 @@ def plot(io: list[dict], path: Path) -> None:
                     label=f"{contender}, {thr} thr",
                     linewidth=2.5 if contender.startswith("ours (") else 1.2)
         chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
-        ax.set_ylabel("GB/s")
-        ax.set_yscale("log")  # disk runs several times faster than every remote contender
+        ax.set(ylabel="GB/s", yscale="log", title=f"remote tier vs disk tier, {title}")
+        # log scale: disk runs several times faster than every remote contender
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_title(f"remote tier vs disk tier, {title}")
         ax.grid(True, alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(threads), fontsize=7)
     rows_in_legend = -(-len(handles) // max(1, len(threads)))
-    fig.tight_layout(rect=(0, min(0.4, 0.035 * rows_in_legend + 0.01), 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)  # not _markdown.save: its tight_layout drops the legend's room
-    plt.close(fig)
-
-
-# -- main -------------------------------------------------------------------------------------
-
-
-def versions() -> dict[str, str]:
-    out = {}
-    for dist in ("redis", "hiredis"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
+    save(fig, plt, path, rect=(0, min(0.4, 0.035 * rows_in_legend + 0.01), 1, 1))
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if server_binary() is None:
         sys.exit("bench_remote: redis-server not found (apt-get install redis-server)")
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-remote-", dir=args.dir))
+    base = workdir(args, "remote")
     started = time.perf_counter()
     server = RedisServer(base / "redis", maxmemory=args.maxmemory)
-    clients: dict[str, Any] = {}
-    result: dict[str, Any] = {
-        "bench": "remote", "command": command_line(),
-        "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "loadavg_start": os.getloadavg()},
-        "io_total_mib": args.total_mib, "repeat": args.repeat, "timeout_s": args.timeout_s,
-        "header_bytes": HEADER_BYTES, "versions": versions(),
-    }
-    failed = False
+    client: Any = None
+    result = new_result("remote", args, io_total_mib=args.total_mib, repeat=args.repeat,
+                        timeout_s=args.timeout_s, header_bytes=HEADER_BYTES,
+                        versions={d: package_version(d) for d in ("redis", "hiredis")})
+    failed: str | None = None
     try:
         server.start()
-        target = RemoteTarget(server.url)
-        clients = {"remote": connect_redis(target, args.timeout_s)}
-        info = clients["remote"].info("server")
+        client = connect_redis(RemoteTarget(server.url), args.timeout_s)
+        info = client.info("server")
         result["server"] = {"version": info.get("redis_version"), "maxmemory": args.maxmemory,
                             "binary": server_binary()}
-        result["clients"] = {kind: client_name(client) for kind, client in clients.items()}
+        result["clients"] = {"remote": client_name(client)}
         if result["versions"]["hiredis"] == "not installed":
             print("WARNING: hiredis is not installed: the client parses with redis-py's "
                   "Python parser", file=sys.stderr, flush=True)
-        for client in clients.values():
-            warm_connections(client, max(args.thread_counts))
+        warm_connections(client, max(args.threads))
         print(f"redis-server {result['server']['version']} at {server.url}; clients "
               f"{result['clients']}", flush=True)
-        result["io"] = bench_io(args, server.url, clients, base)
+        result["io"] = bench_io(args, server.url, client, base)
         result["io_ratios"] = io_ratios(result["io"])
-        result["lookup"] = bench_lookup(args, server.url, clients["remote"])
+        result["lookup"] = bench_lookup(args, server.url, client)
         result["lookup_cluster"] = bench_cluster_lookup(args, base / "cluster")
         print("  lookups done", flush=True)
         result["scheduler_thread"] = bench_scheduler_thread(args, server.port)
         print("  scheduler thread with slow servers done", flush=True)
-        if args.no_engine:
-            result["ttft"] = {"error": "skipped (--no-engine)"}
-        else:
-            try:
-                result["ttft"] = bench_ttft(args, server.url, base)
-            except Exception as exc:  # keep the I/O figures; fail at the end
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                result["ttft"] = {"error": f"{type(exc).__name__}: {first}"}
-                print(str(exc)[-4000:], file=sys.stderr)
-                args.keep = True
-            failed = "error" in result["ttft"] and not args.no_engine
-            warn_hits(result["ttft"])
-            try:
-                if not args.no_slow_ttft:
-                    result["slow_ttft"] = slow_ttft(args, server.port, base)
-            except Exception as exc:  # keep the other figures; fail at the end
-                result["slow_ttft"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                print(str(exc)[-4000:], file=sys.stderr)
-                failed = True
+        failed = engine_parts(args, server, base, result)
     finally:
-        for client in clients.values():
+        if client is not None:
             client.close()
         server.stop()
-        if args.keep:
+        if args.keep or failed:
             print(f"kept {base}", file=sys.stderr)
         else:
             shutil.rmtree(base, ignore_errors=True)
-    result["machine"]["loadavg_end"] = os.getloadavg()
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    finish(result, args.json, render_section)
+    finish(result, args.json, render_section, started)
     if failed:
-        raise SystemExit(f"bench_remote: TTFT part failed: {result['ttft']['error']}")
+        raise SystemExit(f"bench_remote: {failed}")
     return result
 
 

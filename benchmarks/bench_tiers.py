@@ -1,16 +1,10 @@
 """Disk-tier I/O, every contender measured side by side in one run.
 
-Store and load N chunks of 256 KiB, 2 MiB and 8 MiB: our DiskIndex + SlabFile path
-(allocate/write/commit, lookup/read/verify) against raw sequential file I/O of the same
-bytes in the same directory and vLLM's own filesystem tier I/O
-(``vllm.v1.kv_offload.tiering.fs.io.batch_store_block`` / ``batch_load_block``).
-Targets: the slab >= 0.85x the raw file (reads 0.9x), the whole path >= 1.0x vLLM's.
-
-Reads are reported warm (page cache) and cold: after fsync, each contender's own files
-are evicted from the page cache with POSIX_FADV_DONTNEED, which works unprivileged and
-leaves other processes' cache alone (--drop-caches also tries the global
-/proc/sys/vm/drop_caches once and reports the outcome). Writes are reported into the page
-cache, and including the fsync that makes them durable.
+Store and load chunks of 256 KiB, 2 MiB and 8 MiB: our DiskIndex + SlabFile path (and
+the SlabFile calls alone) against raw sequential file I/O and vLLM's filesystem tier I/O;
+writes with and without fsync, reads warm and cold (POSIX_FADV_DONTNEED per file;
+--drop-caches also tries /proc/sys/vm/drop_caches). Targets: the slab >= 0.85x the raw
+file (reads 0.9x), the whole path >= 1.0x vLLM's. The method in full: templates/tiers.md.
 
     python benchmarks/bench_tiers.py --quick --json /tmp/tiers.json   # seconds
     python benchmarks/bench_tiers.py --json tiers.json                # ~2 min, 2 cores
@@ -19,10 +13,8 @@ cache, and including the fsync that makes them durable.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,14 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import (
+    BenchParser,
+    KiB,
+    MiB,
+    chunk_views,
+    finish,
+    fsync_files,
+    new_result,
+    prefaulted,
+    rotated,
+    span,
+    timed,
+    workdir,
+)
+from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import bench_parser, command_line, finish, span, timed  # noqa: E402
-from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict  # noqa: E402
+from kv_offload.disk import DiskIndex, SlabFile
 
-from kv_offload.disk import DiskIndex, SlabFile  # noqa: E402
-
-KiB, MiB = 1 << 10, 1 << 20
 BATCH = 8  # chunks per allocate/commit and per vLLM batch call
 PHASES = ("write", "write_sync", "read_warm", "read_cold")
 SLAB, OURS, RAW = "ours: slab only (1 thread)", "ours (1 thread)", "raw sequential file"
@@ -49,41 +51,13 @@ READ_RAW = 0.9  # issue 15: reads >= 0.9x a raw file, writes >= 0.85x
 
 
 def parse_args(argv: list[str] | None = None) -> Any:
-    parser = bench_parser(__doc__)
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="directory to benchmark in (default: a temp dir under $TMPDIR)")
-    parser.add_argument("--total-mib", type=int, default=None,
-                        help="bytes stored per chunk size (default 256, --quick 8)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help="runs per I/O contender, best kept (default 5, --quick 1)")
+    parser = BenchParser(__doc__)
+    parser.add_workdir()
+    parser.sized("--total-mib", 256, 8, "bytes stored per chunk size")
+    parser.sized("--repeat", 5, 1, "runs per I/O contender, best kept")
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache once at start (root only)")
-    args = parser.parse_args(argv)
-    args.total_mib = args.total_mib or (8 if args.quick else 256)
-    args.repeat = args.repeat or (1 if args.quick else 5)
-    return args
-
-
-# -- helpers -------------------------------------------------------------------------
-
-
-def aligned(nbytes: int) -> np.ndarray:
-    """A page-aligned, pre-faulted byte array (O_DIRECT needs alignment)."""
-    arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
-    arr[:] = 1
-    return arr
-
-
-def fsync_files(paths, evict: bool = False) -> None:
-    """fsync ``paths``; ``evict``: then drop their clean pages from the page cache."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if evict:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    return parser.parse_args(argv)
 
 
 def try_drop_caches(wanted: bool) -> str:
@@ -98,19 +72,15 @@ def try_drop_caches(wanted: bool) -> str:
         return f"drop_caches refused ({exc.strerror}); cold reads use POSIX_FADV_DONTNEED"
 
 
-def chunk_views(buf: np.ndarray, chunk: int) -> list[memoryview]:
-    view = memoryview(buf)
-    return [view[i : i + chunk] for i in range(0, buf.nbytes, chunk)]
-
-
-def phases(store: Callable[[], object], load: Callable[[], object], files: Callable[[], list],
-           load_cold: Callable[[], object] | None = None) -> dict[str, float]:
-    """Seconds of a contender's four phases: write, write + fsync, warm read, cold read."""
+def phases(store: Callable[[], object], load: Callable[[], object], files: list
+           ) -> dict[str, float]:
+    """Seconds of a contender's four phases: write, write + fsync of ``files``, warm read,
+    cold read (after ``files`` are dropped from the page cache)."""
     out = {"write": timed(store)}
-    out["write_sync"] = out["write"] + timed(lambda: fsync_files(files()))
+    out["write_sync"] = out["write"] + timed(lambda: fsync_files(files))
     out["read_warm"] = timed(load)
-    fsync_files(files(), evict=True)
-    out["read_cold"] = timed(load_cold or load)
+    fsync_files(files, evict=True)
+    out["read_cold"] = timed(load)
     return out
 
 
@@ -153,7 +123,7 @@ def run_ours(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int) -> dict:
                 raise RuntimeError("ours: a chunk failed to load")
 
     files = [slab.path, *sorted((root / "index").glob("*.mdb"))]
-    out: dict[str, Any] = phases(store, load, lambda: files)
+    out: dict[str, Any] = phases(store, load, files)
     sync = out["write_sync"] - out["write"]
     out["slab"] = dict(zip(PHASES, (slab_s[0], slab_s[0] + sync, slab_s[1], slab_s[2])))
     index.close()
@@ -178,7 +148,7 @@ def run_raw(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int) -> dict:
             os.readv(fd, [view])
         os.close(fd)
 
-    return phases(store, load, lambda: [path])
+    return phases(store, load, [path])
 
 
 def run_vllm(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, o_direct: bool) -> dict:
@@ -198,7 +168,7 @@ def run_vllm(root: Path, src: np.ndarray, dst: np.ndarray, chunk: int, o_direct:
         return run
 
     return phases(batches(fs_io.batch_store_block, src), batches(fs_io.batch_load_block, dst),
-                  lambda: paths)
+                  paths)
 
 
 CONTENDERS: dict[str, Callable[[Path, np.ndarray, np.ndarray, int], dict]] = {
@@ -210,9 +180,9 @@ CONTENDERS: dict[str, Callable[[Path, np.ndarray, np.ndarray, int], dict]] = {
 
 def bench_io(args: Any, base: Path) -> list[dict]:
     total = args.total_mib * MiB
-    src = aligned(total)
+    src = prefaulted(total)
     src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
-    dst = aligned(total)
+    dst = prefaulted(total)
     memcpy = min(timed(lambda: np.copyto(dst, src)) for _ in range(3))
     rows: list[dict] = [{"chunk": 0, "contender": "memcpy (numpy)", "bytes": total,
                          **dict.fromkeys(PHASES, memcpy)}]
@@ -221,7 +191,7 @@ def bench_io(args: Any, base: Path) -> list[dict]:
         best: dict[str, dict] = {}
         errors: dict[str, str] = {}
         for r in range(args.repeat):  # rotating order, so that load spikes hit everyone alike
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in rotated(names, r):
                 if name in errors:
                     continue
                 work = Path(tempfile.mkdtemp(dir=base))
@@ -268,9 +238,6 @@ def io_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-# -- report --------------------------------------------------------------------------
-
-
 def limit_of(vs: str, phase: str) -> float | None:
     """The minimum ratio a graded row must reach in ``phase``, None when none applies."""
     limit = next((lim for prefix, lim in TARGETS if vs.startswith(prefix)), None)
@@ -288,11 +255,10 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
         return span([r[phase] for r in ratios if r["ours"] == ours and r["vs"].startswith("raw")])
 
     load = data["machine"]["loadavg_start"][0], data["machine"]["loadavg_end"][0]
-    lines = fill("tiers", total_mib=data["io_total_mib"], cache_note=data["cache_note"],
-                 repeat=data.get("repeat", "?"), loadavg=f"{load[0]:.1f} -> {load[1]:.1f}",
-                 slab_warm=ratio_span(SLAB, "read_warm"), slab_cold=ratio_span(SLAB, "read_cold"),
-                 slab_write=ratio_span(SLAB, "write"), slab_sync=ratio_span(SLAB, "write_sync"),
-                 ours_warm=ratio_span(OURS, "read_warm"), ours_write=ratio_span(OURS, "write"))
+    lines = fill("tiers", data, total_mib=data["io_total_mib"],
+                 loadavg=f"{load[0]:.1f} -> {load[1]:.1f}",
+                 **{f"{tag}_{phase}": ratio_span(name, phase) for tag, name in
+                    (("slab", SLAB), ("ours", OURS)) for phase in PHASES})
     lines += table(["chunk KiB", "contender", "write GB/s", "write+fsync GB/s", "read warm GB/s",
                     "read cold GB/s", "note"],
                    [[r["chunk"] // KiB or "-", r["contender"], "n/a", "", "", "", r["error"][:60]]
@@ -340,8 +306,7 @@ def plot(io: list[dict], path: Path) -> None:
         if memcpy:
             ax.axhline(memcpy[phase + "_gbps"], color="gray", linestyle=":", label="memcpy")
         chunk_axis(ax, [x for pts in series.values() for x, _ in pts])
-        ax.set_ylabel("GB/s")
-        ax.set_title(title)
+        ax.set(ylabel="GB/s", title=title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
     save(fig, plt, path)
@@ -349,23 +314,17 @@ def plot(io: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-bench-", dir=args.dir))
+    base = workdir(args, "tiers")
     started = time.perf_counter()
+    result = new_result("tiers", args, io_total_mib=args.total_mib, repeat=args.repeat,
+                        cache_note=try_drop_caches(args.drop_caches))
+    result["machine"]["dir"] = str(base)
     try:
-        result: dict[str, Any] = {
-            "command": command_line(),
-            "machine": {"cpus": os.cpu_count(), "dir": str(base),
-                        "loadavg_start": os.getloadavg()},
-            "io_total_mib": args.total_mib, "repeat": args.repeat,
-            "cache_note": try_drop_caches(args.drop_caches),
-        }
         result["io"] = bench_io(args, base)
         result["io_ratios"] = io_ratios(result["io"])
-        result["seconds"] = round(time.perf_counter() - started, 1)
-        result["machine"]["loadavg_end"] = os.getloadavg()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return finish(result, args.json, render_section)
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,11 @@
 """Time to first token on vLLM's CPU backend: cold, vLLM's prefix cache, our tiers, the peer.
 
-Prompts: for each length L a shared prefix of L tokens plus a distinct 16-token suffix,
-``--reps`` different prefixes per length; every request runs alone with max_tokens=1, so
-its latency is its TTFT. Engines run side by side, each in its own process, in short
-alternating blocks of requests (the order rotates) so that machine noise hits all of
-them alike; before an engine's block the previous engine is given SETTLE_S to stop
-spinning (see _engine.Turns):
-
-  wave 1 (three engines): plain vLLM (no connector), ours (CPU + disk tier), the peer
-      (vLLM's ExampleConnector, safetensors files per prompt and layer)
-      cold          plain: first sight of the prompt (also cold_ours, cold_peer; with
-                    --no-plain, cold and vllm_hit are measured on ours)
-      vllm_hit      plain: the same prompt again; vLLM's own prefix cache, the upper bound
-      cpu           ours, after reset_prefix_cache(): loaded from our CPU tier
-      cpu_new_suffix ours: same prefix, a suffix never seen (the peer cannot hit that)
-      peer_same_process  the peer, after reset_prefix_cache()
-  wave 2 (two fresh engines, the stores of wave 1 on disk, i.e. a restart; with
-      --early-start they start during wave 1 and never saw its prompts):
-      disk          ours: loaded from the disk tier (then it is in the CPU tier)
-      peer_warm     the peer: the peer's warm TTFT (first pass, then after resets)
-      cpu_after_restart  ours, later passes: staged chunks served from the CPU tier
-
-Figures are medians. Ratios: ours / cold and ours / peer_warm, against the targets at
-4k tokens (CPU tier <= 0.15x cold, disk tier <= 0.25x cold, ours <= 0.5x the peer).
+For each prefix length L, ``--reps`` prompts (L tokens + a 16-token suffix), one request
+at a time with max_tokens=1, in the modes of ``MODES``. Wave one: plain vLLM, ours (CPU +
+disk tier) and the peer (vLLM's ExampleConnector) side by side, in short rotating blocks
+of requests (``_engine.Turns``); wave two: fresh processes of ours and the peer on the
+same stores (a restart: disk tier, peer warm). Medians; ratios to cold and to the peer,
+graded at 4k tokens (``TARGETS``). The method in full: templates/ttft.md.
 
     python benchmarks/bench_ttft.py --quick --json /tmp/ttft.json   # tiny, 2 short lengths
     python benchmarks/bench_ttft.py --json ttft.json                  # 1k-8k, ~6 min
@@ -31,17 +14,14 @@ Figures are medians. Ratios: ours / cold and ours / peer_warm, against the targe
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from _common import add_engine_flags, bench_parser, command_line, finish
-from _engine import Turns, benchmark_env, example_transfer_config
+from _common import BenchParser, add_engine_flags, csv, finish, new_result, rotated, workdir
+from _engine import TTFT_MODEL, Turns, benchmark_env, example_transfer_config
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
 from kv_offload.testing.engine import (
@@ -57,8 +37,7 @@ from kv_offload.testing.tiny_model import BENCH_MODEL_KWARGS, make_prompt, make_
 # cores, and every cold prompt runs in three engines: `make bench` would take an hour.
 # The default is the test model's geometry with room for 8k positions.
 MODELS = {
-    "tiny": dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                 max_position=16384),
+    "tiny": TTFT_MODEL,
     "small": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64,
                   intermediate_size=1408, max_position=16384),
     "bench": dict(BENCH_MODEL_KWARGS),
@@ -119,26 +98,22 @@ class Recorder:
     def block(self, engine: EngineProcess, mode: str, prompts: list[tuple[int, str]]) -> None:
         """Run (length, text) requests one by one on ``engine``, recorded as ``mode``."""
         for length, text in prompts:
-            self.run(engine, mode, length, text)
-
-    def run(self, engine: EngineProcess, mode: str, length: int, text: str) -> None:
-        if id(engine) in self._dead:
-            return
-        self.turns.take(engine)
-        try:
-            out = engine.generate([text], max_tokens=1, one_by_one=True)
-        except EngineError as exc:
-            self._dead.add(id(engine))
-            first = str(exc).splitlines()[0]
-            self.errors[mode] = f"L={length}: {first} (engine log: {engine.log_path.name})"
-            print(f"  {mode} at L={length} failed: {first}", file=sys.stderr, flush=True)
-            return
-        m = out["metrics"]
-        self.samples.setdefault(mode, {}).setdefault(length, []).append({
-            "ttft_s": out["latency_s"][0],
-            "vllm_hit": int(m["prefix_cache_hits"]), "external_hit": int(m["external_hits"]),
-            "host_hit": int(m["hits_host"]), "disk_hit": int(m["hits_disk"]),
-        })
+            if id(engine) in self._dead:
+                return
+            self.turns.take(engine)
+            try:
+                out = engine.generate([text], max_tokens=1, one_by_one=True)
+            except EngineError as exc:
+                self._dead.add(id(engine))
+                first = str(exc).splitlines()[0]
+                self.errors[mode] = f"L={length}: {first} (engine log: {engine.log_path.name})"
+                print(f"  {mode} at L={length} failed: {first}", file=sys.stderr, flush=True)
+                return
+            m = out["metrics"]
+            self.samples.setdefault(mode, {}).setdefault(length, []).append({
+                "ttft_s": out["latency_s"][0],
+                "vllm_hit": int(m["prefix_cache_hits"]), "external_hit": int(m["external_hits"]),
+                "host_hit": int(m["hits_host"]), "disk_hit": int(m["hits_disk"])})
 
     def reset(self, *engines: EngineProcess) -> None:
         """reset_prefix_cache() on the engines still alive."""
@@ -190,8 +165,7 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
         if plain is None:  # cold and vllm_hit on ours
             cold = [(ours, "cold"), (peer, "cold_peer")]
         for rep in range(args.reps):
-            turn = cold[rep % len(cold):] + cold[:rep % len(cold)]  # rotate who goes first
-            for engine, mode in turn:
+            for engine, mode in rotated(cold, rep):
                 rec.block(engine, mode, [(n, prompt(n, rep)) for n in args.lengths])
         exact = [(n, prompt(n, rep)) for rep in range(args.reps) for n in args.lengths]
         for _ in range(args.passes):  # the prompts are all still in vLLM's cache
@@ -204,20 +178,11 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
         rec.reset(ours)
         rec.block(ours, "cpu_new_suffix",
                   [(n, prompt(n, rep, suffix=1)) for rep in range(args.reps) for n in args.lengths])
-        startup = {"ours": ours.startup_s, "peer": peer.startup_s}
-        if plain is not None:
-            startup["plain"] = plain.startup_s
-        return startup
+        return {name: e.startup_s for name, e in (("ours", ours), ("peer", peer), ("plain", plain))
+                if e is not None}
     finally:
         for e in engines:
             e.close()
-
-
-def spawn_wave_two(args: argparse.Namespace, dirs: dict[str, Path],
-                   model: Path) -> list[EngineProcess]:
-    """Spawn (without waiting) the fresh engines of wave two: ours and the peer."""
-    return [spawn(args, model, "ours-2", offload_transfer(args.ours), dirs),
-            spawn(args, model, "peer-2", example_transfer_config(dirs["peer"]), dirs)]
 
 
 def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProcess]
@@ -244,27 +209,19 @@ def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
     def med(mode: str, length: str) -> float | None:
         return modes.get(mode, {}).get(length, {}).get("median_s")
 
-    out: dict[str, dict[str, float]] = {}
-    for length in modes.get("cold", {}):
-        row = {}
-        for name, num, den in RATIOS:
-            a, b = med(num, length), med(den, length)
-            if a is not None and b:
-                row[name] = round(a / b, 4)
-        out[length] = row
-    return out
+    return {length: {name: round(a / b, 4) for name, num, den in RATIOS
+                     if (a := med(num, length)) is not None and (b := med(den, length))}
+            for length in modes.get("cold", {})}
 
 
 def verdicts(result: dict) -> list[dict]:
     """PASS/MISS per target at 4k tokens (or the longest length measured below it)."""
     lengths = [int(k) for k in result["ratios"]]
     at = max((n for n in lengths if n <= TARGET_LENGTH), default=max(lengths))
-    out = []
-    for key, limit, what in TARGETS:
-        value = result["ratios"][str(at)].get(key)
-        out.append({"target": what, "length": at, "key": key, "value": value, "limit": limit,
-                    "pass": value is not None and value <= limit})
-    return out
+    values = {key: result["ratios"][str(at)].get(key) for key, _, _ in TARGETS}
+    return [{"target": what, "length": at, "key": key, "value": values[key], "limit": limit,
+             "pass": values[key] is not None and values[key] <= limit}
+            for key, limit, what in TARGETS]
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
@@ -288,12 +245,9 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     model = data["model"]
     plotted = img is not None and plot(data, img / "ttft.png")
     return fill(
-        "ttft", model=model["name"],
+        "ttft", data, model=model["name"],
         geometry=", ".join(f"{k}={v}" for k, v in model.items() if k not in ("name", "path"))
-        or "test default",
-        block_size=data["engine"]["block_size"], ours_config=data["ours_config"],
-        reps=data["reps"], suffix_tokens=data["suffix_tokens"], passes=data["passes"],
-        settle_s=data["settle_s"], engine_switches=data["engine_switches"], env=data["env"],
+        or "test default", block_size=data["engine"]["block_size"],
         max_num_batched_tokens=data["engine"].get("max_num_batched_tokens", "default"),
         modes_table="\n".join(table(["mode", *[f"L={n} (ms)" for n in lengths], "samples"],
                                     rows)),
@@ -320,57 +274,44 @@ def plot(data: dict, path: Path) -> bool:
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
-    ax.set_xlabel("prefix tokens")
-    ax.set_ylabel("TTFT, median (ms)")
-    ax.set_title("Time to first token by mode (vLLM CPU backend)")
+    ax.set(xlabel="prefix tokens", ylabel="TTFT, median (ms)",
+           title="Time to first token by mode (vLLM CPU backend)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     return save(fig, plt, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = bench_parser(__doc__, "smoke test: the tiny test model, 256 and 512 tokens, 1 rep")
+    parser = BenchParser(__doc__, "smoke test: the tiny test model, 256 and 512 tokens, 1 rep")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="random-weight model geometry (default tiny; see MODELS)")
-    parser.add_argument("--lengths", type=str, default=None,
-                        help="comma-separated prefix lengths (default 1024,2048,4096,8192)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="different prefixes per length (default 2, --quick 1)")
-    parser.add_argument("--passes", type=int, default=None,
-                        help="repeats of each cheap warm measurement (default 3, --quick 1)")
+    parser.sized("--lengths", "1024,2048,4096,8192", "256,512",
+                 "comma-separated prefix lengths", type=str)
+    parser.sized("--reps", 2, 1, "different prefixes per length")
+    parser.sized("--passes", 3, 1, "repeats of each cheap warm measurement")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="our chunk size (default: kv-offload's default)")
-    parser.add_argument("--no-plain", action="store_true",
-                        help="no connector-free engine: cold and vllm_hit measured on ours "
-                             "(one engine less to start; implied by --quick)")
-    parser.add_argument("--early-start", action="store_true",
-                        help="start wave two's engines while wave one runs: one start-up "
-                             "less, but not a restart (implied by --quick)")
     add_engine_flags(parser)
-    parser.add_argument("--dir", type=Path, default=None, help="where stores and logs go")
-    parser.add_argument("--keep", action="store_true", help="keep stores and engine logs")
+    parser.add_workdir(keep="keep stores and engine logs")
     args = parser.parse_args(argv)
-    lengths = args.lengths or ("256,512" if args.quick else "1024,2048,4096,8192")
-    args.lengths = sorted(int(n) for n in lengths.split(","))
-    args.reps = args.reps or (1 if args.quick else 2)
-    args.passes = args.passes or (1 if args.quick else 3)
-    args.no_plain = args.no_plain or args.quick
-    args.early_start = args.early_start or args.quick
+    args.lengths = sorted(csv(args.lengths))
+    # --quick: no connector-free engine (cold and vllm_hit measured on ours), and wave
+    # two's engines start while wave one runs (not a restart): two start-ups less.
+    args.no_plain = args.early_start = args.quick
     args.in_process = args.in_process or args.quick
     args.env = benchmark_env(in_process=args.in_process,
                              vllm_default_binding=args.vllm_default_binding)
-    args.max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
+    max_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
     # Whole prompts in one step: vLLM's ExampleConnector stores only the first scheduled
     # part of a chunked prefill and then crashes its engine loading it (shape mismatch).
-    args.max_num_batched_tokens = args.max_model_len
-    args.engine = engine_kwargs(max_model_len=args.max_model_len, in_process=args.in_process,
-                                max_num_batched_tokens=args.max_num_batched_tokens)
+    args.engine = engine_kwargs(max_model_len=max_len, in_process=args.in_process,
+                                max_num_batched_tokens=max_len)
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="kv-offload-ttft-", dir=args.dir))
+    base = workdir(args, "ttft")
     dirs = {"logs": base / "logs", "peer": base / "peer", "store": base / "store"}
     dirs["peer"].mkdir(parents=True)
     args.ours = {"cpu_size": "1GiB", "disk_path": str(dirs["store"]), "disk_size": "4GiB"}
@@ -380,10 +321,14 @@ def main(argv: list[str] | None = None) -> dict:
     model = make_tiny_model(**model_kwargs)
     started = time.perf_counter()
     rec = Recorder(Turns(0.0) if args.quick else Turns())  # --quick: no figures to protect
-    early = spawn_wave_two(args, dirs, model) if args.early_start else None
+    def spawn_wave_two() -> list[EngineProcess]:  # ours and the peer, fresh processes
+        return [spawn(args, model, "ours-2", offload_transfer(args.ours), dirs),
+                spawn(args, model, "peer-2", example_transfer_config(dirs["peer"]), dirs)]
+
+    early = spawn_wave_two() if args.early_start else None
     try:
         startup = wave_one(args, rec, dirs, model)
-        startup.update(wave_two(args, rec, early or spawn_wave_two(args, dirs, model)))
+        startup.update(wave_two(args, rec, early or spawn_wave_two()))
     except BaseException:
         for e in early or ():
             e.close()
@@ -394,26 +339,17 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     modes = rec.summary()
-    result: dict[str, Any] = {
-        "bench": "ttft",
-        "command": command_line(),
-        "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
-        "model": {"name": "test default" if args.quick else args.model,
-                  "path": str(model), **model_kwargs},
-        "engine": args.engine,
-        "env": args.env,
-        "ours_config": {k: v for k, v in args.ours.items() if k != "disk_path"},
-        "lengths": args.lengths, "suffix_tokens": SUFFIX_TOKENS, "reps": args.reps,
-        "passes": args.passes, "plain_engine": not args.no_plain,
-        "early_start": args.early_start, "in_process": args.in_process,
-        "startup_s": startup, "modes": modes, "errors": rec.errors,
-        "settle_s": rec.turns.settle_s, "engine_switches": rec.turns.num_switches,
-    }
-    result["ratios"] = ratios(modes)
+    result = new_result(
+        "ttft", args, model={"name": "test default" if args.quick else args.model,
+                             "path": str(model), **model_kwargs},
+        engine=args.engine, env=args.env,
+        ours_config={k: v for k, v in args.ours.items() if k != "disk_path"},
+        lengths=args.lengths, suffix_tokens=SUFFIX_TOKENS, reps=args.reps, passes=args.passes,
+        plain_engine=not args.no_plain, early_start=args.early_start,
+        in_process=args.in_process, startup_s=startup, modes=modes, errors=rec.errors,
+        settle_s=rec.turns.settle_s, engine_switches=rec.turns.num_switches, ratios=ratios(modes))
     result["verdicts"] = verdicts(result)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    return finish(result, args.json, render_section)
+    return finish(result, args.json, render_section, started)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Verifies kv-offload's CUDA path end to end on one GPU, offline, in a few minutes:
-# the CUDA tests of the copy engines (when pytest is there), a step loop in vLLM's order
-# of calls under async scheduling with every byte compared, the CuPy engine against one
-# pinned cudaMemcpyAsync, and the calibration of the engine's `auto` mode.
+# Verifies kv-offload's CUDA path end to end on one GPU, offline, in a few minutes
+# (kv_offload/testing/gpu_check.py): the CUDA tests of the copy engines (when pytest is
+# there), a step loop in vLLM's order of calls under async scheduling with every byte
+# compared, the CuPy engine against one pinned cudaMemcpyAsync, and the calibration of
+# the engine's `auto` mode. Runs from a plain copy of the repository (no pip install).
 # Needs torch (CUDA) and CuPy only; installs nothing (the GPU machine has no package
 # index); what needs a missing package is skipped and said so in the JSON.
 # Usage: benchmarks/gpu_check.sh [OUTDIR]   (default $OUT or ./gpu-check; writes gpu_check.json)
@@ -12,4 +13,4 @@ OUTDIR=${1:-${OUT:-gpu-check}}
 mkdir -p "$OUTDIR"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 230 "$PY" benchmarks/gpu_check.py --out "$OUTDIR" 2>&1 | tee "$OUTDIR/gpu_check.log"
+timeout 230 "$PY" -m kv_offload.testing.gpu_check --out "$OUTDIR" 2>&1 | tee "$OUTDIR/gpu_check.log"

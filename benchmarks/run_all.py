@@ -2,7 +2,10 @@
 
 Each benchmark runs as its own subprocess with ``--json``; the report is then rebuilt
 from every JSON file in the data folder, so ``--only NAME`` re-runs one benchmark and
-keeps the others' last results.
+keeps the others' last results. Each benchmark renders its own section
+(``render_section``, prose in templates/); this module assembles the page around them
+(templates/page.md). A section that fails to render says so in the page instead of
+failing the whole report.
 
     .venv/bin/python benchmarks/run_all.py                  # all, ~20 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --quick          # toy sizes, into a temp dir
@@ -13,44 +16,31 @@ keeps the others' last results.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-DATA_DIR = "bench-data"  # under the output root: one JSON per benchmark, runs.json, logs
-BENCHES = {  # name -> script, in the order they run
-    "ttft": "bench_ttft.py",
-    "overhead": "bench_overhead.py",
-    "copy": "bench_copy.py",
-    "tiers": "bench_tiers.py",
-    "lookup": "bench_lookup.py",
-    "remote": "bench_remote.py",
-}
+from _common import BENCHES, DATA_DIR, ROOT, machine_info
+from _markdown import Targets, fill, fmt, table
 
 
 def run_bench(name: str, out: Path, *, quick: bool, timeout_s: float) -> dict:
     """Run one benchmark script; returns its run record (command, exit code, seconds)."""
-    data = out / DATA_DIR
-    data.mkdir(parents=True, exist_ok=True)
-    json_path = data / f"{name}.json"
+    json_path, log = out / DATA_DIR / f"{name}.json", out / DATA_DIR / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     json_path.unlink(missing_ok=True)
-    script = Path("benchmarks") / BENCHES[name]
-    argv = [str(script), "--json", str(json_path)] + (["--quick"] if quick else [])
-    shown_json = json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path
-    shown = " ".join([".venv/bin/python" if ".venv" in sys.executable else "python",
-                      str(script), "--json", str(shown_json), *argv[3:]])
+    argv = [f"benchmarks/bench_{name}.py", "--json", str(json_path)] + (["--quick"] * quick)
+    shown = " ".join([".venv/bin/python" if ".venv" in sys.executable else "python", *argv]
+                     ).replace(f"{ROOT}{os.sep}", "")
     print(f"\n=== {name}: {shown}", flush=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    load_start = os.getloadavg()[0]
-    start = time.perf_counter()
-    log = out / DATA_DIR / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    load_start, start = os.getloadavg()[0], time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         with open(log, "w") as f:
@@ -72,6 +62,59 @@ def run_bench(name: str, out: Path, *, quick: bool, timeout_s: float) -> dict:
             "log": str(log.relative_to(out))}
 
 
+def _section(name: str, out: Path, runs: dict[str, dict], targets: Targets) -> list[str]:
+    """One benchmark's section, or a few lines saying why it is missing."""
+    try:
+        data = json.loads((out / DATA_DIR / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        run = runs.get(name)
+        why = "not run" if run is None else f"failed (exit {run.get('exit_code')})"
+        return [f"## {name}", "", f"No results: {why}.", ""]
+    try:
+        render = importlib.import_module(f"bench_{name}").render_section
+        return render(data, out / "img", targets)
+    except Exception as exc:  # another script's format changed: say so, keep going
+        return [f"## {name}", "", f"Could not render ({type(exc).__name__}: {exc}).", "",
+                "```", traceback.format_exc(limit=2), "```", ""]
+
+
+def write_report(out: Path, runs: dict[str, dict], *, quick: bool,
+                 total_s: float | None) -> Path:
+    """Write ``out/benchmarks.md`` (and ``out/img/*.png``) from ``out/bench-data/*.json``."""
+    targets = Targets()
+    body = [line for name in BENCHES for line in _section(name, out, runs, targets)]
+    machine = next((r["machine"] for r in runs.values() if "machine" in r), machine_info())
+    root = f"{ROOT}{os.sep}"
+    rows = []
+    for r in runs.values():
+        started = r.get("started") or ("run_all at " + r.get("machine", {}).get("time", "?"))
+        load = r.get("loadavg_1min")
+        rows.append([f"`{str(r.get('command')).replace(root, '')}`", r.get("exit_code"),
+                     fmt(r.get("seconds"), ".0f"), started,
+                     f"{load[0]} -> {load[1]}" if load else "-"])
+    total = sum(r.get("seconds") or 0 for r in runs.values())
+    rows.append(["all of the above", "", f"{total:.0f} ({total / 60:.1f} min)", "", ""])
+    m = machine.get
+    lines = fill(
+        "page", quick="**Quick mode: toy sizes for a smoke test; these numbers mean nothing.**"
+                      "\n\n" if quick else "",
+        generated=m("time", "?"), rebuilt=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        total=f" Total wall time {total_s / 60:.1f} min." if total_s else "",
+        machine="\n".join(table(["", ""], [
+            ["CPU", m("cpu_model")], ["cores (nproc)", f"{m('nproc')} usable of {m('cpu_count')}"],
+            ["memory", f"{m('memory_gib')} GiB"], ["OS", m("platform")], ["Python", m("python")],
+            ["vLLM", m("vllm")], ["torch", m("torch")], ["lmdb", m("lmdb")],
+            ["kv-offload", m("kv_offload")],
+            ["load average at start", " / ".join(f"{x:.1f}" for x in m("loadavg", []))]])),
+        targets="\n".join(table(["target", "measured", "limit", "verdict", "from"],
+                                targets.rows)),
+        commands="\n".join(table(["command", "exit", "seconds", "started",
+                                  "load average (1 min)"], rows)))
+    report = out / "benchmarks.md"
+    report.write_text("\n".join(lines + body).rstrip() + "\n")
+    return report
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,10 +132,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    import _report  # noqa: PLC0415 - matplotlib stays out of --help
-    from _common import machine_info  # noqa: PLC0415
-
     out = args.out or (Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
                        if args.quick else ROOT / "docs")
     out = out.resolve()
@@ -107,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[name]["machine"] = machine_before
         runs_path.parent.mkdir(parents=True, exist_ok=True)
         runs_path.write_text(json.dumps(runs, indent=2))
-    report = _report.write_report(out, runs, quick=args.quick,
-                                  total_s=time.time() - started if not args.report_only else None)
+    report = write_report(out, runs, quick=args.quick,
+                          total_s=time.time() - started if not args.report_only else None)
     print(f"\nreport: {report}")
     failed = [r["name"] for r in runs.values() if not r.get("ok")]
     if failed:

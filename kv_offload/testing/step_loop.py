@@ -12,8 +12,8 @@ now and then. KV is a function of the token prefix, so every byte is checked: lo
 blocks on the device as the forward reads them, stored chunks in the host slots at the
 end. ``run_step_loop`` returns counts; ``mismatches`` must be 0.
 
-Needs torch and numpy only (no vLLM, no lmdb): ``benchmarks/gpu_check.py`` runs it on a
-GPU machine as it is.
+Needs torch and numpy only (no vLLM, no lmdb): ``kv_offload.testing.gpu_check``
+(``benchmarks/gpu_check.sh``) runs it on a GPU machine as it is.
 """
 
 from __future__ import annotations

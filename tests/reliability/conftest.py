@@ -66,14 +66,14 @@ def unseeded_engine(start_engine, tmp_path_factory) -> tuple[EngineProcess, Path
 
 @pytest.fixture(scope="session")
 def quick_soak(tmp_path_factory):
-    """Starts ``benchmarks/soak.py --quick`` in the background; yields (process, result
-    JSON path, server log path). Stopped with SIGTERM (it then stops its server) if a test
-    session ends before it does."""
+    """Starts ``python -m kv_offload.testing.soak --quick`` in the background; yields
+    (process, result JSON path, server log path). Stopped with SIGTERM (it then stops its
+    server) if a test session ends before it does."""
     work = tmp_path_factory.mktemp("soak")
     result, log = work / "soak.json", work / "server.log"
     with open(work / "soak.out", "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--quick", "--json",
+            [sys.executable, "-m", "kv_offload.testing.soak", "--quick", "--json",
              str(result), "--server-log", str(log), "--disk-path", str(work)],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     yield proc, result, log

@@ -1,9 +1,10 @@
-"""benchmarks/soak.py --quick: 100 requests against the OpenAI server with kv-offload.
+"""``python -m kv_offload.testing.soak --quick``: 100 requests against the OpenAI server
+with kv-offload.
 
 Proves the soak harness works end to end (server start, Zipf workload, /metrics parsing,
 leak checks) and that a short soak passes: no failed request, kv-offload served hits,
 ``kv_offload_pending_jobs`` back to 0, RSS and open files of the server within bounds.
-The full run (2,000 requests) is a benchmark, not a test: see the script's docstring.
+The full run (2,000 requests) is a benchmark, not a test: see the module's docstring.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from reliability_support import REPO
 
 
 def test_soak_help_starts_nothing():
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--help"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "kv_offload.testing.soak", "--help"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and "--quick" in out.stdout and "--json" in out.stdout
 
 

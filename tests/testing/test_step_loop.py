@@ -1,12 +1,20 @@
-"""The step loop of benchmarks/gpu_check.py, on the CPU with the torch engine: vLLM's order
-of calls under async scheduling, blocks reused at once, every loaded and stored byte
-checked. (On a GPU the same loop runs the CuPy engine: gpu_check.sh.)"""
+"""The step loop of kv_offload.testing.gpu_check, on the CPU with the torch engine: vLLM's
+order of calls under async scheduling, blocks reused at once, every loaded and stored byte
+checked. (On a GPU the same loop runs the CuPy engine: benchmarks/gpu_check.sh.)"""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kv_offload.testing.step_loop import run_step_loop
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("background_stores", [False, True], ids=["inline", "background"])
@@ -17,20 +25,12 @@ def test_step_loop_moves_every_byte_right(background_stores):
     assert out["held"] > 0 and out["preempted"] > 0, out
 
 
-def test_gpu_check_runs_without_the_optional_packages(tmp_path):
-    """The GPU machine has torch and CuPy but maybe no lmdb, xxhash, numba, psutil,
-    pytest or vLLM: benchmarks/gpu_check.py's step loop must import and run without them
-    (here on the CPU, with those packages hidden)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    script = tmp_path / "run.py"
-    script.write_text(f"""
+# Installed as sitecustomize.py: every process started with it on PYTHONPATH sees the
+# optional packages as missing, as on the GPU machine.
+HIDE_OPTIONAL = """
 import importlib.abc, importlib.util, sys
-HIDDEN = {{"lmdb", "xxhash", "numba", "llvmlite", "psutil", "redis", "hiredis", "vllm",
-          "pytest", "cupy"}}
+HIDDEN = {"lmdb", "xxhash", "numba", "llvmlite", "psutil", "redis", "hiredis", "vllm",
+          "pytest", "cupy"}
 class Hide(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in HIDDEN:
@@ -38,15 +38,51 @@ class Hide(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Hide())
 real = importlib.util.find_spec
 importlib.util.find_spec = lambda n, *a: None if n.split(".")[0] in HIDDEN else real(n, *a)
-sys.path[:0] = [{str(repo / "benchmarks")!r}, {str(repo)!r}]
-import gpu_check
-gpu_check.stub_missing()
+"""
+
+
+@pytest.fixture
+def without_optional(tmp_path):
+    """Environment for a child process that cannot import the optional packages."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_OPTIONAL)
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{site}", "PYTHON": sys.executable}
+
+
+def test_gpu_check_runs_without_the_optional_packages(without_optional):
+    """The GPU machine has torch and CuPy but maybe no lmdb, xxhash, numba, psutil,
+    pytest or vLLM: kv_offload.testing.gpu_check, the kv_offload package and the step
+    loop must import and run without them (here on the CPU, with those packages hidden)."""
+    code = """
+from kv_offload.testing import gpu_check
+stubbed = gpu_check.stub_missing()
 from kv_offload.testing.step_loop import run_step_loop
 out = run_step_loop("cpu", steps=40, seed=2)
 assert out["mismatches"] == 0 and out["stored_mismatches"] == 0, out
-print("ok", gpu_check.STUBBED, gpu_check.environment()["optional"])
-""")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
+print("ok", stubbed, gpu_check.environment()["optional"])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=without_optional, cwd="/")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("ok ['xxhash']")
+    assert proc.stdout.startswith("ok ['xxhash']"), proc.stdout
+
+
+def test_gpu_check_sh_writes_every_part(without_optional, tmp_path):
+    """benchmarks/gpu_check.sh as the GPU machine runs it (no pip install, optional
+    packages missing): it runs ``python -m kv_offload.testing.gpu_check`` and writes
+    gpu_check.json with every part, each a result, a skip or an error (here, without
+    CUDA, the CUDA parts fail: the exit status says so), and its log."""
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(out)],
+                          capture_output=True, text=True, timeout=240, env=without_optional)
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["stubbed_missing_packages"] == ["xxhash"], result
+    assert result["environment"]["optional"] == dict.fromkeys(
+        ("pytest", "lmdb", "xxhash", "numba", "psutil", "vllm"), False), result
+    assert result["cuda_tests"] == {"skipped": "pytest is not installed"}, result
+    for part in ("step_loop", "transfer", "calibration"):
+        assert part in result and part + "_s" in result, result
+    if not result["environment"]["cuda_available"]:
+        assert proc.returncode != 0 and "error" in result["step_loop"], result
+    assert "gpu_check:" in (out / "gpu_check.log").read_text()

@@ -14,7 +14,10 @@ and said so). Each part writes into one JSON file:
 5. ``calibration``: memcpy vs kernel mode per range count and size, and the ``auto``
    thresholds (``AUTO_MEMCPY_MAX_RANGES``, ``AUTO_MEMCPY_MIN_MEAN_BYTES``) they suggest.
 
-    python benchmarks/gpu_check.py --out gpu-check      # (gpu_check.sh calls this)
+    python -m kv_offload.testing.gpu_check --out gpu-check   # (benchmarks/gpu_check.sh)
+
+Importing this module imports nothing beyond the standard library: the parts import
+torch, CuPy and kv-offload's modules when they run, after ``stub_missing``.
 """
 
 from __future__ import annotations
@@ -29,16 +32,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-STUBBED: list[str] = []
+REPO = Path(__file__).resolve().parents[2]  # the working tree: tests/copy lives there
 
 
-def stub_missing(names: tuple[str, ...] = ("xxhash",)) -> None:
+def stub_missing(names: tuple[str, ...] = ("xxhash",)) -> list[str]:
     """Stand-ins for optional packages that kv-offload's modules import but these checks
-    never call (checksums of the disk and remote tiers): using one raises."""
+    never call (checksums of the disk and remote tiers): using one raises. Puts them in
+    ``sys.modules``; returns the names stubbed (those not installed)."""
     import types
 
+    stubbed = []
     for name in names:
         if importlib.util.find_spec(name) is not None:
             continue
@@ -52,9 +55,10 @@ def stub_missing(names: tuple[str, ...] = ("xxhash",)) -> None:
                 raise RuntimeError(f"{name} is not installed on this machine")
             return fail
 
-        module.__getattr__ = missing  # type: ignore[attr-defined, method-assign]
+        module.__getattr__ = missing  # type: ignore[method-assign]
         sys.modules[name] = module
-        STUBBED.append(name)
+        stubbed.append(name)
+    return stubbed
 
 
 def environment() -> dict[str, Any]:
@@ -99,7 +103,8 @@ def step_loop(steps: int) -> dict[str, Any]:
 
 def _time_pair(run_ours, run_base, reps: int) -> tuple[float, float]:
     """Best seconds of each, interleaved."""
-    ours, base = [], []
+    ours: list[float] = []
+    base: list[float] = []
     for _ in range(reps):
         for fn, sink in ((run_ours, ours), (run_base, base)):
             t0 = time.perf_counter()
@@ -144,8 +149,8 @@ def transfer(reps: int) -> dict[str, Any]:
                     engine.wait(h)
 
                 def base(direction=direction):
-                    src, dst = ((dev.data_ptr(), host.tensor.data_ptr()) if direction == "store"
-                                else (host.tensor.data_ptr(), dev.data_ptr()))
+                    src, dst = ((dev.data_ptr(), host.as_tensor().data_ptr()) if direction == "store"
+                                else (host.as_tensor().data_ptr(), dev.data_ptr()))
                     cupy.cuda.runtime.memcpyAsync(dst, src, total, 4, stream.ptr)
                     stream.synchronize()
 
@@ -180,7 +185,7 @@ def calibration(reps: int) -> dict[str, Any]:
             host = allocate_host_slots(count, plane_bytes, pinned=True)
             ids = np.random.default_rng(1).permutation(num_blocks)[:count].reshape(count, 1)
             slots = np.arange(count)
-            times = {}
+            times: dict[str, float] = {}
             for mode in ("memcpy", "kernel"):
                 engine = CupyCopyEngine([plane], host, 1, device=0, mode=mode)
                 engine.wait(engine.store(ids, slots))
@@ -194,7 +199,7 @@ def calibration(reps: int) -> dict[str, Any]:
             rows.append({"range_kib": range_kib, "ranges": count,
                          "memcpy_us": round(times["memcpy"] * 1e6, 1),
                          "kernel_us": round(times["kernel"] * 1e6, 1),
-                         "winner": min(times, key=times.get)})
+                         "winner": min(times, key=times.__getitem__)})
             del plane, host
     return {"rows": rows, "suggested": _best_thresholds(rows)}
 
@@ -222,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    stub_missing()
-    results: dict[str, Any] = {"stubbed_missing_packages": STUBBED}
+    results: dict[str, Any] = {"stubbed_missing_packages": stub_missing()}
     parts = [("environment", environment), ("cuda_tests", lambda: cuda_tests(150)),
              ("step_loop", lambda: step_loop(args.steps)),
              ("transfer", lambda: transfer(args.reps)),

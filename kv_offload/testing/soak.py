@@ -15,8 +15,8 @@ Starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 with kv-off
 The exit status is 0 when every check passes, 1 otherwise, 2 when the server did not
 start. Everything is bounded in time (``--time-limit-s``, per-request timeouts).
 
-    python benchmarks/soak.py --quick --json /tmp/soak.json     # 100 requests, ~2 min
-    python benchmarks/soak.py --json soak.json                  # 2,000 requests
+    python -m kv_offload.testing.soak --quick --json /tmp/soak.json   # 100 requests, ~2 min
+    python -m kv_offload.testing.soak --json soak.json                # 2,000 requests
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kv_offload import OffloadConfig  # noqa: E402
-from kv_offload.testing.engine import EngineError  # noqa: E402
-from kv_offload.testing.openai_server import OpenAIServer, metric_samples  # noqa: E402
+from kv_offload import OffloadConfig
+from kv_offload.testing.engine import EngineError
+from kv_offload.testing.openai_server import OpenAIServer, metric_samples
 
 QUICK = {"requests": 100, "prefixes": 16, "kv_cache_mib": 16, "time_limit_s": 600.0}
 
@@ -293,10 +292,12 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         except EngineError as exc:
             result["startup_error"] = str(exc)
             return result
-        result["startup_s"] = round(server.startup_s, 1)
+        result["startup_s"] = round(server.startup_s or 0.0, 1)  # set once healthy
         before = parse_metrics(server.get("/metrics"))
         tally = run_load(args, server, model, prompts)
         seconds = tally.seconds
+        if tally.warm_sample is None:  # run_load takes it before it returns
+            raise RuntimeError("soak: no sample was taken after warm-up")
         warm_procs, warm_metrics = tally.warm_sample
         pending, after = wait_pending_zero(server)
         end_procs = sample_processes(server)
