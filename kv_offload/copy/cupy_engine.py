@@ -72,7 +72,7 @@ AUTO_MEMCPY_MAX_RANGES = 16
 AUTO_MEMCPY_MIN_MEAN_BYTES = 2 << 20
 """``auto`` issues one cudaMemcpyAsync per range when there are at most this many
 ranges or they average at least this size; otherwise one kernel launch. Defaults not yet
-measured on a GPU: calibrate with ``benchmarks/gpu_check.py`` (its ``calibration`` part)."""
+measured on a GPU: calibrate with ``benchmarks/gpu_check.sh`` (its ``calibration`` part)."""
 
 _KERNEL_SOURCE = r"""
 extern "C" __global__ void kvo_copy_tiles(unsigned long long table_addr) {
