@@ -28,6 +28,7 @@ from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 SUFFIX_TOKENS = 16
 SLOW_TARGET = 1.2  # the slow server: TTFT remote / no remote tier, medians
 DELAY_S = (0.05, 0.2)
+ENGINE_SWITCH_S = 1.2  # see "Engine switches" in templates/page.md
 
 
 def engine_parts(args: argparse.Namespace, server: Any, base: Path, result: dict) -> str | None:
@@ -85,11 +86,11 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
         for rnd in range(args.rounds):
             prompts = [_prompt(n, 30_000 + n * 10 + rnd) for n in args.lengths]
             cold = eng.generate(prompts, max_tokens=1, one_by_one=True)
-            # The stores of a request are reported to the scheduler at a later engine
-            # step; until then their CPU-tier entries stay pinned and reset_connector
-            # keeps them (the remote pass would then hit the CPU tier). One short request
-            # that stores nothing steps the engine.
-            eng.generate([make_prompt(32, seed=8 + rnd)], max_tokens=1)
+            # A chunk's CPU-tier entry stays pinned until its remote write is reported,
+            # at an engine step after the write ends; reset_connector keeps pinned
+            # entries (the remote pass would then hit the CPU tier): short requests,
+            # with pauses for the writes, step the engine first.
+            _flush(eng, 8 + 10 * rnd)
             eng.reset(connector=True)
             remote = eng.generate(prompts, max_tokens=1, one_by_one=True)
             if cold["tokens"] != remote["tokens"]:
@@ -140,8 +141,8 @@ def warn_hits(ttft: dict) -> None:
 
 
 def _flush(engine: EngineProcess, seed: int) -> None:
-    """Short requests that step the engine, so the first pass's stores are reported
-    and published in the CPU tier before the local prompts come back."""
+    """Short requests that step the engine, with pauses for the I/O threads, so that
+    earlier stores (host copies, remote writes) are reported to the scheduler."""
     for i in range(2):
         engine.generate([make_prompt(32, seed=seed + i)], max_tokens=1)
         time.sleep(0.3)
@@ -177,8 +178,11 @@ def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
             for kind, prompts in (("local", local), ("fresh", fresh)):
                 for i, (n, prompt) in enumerate(zip(lengths, prompts)):
                     # Request by request, engines alternating first: paired samples.
+                    # vLLM's queue readers spin for 1 s after each message: the engine
+                    # that just ran would slow the other one down, so wait it out.
                     names = list(engines) if (rnd + i) % 2 == 0 else list(engines)[::-1]
                     for name in names:
+                        time.sleep(ENGINE_SWITCH_S)
                         out = engines[name].generate([prompt], max_tokens=1, one_by_one=True)
                         tokens[name].append(out["tokens"])
                         if kind == "local":
