@@ -90,8 +90,7 @@ def new_result(bench: str, args: argparse.Namespace, /, **fields: Any) -> dict:
     and its load average now, then ``fields``. ``finish`` adds the end."""
     command = " ".join([Path(sys.executable).name, *sys.argv])
     return {"bench": bench, "command": command, "quick": args.quick,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "loadavg_start": os.getloadavg()},
+            "machine": {**machine_info(), "loadavg_start": os.getloadavg()},
             **fields}
 
 

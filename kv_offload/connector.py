@@ -161,12 +161,11 @@ class KVOffloadConnector(KVConnectorBase_V1):
         if self.remote_enabled:
             from kv_offload.remote import remote_tier_for
 
-            # Lookups run on their own threads: the budget bounds each request's wait
-            # (RemoteLookups); the connection keeps remote_timeout_s, so that a far or
-            # TLS server can connect and a loaded host's hiccup is no failure.
-            remote = remote_tier_for(
-                self.config, self.layout, namespace=self.namespace,
-                timeout_s=self.config.remote_timeout_s, who="scheduler")
+            # Lookups run on their own threads: remote_lookup_budget_ms bounds each
+            # request's wait (RemoteLookups); the connection keeps remote_timeout_s, so
+            # that a far or TLS server can connect and a loaded host's hiccup is no failure.
+            remote = remote_tier_for(self.config, self.layout, namespace=self.namespace,
+                                     who="scheduler")
             remote.publish_descriptor(self.layout.descriptor())
         planner_config = PlannerConfig(
             chunk_tokens=self.layout.chunk_tokens, block_size=self.layout.block_size,

@@ -180,15 +180,12 @@ class RemoteTier:
         commands = [(b"EXISTS", *names[i:i + per]) for i in range(0, len(names), per)]
         return pipeline_on_connection(client.connection_pool, commands)
 
-    def async_lookups(self, *, budget_s: float | None = None,
-                      clock: Callable[[], float] = time.monotonic) -> RemoteLookups:
+    def async_lookups(self, *, clock: Callable[[], float] = time.monotonic) -> RemoteLookups:
         """A ``RemoteLookups`` over this tier (its lookup threads start now): what the
-        scheduler asks instead of calling ``lookup`` on its own thread. ``budget_s``:
-        the total time a request may wait for its answer; None: ``lookup_budget_s``
-        (``remote_lookup_budget_ms`` for the connector's tier). The caller closes it
-        (before closing the tier)."""
-        return RemoteLookups(self, budget_s=self.lookup_budget_s if budget_s is None else budget_s,
-                             clock=clock)
+        scheduler asks instead of calling ``lookup`` on its own thread, each request
+        waiting at most ``lookup_budget_s``. The caller closes it (before closing the
+        tier)."""
+        return RemoteLookups(self, budget_s=self.lookup_budget_s, clock=clock)
 
     def warm(self) -> bool:
         """Open a pooled connection now (one per node on a cluster), so that the next
@@ -304,9 +301,9 @@ def _is_redirect(exc: Exception) -> bool:
             or (isinstance(exc, RespErrorReply) and exc.moved))
 
 
-def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: float,
-                    who: str) -> RemoteTier:
-    """The RemoteTier an ``OffloadConfig`` asks for, for chunks of ``layout``.
+def remote_tier_for(config: Any, layout: Any, *, namespace: str, who: str) -> RemoteTier:
+    """The RemoteTier an ``OffloadConfig`` asks for, for chunks of ``layout``: every call
+    bounded by ``remote_timeout_s``, a lookup's wait by ``remote_lookup_budget_ms``.
 
     Raises ValueError naming ``remote_max_value_size`` when a chunk does not fit."""
     from kv_offload.config import format_size
@@ -325,7 +322,7 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, timeout_s: floa
             f"server's proto-max-bulk-len must allow it) or lower chunk_tokens")
     target = RemoteTarget(config.remote_url, tuple(config.remote_cluster_nodes or ()))
     return RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
-                      payload_bytes=layout.slot_bytes, timeout_s=timeout_s,
+                      payload_bytes=layout.slot_bytes, timeout_s=config.remote_timeout_s,
                       key_prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s, who=who,
                       max_backoff_s=config.remote_max_backoff_s,
                       lookup_budget_s=config.remote_lookup_budget_ms / 1000)

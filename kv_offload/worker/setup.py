@@ -119,8 +119,7 @@ def build_worker(
     if config.remote_enabled:
         from kv_offload.remote import remote_tier_for
 
-        remote = remote_tier_for(config, layout, namespace=namespace,
-                                 timeout_s=config.remote_timeout_s, who=f"worker rank {rank}")
+        remote = remote_tier_for(config, layout, namespace=namespace, who=f"worker rank {rank}")
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s",
                 rank, len(planes), host.num_slots, type(engine).__name__)
     return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
