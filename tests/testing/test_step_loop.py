@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("background_stores", [False, True], ids=["inline", "background"])
 def test_step_loop_moves_every_byte_right(background_stores):
-    out = run_step_loop("cpu", steps=150, seed=3, background_stores=background_stores)
+    # Loads finish on real threads, so a run's path depends on timing; at 150 steps a
+    # loaded machine saw no held request in one run (about 2 expected), at 500 about 10.
+    out = run_step_loop("cpu", steps=500, seed=3, background_stores=background_stores)
     assert out["mismatches"] == 0 and out["stored_mismatches"] == 0, out
     assert out["tokens_loaded"] > 0 and out["chunks_stored"] > 0, out  # both paths ran
     assert out["held"] > 0 and out["preempted"] > 0, out
