@@ -7,6 +7,7 @@ costs no torch import (scheduler-side code may use ``SlotLayout``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kv_offload.copy.base import (
@@ -54,18 +55,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_copy_engine(planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int) -> CopyEngine:
+def make_copy_engine(planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int, *,
+                     thread_initializer: Callable[[], None] | None = None) -> CopyEngine:
     """Build the engine for the planes' device: ``TorchCopyEngine`` for host memory,
     ``CupyCopyEngine`` for CUDA. Raises ValueError for no planes or another device, and
     ``CudaUnavailableError`` for CUDA planes without CuPy. The caller owns the engine
-    (``close()`` it) and keeps ``planes`` and ``host`` alive as long as it."""
+    (``close()`` it) and keeps ``planes`` and ``host`` alive as long as it.
+    ``thread_initializer`` runs first on each of the CPU engine's helper threads."""
     if not planes:
         raise ValueError("make_copy_engine needs at least one plane")
     device = planes[0].device
     if device.type == "cpu":
         from kv_offload.copy.torch_engine import TorchCopyEngine
 
-        return TorchCopyEngine(planes, host, blocks_per_chunk)
+        return TorchCopyEngine(planes, host, blocks_per_chunk,
+                               thread_initializer=thread_initializer)
     if device.type == "cuda":
         from kv_offload.copy.cupy_engine import CupyCopyEngine
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -85,14 +86,16 @@ class TorchCopyEngine(CopyEngine):
     """
 
     def __init__(self, planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int,
-                 *, strategy: str | None = None, num_threads: int | None = None) -> None:
+                 *, strategy: str | None = None, num_threads: int | None = None,
+                 thread_initializer: Callable[[], None] | None = None) -> None:
         """``strategy``: "compiled" or "numpy" (default: compiled where numba is
         installed). ``num_threads``: threads one compiled copy may use, the caller's
         included (default: torch's thread count, at most 4). Raises ValueError when the
         planes are not CPU planes (see ``describe_planes``), a host slot cannot hold one
         chunk of them, or for an unknown strategy, and ``KernelUnavailableError`` for
         "compiled" without numba (the default then falls back to numpy, with a warning
-        if numba is installed but failed to compile)."""
+        if numba is installed but failed to compile). ``thread_initializer`` runs first on
+        each helper thread (``ThreadPlacement.anywhere``)."""
         geometry = describe_planes(planes)
         if geometry.device.type != "cpu":
             raise ValueError(f"TorchCopyEngine needs planes in host memory, got {geometry.device}")
@@ -123,7 +126,8 @@ class TorchCopyEngine(CopyEngine):
             self.layout.plane_bytes, self.layout.plane_offsets))
         self._plane_table = (addresses, strides, sizes, offsets)
         self._chunk_row_bytes = sum(self.layout.plane_bytes)  # one block of every plane
-        self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kv-copy")
+        self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kv-copy",
+                                         initializer=thread_initializer)
                       if self.num_threads > 1 else None)
         self._seq = itertools.count()
         self._closed = False

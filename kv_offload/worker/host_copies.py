@@ -70,13 +70,16 @@ class HostCopies:
     """Issues store copies and tracks them per request (see the module docstring).
 
     ``background``: run each copy on a store thread of its own (engines whose copies
-    complete inside ``store``, i.e. vLLM's CPU backend), so ``issue`` returns at once.
+    complete inside ``store``, i.e. vLLM's CPU backend), so ``issue`` returns at once;
+    ``initializer`` runs on that thread first (``ThreadPlacement.background``).
     """
 
-    def __init__(self, engine: CopyEngine, *, background: bool) -> None:
+    def __init__(self, engine: CopyEngine, *, background: bool,
+                 initializer: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self._thread: StoreThread | None = (ThreadPoolExecutor(1, thread_name_prefix="kv-offload-store")
-                        if background else None)
+        self._thread: StoreThread | None = (
+            ThreadPoolExecutor(1, thread_name_prefix="kv-offload-store", initializer=initializer)
+            if background else None)
         self._by_req: dict[str, list[HostCopy]] = {}
         self._held: set[str] = set()
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.remote.values import ValueCheck
+from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies, HostCopy
 from kv_offload.worker.loads import WorkerLoad, when_all_done
@@ -80,6 +81,7 @@ class OffloadWorker:
         load_timeout_s: float = 30.0,
         verify_checksums: bool = True,
         background_stores: bool = False,
+        placement: ThreadPlacement | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank = rank
@@ -90,9 +92,12 @@ class OffloadWorker:
         self.load_timeout_s = load_timeout_s
         self.verify_checksums = verify_checksums
         self._clock = clock
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io")
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-copy")
-        self._copies = HostCopies(engine, background=background_stores)
+        place = (placement or ThreadPlacement()).background
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io",
+                                      initializer=place)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-copy",
+                                          initializer=place)
+        self._copies = HostCopies(engine, background=background_stores, initializer=place)
         self._lock = threading.Lock()
         self._loads: dict[int, WorkerLoad] = {}
         self._stores: dict[int, _Store] = {}

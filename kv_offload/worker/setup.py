@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kv_offload.config import OffloadConfig
 from kv_offload.engine_info import UnsupportedEngineError
 from kv_offload.layout import KVLayout, num_cpu_slots
+from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.runner import OffloadWorker
 
 if TYPE_CHECKING:
@@ -106,7 +107,9 @@ def build_worker(
         planes.extend(layer_planes)
     on_cuda = planes[0].device.type == "cuda"
     host = allocate_host_slots(num_cpu_slots(config, layout), layout.slot_bytes, pinned=on_cuda)
-    engine = make_copy_engine(planes, host, layout.blocks_per_chunk)
+    placement = ThreadPlacement.for_worker()
+    engine = make_copy_engine(planes, host, layout.blocks_per_chunk,
+                              thread_initializer=placement.anywhere)
     slab = None
     if persistent and config.disk_path is not None:
         from kv_offload.disk import SlabFile
@@ -120,9 +123,10 @@ def build_worker(
         from kv_offload.remote import remote_tier_for
 
         remote = remote_tier_for(config, layout, namespace=namespace, who=f"worker rank {rank}")
-    logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s",
-                rank, len(planes), host.num_slots, type(engine).__name__)
+    logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s, %s",
+                rank, len(planes), host.num_slots, type(engine).__name__, placement.describe())
     return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
                          io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
                          verify_checksums=config.verify_checksums,
-                         background_stores=config.cpu_background_stores and not on_cuda)
+                         background_stores=config.cpu_background_stores and not on_cuda,
+                         placement=placement)
