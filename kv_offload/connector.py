@@ -302,10 +302,14 @@ class KVOffloadConnector(KVConnectorBase_V1):
         return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _scheduler_stats(self) -> dict[str, float]:
-        """Counter deltas since the last call, plus current gauges."""
+        """Counter deltas since the last call, plus current gauges; empty when no counter
+        moved (vLLM drops stats without a counter delta anyway: ``OffloadStats.is_empty``)."""
         now_counters = self._sched.counters.snapshot()
-        data: dict[str, float] = {k: v - self._last_counters.get(k, 0)
-                                  for k, v in now_counters.items()}
+        last = self._last_counters
+        data: dict[str, float] = {k: v - last.get(k, 0) for k, v in now_counters.items()
+                                  if v != last.get(k, 0)}
+        if not data:
+            return data
         self._last_counters = now_counters
         cpu = self._sched.cpu
         data["pending_jobs"] = self._sched.num_pending_jobs()

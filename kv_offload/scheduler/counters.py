@@ -33,4 +33,9 @@ class SchedulerCounters:
     seconds_remote_lookup: float = 0.0
 
     def snapshot(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        # Read every step (connector stats): attribute reads, not dataclasses.asdict,
+        # which deep-copies each field (~50 us a call).
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerCounters))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,8 @@ from kv_offload.worker.runner import OffloadWorker
 
 if TYPE_CHECKING:
     import torch
+
+    from kv_offload.host_buffer import HostSlots
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,18 @@ def check_page_order(tensors: Sequence[torch.Tensor], layout: KVLayout, num_bloc
                 f"size or VLLM_KV_CACHE_LAYOUT=LBNHC.")
 
 
+def start_populating(host: HostSlots, placement: ThreadPlacement) -> threading.Thread:
+    """Map the host slots' pages on a background thread (``HostSlots.populate``), so
+    that first stores run at copy speed; returns the started daemon thread."""
+    def run() -> None:
+        placement.background()
+        host.populate()
+
+    thread = threading.Thread(target=run, name="kv-offload-populate", daemon=True)
+    thread.start()
+    return thread
+
+
 def build_worker(
     *,
     tensors: Sequence[torch.Tensor],
@@ -108,6 +123,7 @@ def build_worker(
     on_cuda = planes[0].device.type == "cuda"
     host = allocate_host_slots(num_cpu_slots(config, layout), layout.slot_bytes, pinned=on_cuda)
     placement = ThreadPlacement.for_worker()
+    start_populating(host, placement)
     engine = make_copy_engine(planes, host, layout.blocks_per_chunk,
                               thread_initializer=placement.anywhere)
     slab = None
