@@ -75,7 +75,8 @@ class OffloadConfig:
     """Configuration of the kv-offload connector (all sizes in bytes after validation).
 
     Fields:
-        cpu_size: host-RAM budget of the CPU tier, per worker (rank). Default 4 GiB.
+        cpu_size: host-RAM budget of the CPU tier, per worker (rank), all of it in use
+            from start-up (pinned on CUDA; mapped in the background on CPU). Default 4 GiB.
         disk_path: store directory of the persistent disk tier; None turns the tier off.
         disk_size: disk budget of one model's namespace in the store. Default 32 GiB.
         chunk_tokens: tokens per stored chunk, a multiple of vLLM's block size;
