@@ -117,8 +117,13 @@ def finish(result: dict, json_path: Path | None,
 
 
 def rotated(items: list, r: int) -> list:
-    """``items`` starting at index r (mod len): round r's order, so none always goes first."""
-    return items[r % len(items):] + items[:r % len(items)]
+    """Round r's order: ``items`` rotated by r // 2, reversed in odd rounds. Over 2n
+    rounds each item goes first equally often and runs right after each other item
+    equally often (a plain rotation always ran b right after a, so a's leftovers
+    always fell on b)."""
+    k = (r // 2) % len(items)
+    order = items[k:] + items[:k]
+    return order[::-1] if r % 2 else order
 
 
 def timed(fn: Callable[[], object]) -> float:

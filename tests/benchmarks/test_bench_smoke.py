@@ -7,6 +7,7 @@ hundred tokens): together they take a few minutes on two cores.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -218,3 +219,16 @@ def test_remote_quick(tmp_path):
     assert "ours/raw store" in report and "store CPU s/GB" in report
     assert "The same lookups against a 3-node cluster" in report
     assert "Measured by an earlier version of this benchmark" in report
+
+
+def test_rotated_orders_balance_firsts_and_successors():
+    """Every engine goes first, and follows every other engine, equally often."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _common import rotated
+
+    names = ["plain", "ours", "ours_bg"]
+    orders = [rotated(names, r) for r in range(2 * len(names))]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert collections.Counter(o[0] for o in orders) == dict.fromkeys(names, 2)
+    pairs = collections.Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    assert set(pairs.values()) == {2} and len(pairs) == 6
