@@ -14,7 +14,8 @@ background copies would stall the forward while the reserved cores idle.
 - a copy's helper threads (which mostly run while the model waits for a synchronous store)
   may run on any of the engine's cores, so that they do not queue on one.
 With no binding declared (GPUs, ``VLLM_CPU_OMP_THREADS_BIND=nobind``) threads stay as
-they start.
+they start. A worker knows only its own rank's cores: with several ranks on one host its
+threads may run on another rank's model cores (as they would unbound).
 """
 
 from __future__ import annotations

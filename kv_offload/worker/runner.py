@@ -66,7 +66,8 @@ class OffloadWorker:
 
     ``engine``: a ``kv_offload.copy.CopyEngine`` over this rank's KV planes and
     ``host`` slots. ``slab``: this rank's ``kv_offload.disk.SlabFile`` or None.
-    ``remote``: a ``kv_offload.remote.RemoteTier`` or None.
+    ``remote``: a ``kv_offload.remote.RemoteTier`` or None. ``placement``: which CPUs
+    the I/O, copy and store threads run on (``worker.affinity``; default: where they start).
     """
 
     def __init__(
