@@ -84,9 +84,9 @@ class HostSlots:
 
     def populate(self) -> bool:
         """Map every page of plain (anonymous) slots now, so that first stores do not
-        fault; the bytes are not touched, so slots may be in use meanwhile. Runs for
-        ~0.4 s per GiB (measured on a 2-vCPU VM) on the calling thread (meant for a background thread). False
-        where there is nothing to do or the kernel cannot (pinned memory is mapped
+        fault; the bytes are not touched, so slots may be in use meanwhile. Runs on the
+        calling thread (meant for a background one), ~0.4 s per GiB on a 2-vCPU VM.
+        False where there is nothing to do or the kernel cannot (pinned memory is mapped
         already; kernels before 5.14); stops early after ``close``."""
         owner = self._owner
         if not isinstance(owner, mmap.mmap):
