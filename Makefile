@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON_BOOT) >/dev/null || { echo "error: $(PYTHON_BOOT) not found; install Python 3.11 or pass PYTHON_BOOT=..." >&2; exit 1; }
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[cpu,remote,test]'
+	$(PIP) install -e '.[cpu,remote,test,cuda-api]'
 	$(PIP) uninstall -y $(CUDA_ONLY_EXTRAS)
 	$(PY) -c "import vllm, lmdb, xxhash, redis, kv_offload; print('installed vllm', vllm.__version__)"
 	touch $@

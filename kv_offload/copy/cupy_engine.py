@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 CopyMode = Literal["auto", "memcpy", "kernel"]
 
+# CUDA enums as the CUDA headers define them (``tests/copy/test_cupy_api.py`` checks them
+# against CuPy's ``cupy.cuda.runtime`` constants where CuPy is installed).
 _HOST_ALLOC_PORTABLE = 0x01  # cudaHostAllocPortable: usable from every context
 _HOST_ALLOC_MAPPED = 0x02  # cudaHostAllocMapped: addressable by kernels
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
@@ -114,6 +116,19 @@ def _cupy() -> Any:
     return cupy
 
 
+def _cuda() -> Any:
+    """CuPy, once CUDA answers with at least one device; else CudaUnavailableError
+    (CuPy installed on a host without a GPU or driver says why: no device, driver too old)."""
+    cp = _cupy()
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        raise CudaUnavailableError(f"CuPy is installed but CUDA is not usable here: {exc}") from exc
+    if count < 1:
+        raise CudaUnavailableError("CuPy is installed but CUDA reports no device")
+    return cp
+
+
 def cuda_available() -> bool:
     """Whether CuPy imports and sees at least one CUDA device. Never raises."""
     try:
@@ -129,7 +144,7 @@ def alloc_pinned_host(nbytes: int) -> tuple[np.ndarray, object]:
     neither it nor the array is referenced any more). Raises CudaUnavailableError
     without CuPy or a device, InsufficientHostMemoryError when CUDA refuses the size.
     """
-    cp = _cupy()
+    cp = _cuda()
     try:
         mem = cp.cuda.PinnedMemory(int(nbytes), _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
     except cp.cuda.runtime.CUDARuntimeError as exc:
@@ -224,7 +239,7 @@ class CupyCopyEngine(CopyEngine):
     ) -> None:
         """Raises CudaUnavailableError without CuPy/CUDA, ValueError for planes not on
         ``device``, unpinned host slots, a slot too small for a chunk, or a bad mode."""
-        cp = _cupy()
+        cp = _cuda()
         geometry = describe_planes(planes)
         if geometry.device.type != "cuda" or (geometry.device.index or 0) != device:
             raise ValueError(f"CupyCopyEngine(device={device}) got planes on {geometry.device}")
@@ -276,7 +291,8 @@ class CupyCopyEngine(CopyEngine):
             pending = self._pending.get(handle.seq)
         if pending is not None:
             with self._device:
-                self._compute_stream(None).wait_event(pending.event)
+                self._cp.cuda.runtime.streamWaitEvent(self._compute_stream(None),
+                                                      pending.event.ptr)
 
     def current_stream(self) -> int:
         """The raw handle of the calling thread's current CUDA stream (or the fixed
@@ -286,9 +302,11 @@ class CupyCopyEngine(CopyEngine):
             return self._fixed_stream
         return int(torch.cuda.current_stream(self._device.id).cuda_stream)
 
-    def _compute_stream(self, after: Any) -> Any:
-        handle = self.current_stream() if after is None else int(after)
-        return self._cp.cuda.ExternalStream(handle, self._device.id)
+    def _compute_stream(self, after: Any) -> int:
+        """The raw handle of the stream to order against: ``after`` or the current one.
+        Used through the runtime's handle calls, not wrapped in a CuPy stream object
+        (``ExternalStream`` is deprecated since CuPy 14 and would be one object a call)."""
+        return self.current_stream() if after is None else int(after)
 
     def is_done(self, handle: CopyHandle) -> bool:
         """Query the call's event (never blocks). Unknown or retired handles are done."""
@@ -342,7 +360,7 @@ class CupyCopyEngine(CopyEngine):
                     raise CopyEngineClosedError("CupyCopyEngine is closed")
             stream = self._streams[direction]
             ready = cp.cuda.Event(block=False, disable_timing=True)
-            ready.record(self._compute_stream(after))
+            cp.cuda.runtime.eventRecord(ready.ptr, self._compute_stream(after))
             stream.wait_event(ready)
             table = None
             if ranges.num_ranges:

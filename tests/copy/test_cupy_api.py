@@ -1,0 +1,105 @@
+"""The CUDA path's use of CuPy, checked without a GPU wherever CuPy is installed (the CPU
+test install adds cupy-cuda12x and NVRTC for this): the CUDA enums the engine passes
+are CuPy's, every CuPy call it makes takes its arguments in the order given, and the
+tile kernel compiles. None of this needs a device, so a GPU run never finds these first."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from kv_offload.copy import cupy_engine
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+
+def parameters(fn: object) -> list[str]:
+    """Parameter names of a CuPy callable: from ``inspect`` for Python code, else from
+    the signature Cython embeds as the first line of the docstring."""
+    try:
+        return [p for p in inspect.signature(fn).parameters if p != "self"]  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        pass
+    first = (getattr(fn, "__doc__", None) or "").strip().splitlines()[0]
+    inside = re.fullmatch(r"[\w.]+\((.*)\)(\s*->.*)?", first.strip())
+    assert inside, f"no signature in the docstring of {fn!r}: {first!r}"
+    names = []
+    for part in inside.group(1).split(","):
+        part = part.split("=")[0].strip().lstrip("*")
+        if part:
+            names.append(part.split()[-1])
+    return [n for n in names if n != "self"]
+
+
+def test_cuda_enums_match_cupys():
+    rt = cp.cuda.runtime
+    ours = (cupy_engine._HOST_ALLOC_PORTABLE, cupy_engine._HOST_ALLOC_MAPPED,
+            cupy_engine._MEMCPY_DEFAULT, cupy_engine._MEMORY_TYPE_HOST)
+    assert ours == (rt.hostAllocPortable, rt.hostAllocMapped, rt.memcpyDefault,
+                    rt.memoryTypeHost)
+
+
+@pytest.mark.parametrize(("name", "leading"), [
+    # the engine's and gpu_check's calls, positional arguments in the order they pass them
+    ("cuda.runtime.memcpyAsync", ["dst", "src", "size", "kind", "stream"]),
+    ("cuda.runtime.pointerGetAttributes", ["ptr"]),
+    ("cuda.PinnedMemory", ["size", "flags"]),
+    ("cuda.PinnedMemoryPointer", ["mem", "offset"]),
+    ("cuda.runtime.eventRecord", ["event", "stream"]),
+    ("cuda.runtime.streamWaitEvent", ["stream", "event"]),
+    ("cuda.Event.record", ["stream"]),
+    ("cuda.Stream.wait_event", ["event"]),
+    ("RawKernel", ["code", "name"]),
+    ("RawKernel.__call__", ["grid", "block", "args"]),
+])
+def test_cupy_calls_take_the_arguments_we_pass(name, leading):
+    fn: object = cp
+    for attr in name.split("."):
+        fn = getattr(fn, attr)
+    assert parameters(fn)[:len(leading)] == leading
+
+
+@pytest.mark.parametrize(("name", "keywords"), [
+    ("cuda.Event", {"block", "disable_timing"}),
+    ("cuda.Stream", {"non_blocking"}),
+])
+def test_cupy_constructors_take_the_keywords_we_pass(name, keywords):
+    fn: object = cp
+    for attr in name.split("."):
+        fn = getattr(fn, attr)
+    assert keywords <= set(parameters(fn))
+
+
+def test_cupy_has_the_methods_and_fields_we_use():
+    assert callable(cp.RawKernel.compile)  # compiled at engine start-up
+    assert callable(cp.cuda.Event.synchronize) and hasattr(cp.cuda.Event, "done")
+    assert hasattr(cp.cuda.Stream, "done") and callable(cp.cuda.Stream.synchronize)
+    assert {"type", "devicePointer"} <= set(dir(cp.cuda.runtime.PointerAttributes))
+    assert issubclass(cp.cuda.runtime.CUDARuntimeError, Exception)
+    for cls in (cp.cuda.Event, cp.cuda.Stream):  # raw handles, set per instance
+        assert re.search(rf"~{cls.__name__}\.ptr \(intptr_t\)", cls.__doc__), cls
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_tile_kernel_compiles_with_nvrtc(arch):
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # the NVRTC library is not installed
+        pytest.skip(f"NVRTC is not loadable: {exc}")
+    prog = nvrtc.createProgram(cupy_engine._KERNEL_SOURCE, "kvo_copy_tiles.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"-arch={arch}"])
+    except Exception as exc:
+        pytest.fail(f"{exc}\n{nvrtc.getProgramLog(prog)}")
+    ptx = nvrtc.getPTX(prog).decode()
+    assert ".entry kvo_copy_tiles(" in ptx
+
+
+def test_without_a_device_the_engine_says_cuda_is_unusable():
+    if cupy_engine.cuda_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(cupy_engine.CudaUnavailableError, match="CUDA is not usable|no device"):
+        cupy_engine.alloc_pinned_host(4096)
