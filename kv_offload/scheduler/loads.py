@@ -6,6 +6,7 @@ pins CPU slots (and disk slots) for a load until every rank reported it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 
@@ -37,17 +38,27 @@ class LoadPlanner:
         sources of ``run`` (a prefix of ``keys``; the chunks past it vanished since the
         lookup and become failed moves, so vLLM recomputes them). Pins every source; a
         staged chunk gets its CPU slot. Returns each chunk's tier ("cpu", "disk",
-        "remote"; None for a failed move)."""
-        self.cpu.pin(s.cpu.slot for s in run if s.cpu is not None)  # before any eviction
-        fills = self._fill_slots([s.key for s in run if s.remote])
-        job_id = next(self._job_ids)
-        moves: list[ChunkMove] = []
-        chunk_tiers: list[str | None] = []
-        for i, chunk_blocks in enumerate(blocks):
-            move, tier = self._plan_move(run[i] if i < len(run) else None, chunk_blocks,
-                                         job_id, fills)
-            moves.append(move)
-            chunk_tiers.append(tier)
+        "remote"; None for a failed move).
+
+        All or nothing: if a step raises, every pin, staging slot and disk slot taken so
+        far is given back before the exception propagates (the caller fails the load),
+        so nothing is held for a job that will never run."""
+        with contextlib.ExitStack() as undo:
+            for source in run:
+                if source.cpu is not None:  # before any eviction
+                    self.cpu.pin([source.cpu.slot])
+                    undo.callback(self.cpu.unpin, [source.cpu.slot])
+            fills = self._fill_slots([s.key for s in run if s.remote])
+            undo.callback(self.disk.release, list(fills.values()))
+            job_id = next(self._job_ids)
+            moves: list[ChunkMove] = []
+            chunk_tiers: list[str | None] = []
+            for i, chunk_blocks in enumerate(blocks):
+                move, tier = self._plan_move(run[i] if i < len(run) else None, chunk_blocks,
+                                             job_id, fills, undo)
+                moves.append(move)
+                chunk_tiers.append(tier)
+            undo.pop_all()
         self.disk.release(list(fills.values()))  # fills of chunks that found no CPU slot
         self.cpu.touch(k for k, m in zip(keys, moves) if m.cpu_slot is not None)
         self.counters.load_errors += chunk_tiers.count(None)
@@ -60,8 +71,10 @@ class LoadPlanner:
         return chunk_tiers
 
     def _plan_move(self, source: Source | None, blocks: tuple[int, ...], job_id: int,
-                   fills: dict[ChunkKey, int]) -> tuple[ChunkMove, str | None]:
-        """The move of one chunk and its tier (None: a failed move)."""
+                   fills: dict[ChunkKey, int], undo: contextlib.ExitStack
+                   ) -> tuple[ChunkMove, str | None]:
+        """The move of one chunk and its tier (None: a failed move); what it takes is
+        registered on ``undo``."""
         if source is None:  # vanished since the lookup
             return ChunkMove(blocks, None), None
         if source.cpu is not None:
@@ -69,8 +82,11 @@ class LoadPlanner:
         slot = self.cpu.reserve(source.key, SlotState.STAGING, staging_job=job_id)
         if slot is None:  # cannot happen: the lookup counted the slots
             return ChunkMove(blocks, None), None
+        undo.callback(self.cpu.unpin, [slot])  # runs second: frees the discarded slot
+        undo.callback(self.cpu.discard_slot, slot)
         if source.disk is not None:
             self.disk.pin([source.disk.slot])
+            undo.callback(self.disk.unpin, [source.disk.slot])
             return ChunkMove(blocks, slot, source.disk.slot, tuple(source.disk.checksums)), "disk"
         return ChunkMove(blocks, slot, remote_key=source.key,
                          fill_disk_slot=fills.pop(source.key, None)), "remote"

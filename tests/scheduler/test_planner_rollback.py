@@ -1,0 +1,57 @@
+"""A load whose planning raises midway gives back everything it took: vLLM's hook
+guard then fails the load (the request recomputes), and no pin, staging slot or disk
+pin is left behind to shrink the tiers or to make later requests wait on a job that
+never runs."""
+
+import pytest
+from planner_support import make_request, make_scheduler
+from test_planner import store_two_chunks_on_disk
+
+from kv_offload.scheduler import SlotState
+
+BLOCKS = [40, 41, 42, 43, 44]
+
+
+def failing_on_call(fn, n):
+    """``fn``, except that its ``n``-th call raises RuntimeError."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == n:
+            raise RuntimeError("injected")
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@pytest.mark.parametrize("fail_at", ["second disk pin", "second staging slot"])
+def test_a_load_that_fails_while_planned_holds_nothing(disk_index, monkeypatch, fail_at):
+    store_two_chunks_on_disk(disk_index)
+    sched, _ = make_scheduler(num_ranks=2, disk_index=disk_index, num_cpu_slots=4)
+    reader = make_request("x", list(range(17)))
+    assert sched.num_matched_tokens(reader, 0) == 16  # both chunks staged from disk
+    if fail_at == "second disk pin":
+        monkeypatch.setattr(sched.disk_tier, "pin", failing_on_call(sched.disk_tier.pin, 2))
+    else:
+        monkeypatch.setattr(sched.cpu, "reserve", failing_on_call(sched.cpu.reserve, 2))
+    with pytest.raises(RuntimeError, match="injected"):
+        sched.plan_load(reader, BLOCKS, 16)
+    sched.fail_load("x", BLOCKS, 16)  # what the hook guard does next
+    monkeypatch.undo()
+
+    assert sched.cpu.counts()["free"] == 4, sched.cpu.counts()
+    assert sched.cpu.counts()["pinned"] == 0
+    assert all(sched.cpu.state(k) is None for k in reader.block_hashes)
+    assert disk_index.stats()["pinned"] == 0
+    (failed,) = sched.plan_step([]).loads
+    assert [m.cpu_slot for m in failed.chunks] == [None]  # every block reported failed
+
+    # the next request on the prefix stages both chunks anew, after no phantom job
+    again = make_request("y", list(range(17)))
+    assert sched.num_matched_tokens(again, 0) == 16
+    sched.plan_load(again, BLOCKS, 16)
+    (load,) = sched.plan_step([]).loads
+    assert [m.after_job for m in load.chunks] == [None, None]
+    assert all(m.disk_slot is not None and m.cpu_slot is not None for m in load.chunks)
+    assert {sched.cpu.state(k) for k in (again.block_hashes[1], again.block_hashes[3])} == {
+        SlotState.STAGING}
