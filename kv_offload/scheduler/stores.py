@@ -7,6 +7,7 @@ Scheduler thread only. A chunk is visible to lookups only once every rank copied
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 
@@ -31,30 +32,38 @@ class StorePlanner:
 
     def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...], str]]) -> StoreJob | None:
         """One StoreJob for ``chunks`` (key, engine blocks, request), each key once; a
-        chunk that finds no CPU slot is skipped (counted). None when none found a slot."""
+        chunk that finds no CPU slot is skipped (counted). None when none found a slot.
+        All or nothing: if a step raises, the slots reserved so far are given back
+        before the exception propagates (no chunk is left STORING for a job that never
+        runs)."""
         unique: dict[ChunkKey, tuple[tuple[int, ...], str]] = {}
         for key, blocks, req_id in chunks:
             unique.setdefault(key, (blocks, req_id))
-        disk_slots = self.disk.allocate(list(unique))
-        job_id = next(self._job_ids)
         keys, slots, moves, unused_disk, req_ids = [], [], [], [], []
-        for (key, (blocks, req_id)), disk_slot in zip(unique.items(), disk_slots):
-            evictions = self.cpu.num_evictions
-            slot = self.cpu.reserve(key, SlotState.STORING)
-            self.counters.evictions_cpu += self.cpu.num_evictions - evictions
-            if slot is None:
-                self.counters.skipped_stores += 1
-                if disk_slot is not None:
-                    unused_disk.append(disk_slot)
-                continue
-            keys.append(key)
-            slots.append(slot)
-            req_ids.append(req_id)
-            moves.append(ChunkMove(blocks, slot, disk_slot,
-                                   remote_key=key if self.with_remote else None))
+        with contextlib.ExitStack() as undo:
+            disk_slots = self.disk.allocate(list(unique))
+            undo.callback(self.disk.release, [s for s in disk_slots if s is not None])
+            for (key, (blocks, req_id)), disk_slot in zip(unique.items(), disk_slots):
+                evictions = self.cpu.num_evictions
+                slot = self.cpu.reserve(key, SlotState.STORING)
+                self.counters.evictions_cpu += self.cpu.num_evictions - evictions
+                if slot is None:
+                    self.counters.skipped_stores += 1
+                    if disk_slot is not None:
+                        unused_disk.append(disk_slot)
+                    continue
+                undo.callback(self.cpu.unpin, [slot])  # runs second: frees the slot
+                undo.callback(self.cpu.discard_slot, slot)
+                keys.append(key)
+                slots.append(slot)
+                req_ids.append(req_id)
+                moves.append(ChunkMove(blocks, slot, disk_slot,
+                                       remote_key=key if self.with_remote else None))
+            undo.pop_all()
         self.disk.release(unused_disk)
         if not moves:
             return None
+        job_id = next(self._job_ids)
         self.records[job_id] = StoreRecord(tuple(keys), tuple(slots), tuple(moves))
         return StoreJob(job_id, tuple(moves), tuple(req_ids))
 

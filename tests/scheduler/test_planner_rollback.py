@@ -1,7 +1,7 @@
-"""A load whose planning raises midway gives back everything it took: vLLM's hook
-guard then fails the load (the request recomputes), and no pin, staging slot or disk
-pin is left behind to shrink the tiers or to make later requests wait on a job that
-never runs."""
+"""A load or store whose planning raises midway gives back everything it took. vLLM's
+hook guard then fails the load (the request recomputes) or skips the step's stores, and
+no pin, staging or storing slot, disk pin or disk reservation is left behind to shrink
+the tiers, or to end every later hit on the prefix at a chunk that never completes."""
 
 import pytest
 from planner_support import make_request, make_scheduler
@@ -55,3 +55,23 @@ def test_a_load_that_fails_while_planned_holds_nothing(disk_index, monkeypatch, 
     assert all(m.disk_slot is not None and m.cpu_slot is not None for m in load.chunks)
     assert {sched.cpu.state(k) for k in (again.block_hashes[1], again.block_hashes[3])} == {
         SlotState.STAGING}
+
+
+def test_a_store_that_fails_while_planned_leaves_no_chunk_storing(disk_index, monkeypatch):
+    sched, blocks = make_scheduler(num_ranks=2, disk_index=disk_index, num_cpu_slots=4)
+    writer = make_request("w", list(range(17)))
+    sched.num_matched_tokens(writer, 0)
+    blocks["w"] = [0, 1, 2, 3, 4]
+    monkeypatch.setattr(sched.cpu, "reserve", failing_on_call(sched.cpu.reserve, 2))
+    with pytest.raises(RuntimeError, match="injected"):
+        sched.plan_step([("w", 17)])
+    monkeypatch.undo()
+
+    assert sched.cpu.counts()["free"] == 4 and sched.cpu.counts()["storing"] == 0
+    assert disk_index.stats()["reserved"] == 0
+    # another request on the same prompt finds nothing half-stored and stores it whole
+    other = make_request("o", list(range(17)))
+    assert sched.num_matched_tokens(other, 0) == 0
+    blocks["o"] = [5, 6, 7, 8, 9]
+    (job,) = sched.plan_step([("o", 17)]).stores
+    assert len(job.chunks) == 2 and all(m.disk_slot is not None for m in job.chunks)
