@@ -21,6 +21,7 @@ from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.holds import BlockHolds
+from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source, loadable_run
 from kv_offload.scheduler.records import RequestState, chunk_blocks
@@ -87,6 +88,7 @@ class OffloadScheduler:
                                    job_ids=job_ids, num_ranks=config.num_ranks,
                                    with_remote=remote is not None)
         self.holds = BlockHolds()
+        self._job_guard = HookGuard(self.counters)  # one job's bug spares the others
         self._block_ids_of = block_ids_of
         self._clock = clock
         self._requests: dict[str, RequestState] = {}
@@ -299,25 +301,32 @@ class OffloadScheduler:
     # -- completions -----------------------------------------------------------------------
 
     def on_report(self, report: WorkerReport) -> None:
-        """Apply what workers finished: publish, commit, release pins (invariants 1-2)."""
+        """Apply what workers finished: publish, commit, release pins (invariants 1-2).
+        Each job is applied on its own: one that raises (a bug) is logged and counted
+        (``hook_errors``) and does not keep the report's other jobs from completing."""
         if report.disk_broken:
             self.disk_tier.disable(report.disk_broken)
+        run = self._job_guard.call
         for job_id in report.host_stored.keys() | report.host_failed.keys():
-            if self.stores.on_copied(job_id, report.host_stored.get(job_id, 0)
-                                     + report.host_failed.get(job_id, 0),
-                                     report.host_failed.get(job_id, 0)):
-                self.holds.copied(job_id)
+            run("on_report (store copied)", lambda: None, self._on_copied, job_id,
+                report.host_stored.get(job_id, 0), report.host_failed.get(job_id, 0))
         for job_id, sums in report.disk_stored.items():
             if job_id in self.loads.records:  # a load's disk fills
-                self.loads.on_fills(job_id, sums)
+                run("on_report (load fills)", lambda: None, self.loads.on_fills, job_id, sums)
             else:
-                self.stores.on_disk_written(job_id, sums)
+                run("on_report (store written)", lambda: None, self.stores.on_disk_written,
+                    job_id, sums)
         for job_id, oks in report.remote_stored.items():
-            self.stores.on_remote_written(job_id, oks)
+            run("on_report (remote written)", lambda: None, self.stores.on_remote_written,
+                job_id, oks)
         for job_id, bad in report.bad_reads.items():
-            self.loads.on_bad_reads(job_id, bad)
+            run("on_report (bad reads)", lambda: None, self.loads.on_bad_reads, job_id, bad)
         for job_id, failed in report.loaded.items():
-            self.loads.on_loaded(job_id, failed)
+            run("on_report (loaded)", lambda: None, self.loads.on_loaded, job_id, failed)
+
+    def _on_copied(self, job_id: int, stored: int, failed: int) -> None:
+        if self.stores.on_copied(job_id, stored + failed, failed):
+            self.holds.copied(job_id)
 
     # -- lifecycle -------------------------------------------------------------------------
 

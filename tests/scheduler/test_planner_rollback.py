@@ -75,3 +75,29 @@ def test_a_store_that_fails_while_planned_leaves_no_chunk_storing(disk_index, mo
     blocks["o"] = [5, 6, 7, 8, 9]
     (job,) = sched.plan_step([("o", 17)]).stores
     assert len(job.chunks) == 2 and all(m.disk_slot is not None for m in job.chunks)
+
+
+def test_a_job_that_fails_to_complete_does_not_keep_the_others_of_its_report(monkeypatch):
+    from kv_offload.jobs import WorkerReport
+
+    sched, blocks = make_scheduler(num_cpu_slots=4)
+    jobs = []
+    for name, first in (("a", 0), ("b", 100)):
+        req = make_request(name, list(range(first, first + 9)))
+        sched.num_matched_tokens(req, 0)
+        blocks[name] = [first, first + 1, first + 2]
+        (job,) = sched.plan_step([(name, 9)]).stores
+        jobs.append((req, job))
+    (req_a, job_a), (req_b, job_b) = jobs
+    on_copied = sched.stores.on_copied
+
+    def broken_for_a(job_id, *args):
+        if job_id == job_a.job_id:
+            raise RuntimeError("injected")
+        return on_copied(job_id, *args)
+    monkeypatch.setattr(sched.stores, "on_copied", broken_for_a)
+    sched.on_report(WorkerReport(host_stored={job_a.job_id: 1, job_b.job_id: 1}))
+
+    assert sched.counters.hook_errors == 1
+    assert sched.cpu.state(req_b.block_hashes[1]) is SlotState.READY
+    assert sched.num_matched_tokens(make_request("c", list(range(100, 109))), 0) == 8
