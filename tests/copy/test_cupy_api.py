@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import re
 
+import numpy as np
 import pytest
 
 from kv_offload.copy import cupy_engine
@@ -103,3 +104,34 @@ def test_without_a_device_the_engine_says_cuda_is_unusable():
         pytest.skip("a CUDA device is present")
     with pytest.raises(cupy_engine.CudaUnavailableError, match="CUDA is not usable|no device"):
         cupy_engine.alloc_pinned_host(4096)
+
+
+class FakePinnedMemory:
+    """cupy.cuda.PinnedMemory over ordinary memory (no driver): records the flags."""
+
+    flags: list[int] = []
+
+    def __init__(self, size, flags=0):
+        FakePinnedMemory.flags.append(flags)
+        self._buf = np.zeros(size, np.uint8)
+        self.ptr, self.size = self._buf.ctypes.data, size
+
+
+def test_pinned_host_memory_is_a_writable_view_of_the_allocation(monkeypatch):
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(cp.cuda, "PinnedMemory", FakePinnedMemory)
+    FakePinnedMemory.flags.clear()
+    array, owner = cupy_engine.alloc_pinned_host(4096)
+    assert array.dtype == np.uint8 and array.nbytes == 4096 and array.flags.writeable
+    assert array.ctypes.data == owner.ptr  # no copy: CUDA's pages, CuPy's buffer protocol
+    rt = cp.cuda.runtime
+    assert FakePinnedMemory.flags == [rt.hostAllocPortable | rt.hostAllocMapped]
+
+
+def test_pinned_host_memory_refused_by_cuda_names_cpu_size(monkeypatch):
+    def out_of_memory(size, flags=0):
+        raise cp.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(cp.cuda, "PinnedMemory", out_of_memory)
+    with pytest.raises(cupy_engine.InsufficientHostMemoryError, match="cpu_size"):
+        cupy_engine.alloc_pinned_host(1 << 40)
