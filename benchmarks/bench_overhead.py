@@ -1,8 +1,8 @@
 """What our connector costs when nothing is reused or every request stores, and what it
 gains with 50% reuse.
 
-Plain vLLM, ours (synchronous store copies) and ours_bg (``cpu_background_stores``) side
-by side, the same batches each round in rotating order (``_engine.Turns``), new prompts
+Plain vLLM, ours (synchronous store copies), ours_bg (``cpu_background_stores``) and
+ours_cpu (ours without the disk tier) side by side, the same batches each round in rotating order (``_engine.Turns``), new prompts
 every round; workloads no_reuse, reuse_50 (after reset_prefix_cache) and store_heavy
 (staggered long prompts, generated tokens stored). Throughput and mean TTFT per batch,
 ratios paired per round (median). Targets: no_reuse and store_heavy throughput >= 0.97x
@@ -39,11 +39,13 @@ from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 SUFFIX_TOKENS = 16
 TARGET = 0.97  # issue 15: no_reuse and store_heavy throughput ours/plain
 WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
-CONTENDERS = ("plain", "ours", "ours_bg")
-VARIANTS = {"ours": False, "ours_bg": True}  # name -> cpu_background_stores
+CONTENDERS = ("plain", "ours", "ours_bg", "ours_cpu")
+VARIANTS = {  # name -> (cpu_background_stores, disk tier on)
+    "ours": (False, True), "ours_bg": (True, True), "ours_cpu": (False, False)}
 GRADED = ("no_reuse", "store_heavy")
 PAIRS = (  # (numerator, denominator, key suffix) of the ratios paired per round
-    ("ours", "plain", ""), ("ours_bg", "plain", "_bg"), ("ours_bg", "ours", "_bg_vs_sync"))
+    ("ours", "plain", ""), ("ours_bg", "plain", "_bg"), ("ours_cpu", "plain", "_cpu"),
+    ("ours_bg", "ours", "_bg_vs_sync"))
 
 
 def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -111,13 +113,12 @@ def paired(rows: list[dict], key: str, num: str, den: str) -> float | None:
 
 
 def summarize(rounds: list[dict], workloads: list[str]) -> dict[str, dict[str, Any]]:
-    """Per workload: medians per engine and the medians of the paired ratios (ours/plain,
-    ours_bg/plain, ours_bg/ours)."""
+    """Per workload: medians per engine and the medians of the paired ratios (``PAIRS``)."""
     out: dict[str, dict[str, Any]] = {}
     for workload in workloads:
         rows = [r[workload] for r in rounds]
         summary: dict[str, Any] = {}
-        for name in CONTENDERS:
+        for name in (n for n in CONTENDERS if n in rows[0]):
             summary[name] = {
                 key: statistics.median(x[name][key] for x in rows)
                 for key in ("throughput_tok_s", "output_tok_s", "seconds")
@@ -128,8 +129,9 @@ def summarize(rounds: list[dict], workloads: list[str]) -> dict[str, dict[str, A
                 counts = [x[name].get(key) for x in rows]
                 summary[name][key] = None if None in counts else int(sum(counts))
         for num, den, suffix in PAIRS:
-            summary["throughput_ratio" + suffix] = paired(rows, "throughput_tok_s", num, den)
-            summary["ttft_ratio" + suffix] = paired(rows, "mean_ttft_s", num, den)
+            if num in summary and den in summary:
+                summary["throughput_ratio" + suffix] = paired(rows, "throughput_tok_s", num, den)
+                summary["ttft_ratio" + suffix] = paired(rows, "mean_ttft_s", num, den)
         out[workload] = summary
     return out
 
@@ -138,12 +140,12 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     """This benchmark's section of docs/benchmarks.md (no plot: ``img`` is unused)."""
     rows = []
     for workload, s in data["summary"].items():
-        for name in CONTENDERS:
+        for name in (n for n in CONTENDERS if n in s):  # older runs: fewer engines
             e = s[name]
             ttft = e["mean_ttft_s"] and e["mean_ttft_s"] * 1e3
             rows.append([workload, name, fmt(e["throughput_tok_s"], ".0f"), fmt(ttft, ".0f"),
                          e["external_hit_tokens"], fmt(e.get("chunks_stored"), ".0f"), ""])
-        for num, den, suffix in PAIRS:
+        for num, den, suffix in (p for p in PAIRS if "throughput_ratio" + p[2] in s):
             rows.append([workload, f"{num}/{den}", fmt(s["throughput_ratio" + suffix]),
                          fmt(s["ttft_ratio" + suffix]), "", "", "paired per round, median"])
     for v in data["verdicts"]:
@@ -194,12 +196,22 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One verdict per graded workload and kv-offload variant."""
     out = []
     for workload in (w for w in GRADED if w in summary):
-        for name, suffix in (("ours", ""), ("ours_bg", "_bg")):
+        for name, suffix in (("ours", ""), ("ours_bg", "_bg"), ("ours_cpu", "_cpu")):
             value = summary[workload]["throughput_ratio" + suffix]
             out.append({"target": f"{workload} throughput {name}/plain >= {TARGET}",
                         "value": value, "limit": TARGET,
                         "pass": value is not None and value >= TARGET})
     return out
+
+
+def variant_config(base: dict, store: Path, background: bool, disk: bool) -> dict:
+    """kv-offload's config for one variant: ``base`` with its store thread setting and
+    its own disk store, or no disk tier."""
+    config = {**base, "cpu_background_stores": background}
+    if disk:
+        return {**config, "disk_path": str(store)}
+    config.pop("disk_size", None)
+    return config
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -208,9 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     ours_cfg = {"cpu_size": "1GiB", "disk_size": "4GiB", "chunk_tokens": args.chunk_tokens,
                 "store_generated": True}
     transfers = {"plain": None, **{  # each variant has a store of its own: no shared hits
-        name: offload_transfer({**ours_cfg, "disk_path": str(base / f"store-{name}"),
-                                "cpu_background_stores": background})
-        for name, background in VARIANTS.items()}}
+        name: offload_transfer(variant_config(ours_cfg, base / f"store-{name}", *VARIANTS[name]))
+        for name in VARIANTS}}
     model = make_tiny_model()
     engine = engine_kwargs(in_process=args.in_process)
     env = benchmark_env(in_process=args.in_process,
@@ -240,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = new_result(
         "overhead", args, model={"name": "test default", "path": str(model)}, engine=engine,
         env=env, in_process=args.in_process, ours_config=ours_cfg,
-        variants={n: {"cpu_background_stores": b} for n, b in VARIANTS.items()},
+        variants={n: {"cpu_background_stores": bg, "disk_tier": disk}
+                  for n, (bg, disk) in VARIANTS.items()},
         **{k: getattr(args, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "rounds",
                                          "heavy_prompts", "heavy_prompt_tokens",
                                          "heavy_max_tokens", "workloads")},
