@@ -188,31 +188,7 @@ class DiskIndex:
         high-water mark, then by evicting the least recently used unpinned entry
         (unpublished in the same transaction). One write transaction; atomic per call.
         """
-        for key in keys:
-            check_key(key)
-
-        def fn(op: NamespaceTxn) -> list[int | None]:
-            record = op.record()
-            if record is None:  # cleared under us: start the namespace over
-                logger.warning("disk tier: namespace %s vanished; recreating", op.namespace_id)
-                op.put_record(record := self._record)
-            tick, tried_reclaim = self._tick(), False
-            out: list[int | None] = []
-            for key in keys:
-                if op.get("entries", key) is not None:
-                    out.append(None)
-                    continue
-                slot = op.take_slot(record["num_slots"], self._pins)
-                if slot is None and not tried_reclaim and time.monotonic() > self._next_reclaim:
-                    tried_reclaim, self._next_reclaim = True, time.monotonic() + RECLAIM_EVERY_S
-                    if op.reclaim(alive_owner(self._env.live_tokens)):
-                        slot = op.take_slot(record["num_slots"], self._pins)
-                if slot is not None:
-                    op.reserve(key, slot, self._owner, tick)
-                out.append(slot)
-            return out
-
-        return self._write(fn)
+        return self.settle(keys=keys)[1]
 
     def commit(self, items: Sequence[tuple[bytes, int, tuple[int, ...]]]) -> list[bool]:
         """Publish ``key -> slot`` with per-rank checksums, for slots this index reserved.
@@ -221,32 +197,64 @@ class DiskIndex:
         reservation is gone (released, reclaimed, namespace cleared) is not published and
         is logged; the result tells per item whether it was published. One write txn.
         """
-        for key, _slot, checksums in items:
-            check_key(key)
-            if len(checksums) != self._num_ranks:
-                raise ValueError(f"need {self._num_ranks} checksums, got {len(checksums)}")
-
-        def fn(op: NamespaceTxn) -> list[bool]:
-            tick = self._tick()
-            return [op.publish(key, slot, cs, tick, self._owner) for key, slot, cs in items]
-
-        done = self._write(fn)
-        lost = [(key.hex()[:16], slot) for (key, slot, _), ok in zip(items, done) if not ok]
-        if lost:
-            logger.warning("disk tier: %d stores lost their reservation, not published: %s",
-                           len(lost), lost[:4])
-        return done
+        return self.settle(commits=items)[0]
 
     def release(self, slots: Sequence[int]) -> None:
         """Give back slots this index reserved and will not commit (a failed write); they
         go to the free list. Slots not reserved by this index are ignored. One write txn."""
+        self.settle(releases=slots)
 
-        def fn(op: NamespaceTxn) -> None:
-            for slot in slots:
+    def settle(self, commits: Sequence[tuple[bytes, int, tuple[int, ...]]] = (),
+               releases: Sequence[int] = (), keys: Sequence[bytes] = ()
+               ) -> tuple[list[bool], list[int | None]]:
+        """``release``, ``commit`` and ``allocate`` in one write transaction, in that
+        order (a released slot may be reserved again at once): the scheduler's writes of
+        a step cost one transaction. Returns (published per commit, slot per key).
+        Atomic: if any part raises, nothing is written."""
+        for key, _slot, checksums in commits:
+            check_key(key)
+            if len(checksums) != self._num_ranks:
+                raise ValueError(f"need {self._num_ranks} checksums, got {len(checksums)}")
+        for key in keys:
+            check_key(key)
+
+        def fn(op: NamespaceTxn) -> tuple[list[bool], list[int | None]]:
+            tick = self._tick()
+            for slot in releases:
                 if op.owner_of(slot) == self._owner:
                     op.unreserve(slot)
+            done = [op.publish(key, slot, cs, tick, self._owner) for key, slot, cs in commits]
+            return done, self._reserve(op, keys, tick) if keys else []
 
-        self._write(fn)
+        done, slots = self._write(fn)
+        lost = [(key.hex()[:16], slot) for (key, slot, _), ok in zip(commits, done) if not ok]
+        if lost:
+            logger.warning("disk tier: %d stores lost their reservation, not published: %s",
+                           len(lost), lost[:4])
+        return done, slots
+
+    def _reserve(self, op: NamespaceTxn, keys: Sequence[bytes], tick: int
+                 ) -> list[int | None]:
+        """``allocate``'s part of a write transaction."""
+        record = op.record()
+        if record is None:  # cleared under us: start the namespace over
+            logger.warning("disk tier: namespace %s vanished; recreating", op.namespace_id)
+            op.put_record(record := self._record)
+        tried_reclaim = False
+        out: list[int | None] = []
+        for key in keys:
+            if op.get("entries", key) is not None:
+                out.append(None)
+                continue
+            slot = op.take_slot(record["num_slots"], self._pins)
+            if slot is None and not tried_reclaim and time.monotonic() > self._next_reclaim:
+                tried_reclaim, self._next_reclaim = True, time.monotonic() + RECLAIM_EVERY_S
+                if op.reclaim(alive_owner(self._env.live_tokens)):
+                    slot = op.take_slot(record["num_slots"], self._pins)
+            if slot is not None:
+                op.reserve(key, slot, self._owner, tick)
+            out.append(slot)
+        return out
 
     def drop(self, key: bytes, slot: int) -> bool:
         """Unpublish ``key`` if it still maps to ``slot`` (after a failed read) and free

@@ -1,4 +1,11 @@
-"""DiskTier: the disk index as the planner uses it, turned off for good by a failure.
+"""DiskTier: the disk index as the planner uses it, writes batched per step, turned off
+for good by a failure.
+
+Commits and releases are queued and written with the step's allocation, or by ``flush``
+at the end of the step: one LMDB write transaction per scheduler step instead of one per
+call. Each write transaction costs ~20-60 us of LMDB work, and py-lmdb lets go of the
+GIL twice in it, which costs the scheduler thread far more when vLLM's other threads are
+busy (~0.5 ms a transaction inside an engine on 2 cores, docs/benchmarks.md).
 
 A disk index that fails (``StoreError``: a full or read-only file system under the
 index, a corrupted environment) turns the disk tier off for the rest of the run, with
@@ -29,6 +36,8 @@ class DiskTier:
     def __init__(self, index: DiskIndexLike | None) -> None:
         self.index = index
         self.enabled = index is not None
+        self._commits: list[tuple[bytes, int, tuple[int, ...]]] = []
+        self._releases: list[int] = []
 
     def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]:
         index = self._active()
@@ -45,11 +54,13 @@ class DiskTier:
                 index.count_lookup(hits=hits, misses=misses)
 
     def allocate(self, keys: Sequence[bytes]) -> list[int | None]:
-        """A slot (or None) per key; all None while the tier is off."""
+        """A slot (or None) per key; all None while the tier is off. Writes the queued
+        commits and releases in the same transaction."""
         index = self._active()
         if index is not None and keys:
+            commits, releases = self._take_queued()
             with self._guard("allocate"):
-                return list(index.allocate(keys))
+                return list(index.settle(commits, releases, keys)[1])
         return [None] * len(keys)
 
     def _active(self) -> DiskIndexLike | None:
@@ -63,13 +74,32 @@ class DiskTier:
         self._call("unpin", "unpin", slots)
 
     def release(self, slots: Sequence[int]) -> None:
-        if slots:
-            self._call("release", "release", slots)
+        """Queue giving back reserved slots that will not be committed (``flush``)."""
+        if self.index is not None:
+            self._releases.extend(slots)
 
     def commit(self, items: Sequence[tuple[bytes, int, tuple[int, ...]]]) -> None:
-        """Commit (also after ``disable``: jobs in flight finish what they wrote)."""
-        if items:
-            self._call("commit", "commit", items)
+        """Queue publishing written slots (``flush``); also after ``disable``: jobs in
+        flight finish what they wrote."""
+        if self.index is not None:
+            self._commits.extend(items)
+
+    def flush(self) -> None:
+        """Write the queued commits and releases in one transaction (none if nothing is
+        queued). The planner calls it at the end of every step."""
+        if self.index is not None and (self._commits or self._releases):
+            commits, releases = self._take_queued()
+            with self._guard("commit"):
+                self.index.settle(commits, releases)
+
+    def has_queued(self) -> bool:
+        """Whether commits or releases wait for ``flush``."""
+        return bool(self._commits or self._releases)
+
+    def _take_queued(self) -> tuple[list[tuple[bytes, int, tuple[int, ...]]], list[int]]:
+        out = self._commits, self._releases
+        self._commits, self._releases = [], []
+        return out
 
     def commit_written(self, keys: Sequence[bytes], slots: Sequence[int | None],
                        sums_by_rank: dict[int, tuple[int | None, ...]],
@@ -101,6 +131,7 @@ class DiskTier:
             self._call("flush_access", "flush_access")
 
     def close(self) -> None:
+        self.flush()
         self._call("flush_access", "flush_access")
         self._call("close", "close")
 

@@ -270,6 +270,7 @@ class OffloadScheduler:
         if store_job is not None:
             self.holds.copying(store_job.job_id, store_job.req_ids)
         loads = self.take_pending_loads()
+        self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
         self._maybe_flush_access()
         fenced = tuple(r for r in preempted if self.holds.is_copying(r))
         return StepPlan(loads, (store_job,) if store_job is not None else (),
@@ -348,7 +349,8 @@ class OffloadScheduler:
         return len(self.loads.records) + len(self.stores.records)
 
     def has_pending_work(self) -> bool:
-        return bool(self.loads.has_pending() or self.stores.records or self.holds.num_held())
+        return bool(self.loads.has_pending() or self.stores.records or self.holds.num_held()
+                    or self.disk_tier.has_queued())
 
     def reset_cpu_tier(self) -> int:
         """Drop unpinned READY CPU entries (vLLM ``reset_prefix_cache(reset_connector=True)``)."""

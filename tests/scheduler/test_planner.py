@@ -94,6 +94,7 @@ def store_two_chunks_on_disk(disk_index):
     (job,) = writer.plan_step([("a", 17)]).stores
     writer.on_report(WorkerReport(host_stored={job.job_id: 2},
                                   disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    writer.plan_step([])  # the commits are written with the writer's next step
     return req
 
 
@@ -110,9 +111,12 @@ def test_disk_commit_needs_every_rank_and_a_failed_rank_releases(disk_index):
     assert disk_index.find_prefix(keys) == []
     # Rank 1 failed the second chunk: only the first is committed.
     sched.on_report(WorkerReport(disk_stored={job.job_id: {1: (21, None)}}))
+    assert disk_index.find_prefix(keys) == [] and sched.has_pending_work()
+    sched.plan_step([])  # one write transaction: the commit and the release
     (entry,) = disk_index.find_prefix(keys)
     assert entry.checksums == (11, 21)
-    assert sched.cpu.counts()["pinned"] == 0
+    assert disk_index.stats()["reserved"] == 0, "the failed chunk's slot was released"
+    assert sched.cpu.counts()["pinned"] == 0 and not sched.has_pending_work()
 
 
 def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
@@ -171,3 +175,33 @@ def test_a_timed_out_disk_load_keeps_the_entries(disk_index):
     # The reads succeeded (no bad read reported): the staged chunks are valid, kept.
     assert sched.cpu.state(req.block_hashes[1]) is SlotState.READY
     assert sched.cpu.counts()["pinned"] == 0 and len(sched.cpu) == 2
+
+
+def test_a_step_writes_the_disk_index_once(disk_index, monkeypatch):
+    """The commits a report brings and the next step's reservations share one LMDB
+    write transaction (each costs the scheduler thread far more than its work inside a
+    busy engine); a step with only commits writes once too, and no step writes for
+    nothing."""
+    sched, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
+    writes = []
+    env_write = disk_index._env.write
+    monkeypatch.setattr(disk_index._env, "write", lambda fn: writes.append(1) or env_write(fn))
+    first, second = make_request("a", list(range(17))), make_request("b", list(range(50, 67)))
+    for req, ids in ((first, [0, 1, 2, 3, 4]), (second, [5, 6, 7, 8, 9])):
+        sched.num_matched_tokens(req, 0)
+        blocks[req.request_id] = ids
+    (job,) = sched.plan_step([("a", 17)]).stores
+    writes.clear()
+    sched.on_report(WorkerReport(host_stored={job.job_id: 2},
+                                 disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    (job_b,) = sched.plan_step([("b", 17)]).stores  # a's commits + b's reservations
+    assert len(writes) == 1
+    assert len(disk_index.find_prefix([first.block_hashes[1], first.block_hashes[3]])) == 2
+    assert all(m.disk_slot is not None for m in job_b.chunks)
+    writes.clear()
+    sched.on_report(WorkerReport(host_stored={job_b.job_id: 2},
+                                 disk_stored={job_b.job_id: {0: (5, 6), 1: (7, 8)}}))
+    sched.plan_step([])  # nothing new to store: the commits alone
+    sched.plan_step([])  # nothing at all
+    assert len(writes) == 1 and not sched.has_pending_work()
+    assert len(disk_index.find_prefix([second.block_hashes[1], second.block_hashes[3]])) == 2

@@ -118,6 +118,8 @@ def test_remote_chunks_fill_the_disk_after_every_rank_wrote_them(disk_index):
     assert disk_index.find_prefix(keys) == []
     sched.on_report(WorkerReport(disk_stored={load.job_id: {0: (1, 2)}}))
     sched.on_report(WorkerReport(disk_stored={load.job_id: {1: (3, None)}}))
+    assert sched.has_pending_work(), "the fills are written with the next step"
+    sched.plan_step([])
     assert [e.checksums for e in disk_index.find_prefix(keys)] == [(1, 3)]
     assert disk_index.stats()["used_slots"] == 1, "the failed fill was released"
     assert sched.cpu.counts()["pinned"] == 0
@@ -137,6 +139,7 @@ def test_a_remote_chunk_that_failed_to_load_is_recomputed_and_not_filled(disk_in
     sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset({1})}},
                                  bad_reads={load.job_id: {1: frozenset({1})}},
                                  disk_stored={load.job_id: {0: (1, 2), 1: (3, None)}}))
+    sched.plan_step([])  # writes the fill of chunk 0 and releases the slot of chunk 1
     assert sched.cpu.state(keys[1]) is None
     assert sched.counters.load_errors == 1
     assert [e.key for e in disk_index.find_prefix(keys)] == [keys[0]]
