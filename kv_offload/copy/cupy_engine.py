@@ -19,13 +19,13 @@ Ordering (per call, all GPU-side, no host synchronisation):
   requests); finished requests' blocks are held until their copies are done;
 - completion is an event per call: ``is_done`` queries it, ``wait`` sleeps on it (a
   blocking-sync event: the worker's I/O threads wait on stores without spinning a core);
-- every method first makes the engine's device current on the calling thread and leaves
-  it so (``_use_device``), never ``with cupy.cuda.Device(...)``, which on exit sets the
-  thread's previous device again: device 0 on a thread that never chose one, and since
-  CUDA 12 ``cudaSetDevice`` creates that device's context (pytorch/pytorch#94864), so
-  every rank's copy and I/O threads would put a context on GPU 0; and one ``Device``
-  object keeps a single stack of previous devices for all threads, so concurrent calls
-  could leave vLLM's thread on another thread's device.
+- every method that calls CUDA first makes the engine's device current on the calling
+  thread and leaves it so (``_use_device``); never ``with cupy.cuda.Device(...)``,
+  whose exit sets the thread's previous device again: device 0 on a thread that never
+  chose one, and since CUDA 12 ``cudaSetDevice`` creates that device's context
+  (pytorch/pytorch#94864), so every rank's copy and I/O threads would put a context on
+  GPU 0; and one ``Device`` object keeps a single stack of previous devices for all
+  threads, so concurrent calls could leave vLLM's thread on another thread's device.
 
 Copies are issued either as one ``cudaMemcpyAsync`` per coalesced byte range (DMA
 engines, no SMs) or, when ranges are many and small, as one kernel launch that copies
