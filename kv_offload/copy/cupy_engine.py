@@ -17,7 +17,15 @@ Ordering (per call, all GPU-side, no host synchronisation):
 - ``fence(handle)`` makes the calling thread's current stream wait for one copy: the
   worker fences only the copies of blocks vLLM may reuse in the next forward (preempted
   requests); finished requests' blocks are held until their copies are done;
-- completion is an event per call: ``is_done`` queries it, ``wait`` blocks on it.
+- completion is an event per call: ``is_done`` queries it, ``wait`` sleeps on it (a
+  blocking-sync event: the worker's I/O threads wait on stores without spinning a core);
+- every method that calls CUDA first makes the engine's device current on the calling
+  thread and leaves it so (``_use_device``); never ``with cupy.cuda.Device(...)``,
+  whose exit sets the thread's previous device again: device 0 on a thread that never
+  chose one, and since CUDA 12 ``cudaSetDevice`` creates that device's context
+  (pytorch/pytorch#94864), so every rank's copy and I/O threads would put a context on
+  GPU 0; and one ``Device`` object keeps a single stack of previous devices for all
+  threads, so concurrent calls could leave vLLM's thread on another thread's device.
 
 Copies are issued either as one ``cudaMemcpyAsync`` per coalesced byte range (DMA
 engines, no SMs) or, when ranges are many and small, as one kernel launch that copies
@@ -221,9 +229,10 @@ class CupyCopyEngine(CopyEngine):
     """Copies chunks between CUDA planes and pinned host slots on two CUDA streams.
 
     Planes and ``host`` are owned by the caller and must outlive the engine. Methods
-    are thread-safe. ``compute_stream``: raw ``cudaStream_t`` that every copy is ordered
-    against (tests); default None: the stream passed as ``after`` or current on the
-    calling thread, per call. ``store``/``load`` return after *issuing* the copies;
+    are thread-safe and make ``device`` current on the calling thread (left so: the
+    worker's threads use no other device). ``compute_stream``: raw ``cudaStream_t``
+    that every copy is ordered against (tests); default None: the stream passed as
+    ``after`` or current on the calling thread, per call. ``store``/``load`` return after *issuing* the copies;
     the host buffer (store) or the planes (load) are valid once the handle is done.
     """
 
@@ -253,17 +262,17 @@ class CupyCopyEngine(CopyEngine):
         self.num_slots = host.num_slots
         self.mode = mode
         self._cp = cp
-        self._device = cp.cuda.Device(device)
+        self._device_id = int(device)
         self._row_strides = geometry.row_strides
         self._keepalive = (list(planes), host.tensor)  # the raw pointers below stay valid
         self._plane_ptrs = np.array([p.data_ptr() for p in planes], dtype=np.int64)
         self._host_ptr = int(host.tensor.data_ptr())
-        with self._device:
-            self._host_dev_ptr = _device_address(cp, self._host_ptr)
-            self._fixed_stream = None if compute_stream is None else int(compute_stream)
-            self._streams = {d: cp.cuda.Stream(non_blocking=True) for d in Direction}
-            self._kernel = (None if mode == "memcpy"
-                            else _compile_kernel(cp, required=mode == "kernel"))
+        self._use_device()
+        self._host_dev_ptr = _device_address(cp, self._host_ptr)
+        self._fixed_stream = None if compute_stream is None else int(compute_stream)
+        self._streams = {d: cp.cuda.Stream(non_blocking=True) for d in Direction}
+        self._kernel = (None if mode == "memcpy"
+                        else _compile_kernel(cp, required=mode == "kernel"))
         self._tables = _TableArena(cp)
         self._issue_locks = {d: threading.Lock() for d in Direction}
         self._lock = threading.Lock()  # guards _pending and _closed
@@ -290,9 +299,9 @@ class CupyCopyEngine(CopyEngine):
         with self._lock:
             pending = self._pending.get(handle.seq)
         if pending is not None:
-            with self._device:
-                self._cp.cuda.runtime.streamWaitEvent(self._compute_stream(None),
-                                                      pending.event.ptr)
+            self._use_device()
+            self._cp.cuda.runtime.streamWaitEvent(self._compute_stream(None),
+                                                  pending.event.ptr)
 
     def current_stream(self) -> int:
         """The raw handle of the calling thread's current CUDA stream (or the fixed
@@ -300,7 +309,7 @@ class CupyCopyEngine(CopyEngine):
         another thread."""
         if self._fixed_stream is not None:
             return self._fixed_stream
-        return int(torch.cuda.current_stream(self._device.id).cuda_stream)
+        return int(torch.cuda.current_stream(self._device_id).cuda_stream)
 
     def _compute_stream(self, after: Any) -> int:
         """The raw handle of the stream to order against: ``after`` or the current one.
@@ -314,6 +323,7 @@ class CupyCopyEngine(CopyEngine):
             pending = self._pending.get(handle.seq)
         if pending is None:
             return True
+        self._use_device()
         if not pending.event.done:
             return False
         self._retire(handle.seq)
@@ -324,6 +334,7 @@ class CupyCopyEngine(CopyEngine):
         with self._lock:
             pending = self._pending.get(handle.seq)
         if pending is not None:
+            self._use_device()
             pending.event.synchronize()
             self._retire(handle.seq)
 
@@ -352,9 +363,10 @@ class CupyCopyEngine(CopyEngine):
         runs = plan_runs(bm, blocks_per_chunk=bpc,
                          merge_across_slots=self.layout.contiguous_across_slots)
         ranges = runs_to_byte_ranges(runs, self.layout, self._row_strides)
+        self._use_device()
         self._retire_done()
         cp = self._cp
-        with self._issue_locks[direction], self._device:
+        with self._issue_locks[direction]:
             with self._lock:
                 if self._closed:
                     raise CopyEngineClosedError("CupyCopyEngine is closed")
@@ -368,12 +380,19 @@ class CupyCopyEngine(CopyEngine):
                     table = self._launch_kernel(direction, ranges, stream)
                 else:
                     self._issue_memcpys(direction, ranges, stream)
-            done = cp.cuda.Event(block=False, disable_timing=True)
+            done = cp.cuda.Event(block=True, disable_timing=True)  # wait() sleeps, no spin
             done.record(stream)
             seq = next(self._seq)
             with self._lock:
                 self._pending[seq] = _Pending(done, table)
         return CopyHandle(seq, direction)
+
+    def _use_device(self) -> None:
+        """Make the engine's device current on the calling thread, and leave it so (see
+        the module docstring). ``cudaGetDevice`` creates no context."""
+        runtime = self._cp.cuda.runtime
+        if runtime.getDevice() != self._device_id:
+            runtime.setDevice(self._device_id)
 
     def _use_kernel(self, ranges: ByteRanges) -> bool:
         if self._kernel is None or self.mode != "auto":

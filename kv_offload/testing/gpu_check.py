@@ -74,9 +74,18 @@ def environment() -> dict[str, Any]:
         out["cupy"] = cupy.__version__
     except ImportError as exc:
         out["cupy"] = f"missing ({exc})"
-    out["optional"] = {m: importlib.util.find_spec(m) is not None
+    out["optional"] = {m: _installed(m)
                        for m in ("pytest", "lmdb", "xxhash", "numba", "psutil", "vllm")}
     return out
+
+
+def _installed(name: str) -> bool:
+    """Whether ``name`` is really installed: a ``stub_missing`` stand-in is not (and
+    ``importlib.util.find_spec`` raises ValueError for it: it has no ``__spec__``)."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__spec__", None) is None:
+        return False
+    return importlib.util.find_spec(name) is not None
 
 
 def cuda_tests(timeout_s: int) -> dict[str, Any]:

@@ -226,10 +226,17 @@ class StepLoop:
 
     def _positions(self, req: _Request, start: int, end: int) -> tuple[torch.Tensor, ...]:
         pos = np.arange(start, end)
-        blocks = torch.tensor([req.blocks[p // BLOCK] for p in pos], device=self.device)
-        offsets = torch.tensor(pos % BLOCK, device=self.device)
-        values = torch.from_numpy(kv_values(req.tokens)[start:end]).to(self.device)
-        return blocks, offsets, values
+        blocks = np.array([req.blocks[p // BLOCK] for p in pos], dtype=np.int64)
+        return (self._to_device(blocks), self._to_device(pos % BLOCK),
+                self._to_device(kv_values(req.tokens)[start:end]))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` on the device without a host wait: a copy from pageable memory
+        synchronises the stream, which kept the GPU from running behind the host."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _write(self, req: _Request, start: int, end: int) -> None:
         blocks, offsets, values = self._positions(req, start, end)

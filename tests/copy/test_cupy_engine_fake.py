@@ -1,0 +1,251 @@
+"""CupyCopyEngine without a GPU, over a fake CuPy: each cudaMemcpyAsync is a memmove at
+issue and the tile kernel runs its range table on the host, so the engine's own work is
+checked on the CPU before a GPU run finds it: the byte addresses of both modes (planes
+with a row stride, odd sizes, tiles, the uint64 kernel table), the device that every
+CUDA call of every thread runs on, and that waits sleep instead of spinning."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kv_offload.copy import SKIP_BLOCK, cupy_engine
+from kv_offload.copy.cupy_engine import KERNEL_TILE_BYTES, CupyCopyEngine
+from kv_offload.copy.plan import SlotLayout
+from kv_offload.copy.planes import PlaneGeometry, describe_planes
+from kv_offload.host_buffer import HostSlots
+
+ENGINE_DEVICE = 1  # a rank > 0: its threads must never touch device 0
+COMPUTE_STREAM = 7  # a raw stream handle, as ``current_stream()`` returns on vLLM's thread
+
+
+class FakeCupy:
+    """The part of CuPy the engine uses, over host memory (device pointer == host pointer,
+    as with unified addressing). ``log`` records each call that needs a CUDA context as
+    (call, thread name, the thread's current device); ``set_devices`` each cudaSetDevice."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, int]] = []
+        self.set_devices: list[tuple[str, int]] = []
+        self._tls = threading.local()
+        fake = self
+
+        class Event:
+            def __init__(self, block=False, disable_timing=False, interprocess=False):
+                fake.call("eventCreate")
+                self.block, self.ptr = block, id(self)
+
+            @property
+            def done(self):
+                fake.call("eventQuery")
+                return True
+
+            def synchronize(self):  # without cudaEventBlockingSync the host thread spins
+                fake.call("eventSynchronize" if self.block else "eventSynchronize(spinning)")
+
+            def record(self, stream=None):
+                fake.call("eventRecord")
+
+        class Stream:
+            def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
+                fake.call("streamCreate")
+                self.ptr = id(self)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+            def wait_event(self, event):
+                fake.call("streamWaitEvent")
+
+        class Device:
+            """As CuPy's: one stack per object; ``__exit__`` sets the previous device."""
+
+            def __init__(self, device=None):
+                self.id = fake.current() if device is None else int(device)
+                self._device_stack: list[int] = []
+
+            def __enter__(self):
+                self._device_stack.append(fake.current())
+                if self._device_stack[-1] != self.id:
+                    fake.set_device(self.id)
+                return self
+
+            def __exit__(self, *exc):
+                fake.set_device(self._device_stack.pop())
+
+        class PinnedMemory:
+            def __init__(self, size, flags=0):
+                fake.call("hostAlloc")
+                self._buf = np.zeros(size, np.uint8)
+                self.ptr, self.size = self._buf.ctypes.data, size
+
+        class RawKernel:
+            def __init__(self, code, name, options=(), **kwargs):
+                self.name = name
+
+            def compile(self, log_stream=None):
+                fake.call("compile")
+
+            def __call__(self, grid, block, args, **kwargs):
+                """Runs kvo_copy_tiles: one (src, dst, nbytes) uint64 row per block."""
+                fake.call("launch")
+                (num_tiles,), (table_address,) = grid, args
+                assert isinstance(table_address, np.uint64)
+                rows = (ctypes.c_uint64 * (3 * num_tiles)).from_address(int(table_address))
+                for src, dst, nbytes in np.ctypeslib.as_array(rows).reshape(-1, 3).tolist():
+                    assert 0 < nbytes <= KERNEL_TILE_BYTES
+                    ctypes.memmove(dst, src, nbytes)
+
+        def pointer_attributes(ptr):
+            fake.call("pointerGetAttributes")
+            return SimpleNamespace(type=1, devicePointer=ptr, hostPointer=ptr, device=-1)
+
+        def memcpy_async(dst, src, size, kind, stream):
+            fake.call("memcpyAsync")
+            ctypes.memmove(dst, src, size)
+
+        runtime = SimpleNamespace(
+            CUDARuntimeError=RuntimeError, getDeviceCount=lambda: 2,
+            getDevice=self.current, setDevice=self.set_device,
+            pointerGetAttributes=pointer_attributes, memcpyAsync=memcpy_async,
+            eventRecord=lambda event, stream: fake.call("eventRecord"),
+            streamWaitEvent=lambda stream, event, flags=0: fake.call("streamWaitEvent"))
+        self.cuda = SimpleNamespace(
+            runtime=runtime, Event=Event, Stream=Stream, Device=Device, PinnedMemory=PinnedMemory,
+            PinnedMemoryPointer=lambda mem, offset: memoryview(mem._buf)[offset:])
+        self.RawKernel = RawKernel
+
+    def current(self) -> int:
+        """cudaGetDevice: 0 on a thread that never set one."""
+        return getattr(self._tls, "device", 0)
+
+    def set_device(self, device: int) -> None:
+        self.set_devices.append((threading.current_thread().name, device))
+        self._tls.device = device
+
+    def call(self, name: str) -> None:
+        self.log.append((name, threading.current_thread().name, self.current()))
+
+    def calls(self) -> list[str]:
+        return [name for name, _, _ in self.log]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+    def on_engine_device(planes):  # torch without CUDA has no CUDA tensors: say they are
+        g = describe_planes(planes)
+        return PlaneGeometry(g.num_blocks, g.plane_bytes, g.row_strides,
+                             torch.device("cuda", ENGINE_DEVICE))
+
+    monkeypatch.setattr(cupy_engine, "describe_planes", on_engine_device)
+    fake.set_device(ENGINE_DEVICE)  # vLLM's worker thread: torch.cuda.set_device(rank)
+    return fake
+
+
+PLANE_BYTES = 70_001  # odd: unaligned rows; > one tile: kernel mode cuts them
+NUM_BLOCKS = 64
+
+
+def kv_planes(seed: int = 3) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """K and V planes of one layer, interleaved per block (row stride 2 x plane bytes)."""
+    rng = np.random.default_rng(seed)
+    kv = torch.from_numpy(rng.integers(0, 256, (NUM_BLOCKS, 2, PLANE_BYTES), dtype=np.uint8))
+    return kv, [kv[:, 0], kv[:, 1]]
+
+
+def padded_host(num_slots: int, bpc: int) -> tuple[SlotLayout, HostSlots]:
+    layout = SlotLayout((PLANE_BYTES, PLANE_BYTES), bpc, 2 * bpc * PLANE_BYTES + 13)
+    host = HostSlots(torch.zeros((num_slots, layout.slot_bytes), dtype=torch.uint8),
+                     pinned=True)
+    return layout, host
+
+
+@pytest.mark.parametrize("mode", ["memcpy", "kernel"])
+def test_both_modes_copy_the_right_bytes(fake, mode):
+    kv, planes = kv_planes()
+    bpc = 2
+    layout, host = padded_host(6, bpc)
+    engine = CupyCopyEngine(planes, host, bpc, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM, mode=mode)
+    ids = np.array([[5, 6], [40, SKIP_BLOCK], [9, 3]])
+    slots = np.array([4, 1, 0])
+    engine.wait(engine.store(ids, slots))
+    for c, slot in enumerate(slots):
+        for i in range(bpc):
+            for p, plane in enumerate(planes):
+                start = layout.plane_offsets[p] + i * PLANE_BYTES
+                got = host.tensor[slot, start:start + PLANE_BYTES]
+                if ids[c, i] == SKIP_BLOCK:
+                    assert torch.count_nonzero(got) == 0
+                else:
+                    assert torch.equal(got, plane[ids[c, i]])
+    assert torch.count_nonzero(host.tensor[:, 2 * bpc * PLANE_BYTES:]) == 0  # padding
+    before = kv.clone()
+    engine.wait(engine.load(slots, np.array([[60, 61], [62, SKIP_BLOCK], [63, 0]])))
+    want = before.clone()
+    for dst, src in ((60, 5), (61, 6), (62, 40), (63, 9), (0, 3)):
+        want[dst] = before[src]
+    assert torch.equal(kv, want)
+    assert ("launch" in fake.calls()) == (mode == "kernel")
+    engine.close()
+
+
+def test_every_cuda_call_runs_on_the_engines_device_whichever_thread_makes_it(fake):
+    """Regression: the engine switched devices with ``with cupy.cuda.Device(d)``, whose
+    exit sets the thread's previous device again: device 0 on the worker's copy and I/O
+    threads, which never choose one. Since CUDA 12 cudaSetDevice creates that device's
+    context, so each rank > 0 put a context on GPU 0 (and waited on its events from
+    there); and the one Device object, shared by vLLM's thread and the copy thread, keeps
+    one stack of previous devices for both, which could leave vLLM's thread on GPU 0."""
+    _, planes = kv_planes()
+    _, host = padded_host(4, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+    ids, slots = np.array([[1, 2], [3, 4]]), np.array([0, 1])
+    stored = engine.store(ids, slots)  # vLLM's thread (wait_for_save)
+
+    def io_thread():  # a slab write waits for its store copy
+        engine.wait(stored)
+
+    def copy_thread():  # a load, ordered after the stream vLLM's thread handed out
+        engine.wait(engine.load(slots, np.array([[10, 11], [12, 13]]), after=COMPUTE_STREAM))
+
+    for target, name in ((io_thread, "kv-offload-io"), (copy_thread, "kv-offload-copy")):
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
+    engine.fence(engine.store(ids, slots))  # vLLM's thread: a preempted request's copy
+    engine.close()
+    threads = {thread for _, thread, _ in fake.log}
+    assert {"kv-offload-io", "kv-offload-copy"} <= threads
+    off_device = [entry for entry in fake.log if entry[2] != ENGINE_DEVICE]
+    assert off_device == []
+    assert {device for _, device in fake.set_devices} == {ENGINE_DEVICE}
+    assert fake.current() == ENGINE_DEVICE  # vLLM's thread is still on its device
+
+
+def test_waits_sleep_instead_of_spinning(fake):
+    """Regression: completion events were created without cudaEventBlockingSync, so each
+    ``wait`` spun a CPU core until the copy was done: the worker's I/O threads spin
+    through the whole forward that a store waits behind, beside vLLM's busy thread."""
+    _, planes = kv_planes()
+    _, host = padded_host(2, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+    engine.wait(engine.store(np.array([[1, 2]]), np.array([0])))
+    engine.wait(engine.load(np.array([0]), np.array([[3, 4]])))
+    engine.close()
+    assert "eventSynchronize" in fake.calls()
+    assert "eventSynchronize(spinning)" not in fake.calls()
