@@ -63,7 +63,7 @@ from kv_offload.copy.plan import (
 )
 from kv_offload.copy.planes import describe_planes
 
-__all__ = ["CupyCopyEngine", "alloc_pinned_host", "cuda_available"]
+__all__ = ["CupyCopyEngine", "alloc_pinned_host", "cuda_available", "nvrtc_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,19 @@ def cuda_available() -> bool:
         return _cupy().cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
+
+
+def nvrtc_version() -> tuple[int, int] | None:
+    """The NVRTC version CuPy loads (the tile-copy kernel of ``kernel`` mode is compiled
+    with it), or None when it cannot be loaded: ``auto`` then copies with
+    cudaMemcpyAsync only and ``kernel`` mode is refused. Never raises."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        major, minor = nvrtc.getVersion()
+        return int(major), int(minor)
+    except Exception:
+        return None
 
 
 def alloc_pinned_host(nbytes: int) -> tuple[np.ndarray, object]:

@@ -72,11 +72,27 @@ def environment() -> dict[str, Any]:
         import cupy
 
         out["cupy"] = cupy.__version__
+        out["nvrtc"] = _nvrtc()
     except ImportError as exc:
         out["cupy"] = f"missing ({exc})"
     out["optional"] = {m: _installed(m)
                        for m in ("pytest", "lmdb", "xxhash", "numba", "psutil", "vllm")}
     return out
+
+
+def _nvrtc() -> str:
+    """NVRTC's version, or why kernel mode is skipped: the tile kernel needs it."""
+    from kv_offload.copy.cupy_engine import nvrtc_version
+
+    version = nvrtc_version()
+    return "missing: kernel mode skipped" if version is None else f"{version[0]}.{version[1]}"
+
+
+def _modes() -> tuple[str, ...]:
+    """The copy modes to measure: without NVRTC, kernel mode cannot be built."""
+    from kv_offload.copy.cupy_engine import nvrtc_version
+
+    return ("memcpy", "kernel", "auto") if nvrtc_version() else ("memcpy", "auto")
 
 
 def _installed(name: str) -> bool:
@@ -149,7 +165,7 @@ def transfer(reps: int) -> dict[str, Any]:
         ids = (np.arange(n * bpc) if pattern == "contiguous"
                else rng.permutation(num_blocks)[: n * bpc]).reshape(n, bpc)
         slots = np.arange(n)
-        for mode in ("memcpy", "kernel", "auto"):
+        for mode in _modes():
             engine = CupyCopyEngine(planes, host, bpc, device=0, mode=mode)
             for direction in ("store", "load"):
                 def ours(engine=engine, direction=direction, ids=ids, slots=slots):
@@ -185,6 +201,8 @@ def calibration(reps: int) -> dict[str, Any]:
     from kv_offload.copy.cupy_engine import CupyCopyEngine
     from kv_offload.host_buffer import allocate_host_slots
 
+    if "kernel" not in _modes():
+        return {"skipped": "no NVRTC: kernel mode cannot be built, auto uses memcpy only"}
     rows = []
     for range_kib in (16, 64, 256, 1024, 4096):
         plane_bytes = range_kib << 10

@@ -135,3 +135,12 @@ def test_pinned_host_memory_refused_by_cuda_names_cpu_size(monkeypatch):
     monkeypatch.setattr(cp.cuda, "PinnedMemory", out_of_memory)
     with pytest.raises(cupy_engine.InsufficientHostMemoryError, match="cpu_size"):
         cupy_engine.alloc_pinned_host(1 << 40)
+
+
+def test_nvrtc_version_is_the_one_cupy_loads():
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    try:
+        expected = tuple(nvrtc.getVersion())
+    except Exception:
+        expected = None
+    assert cupy_engine.nvrtc_version() == expected
