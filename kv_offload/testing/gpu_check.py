@@ -30,7 +30,10 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kv_offload.copy.cupy_engine import CopyMode
 
 REPO = Path(__file__).resolve().parents[2]  # the working tree: tests/copy lives there
 
@@ -88,7 +91,7 @@ def _nvrtc() -> str:
     return "missing: kernel mode skipped" if version is None else f"{version[0]}.{version[1]}"
 
 
-def _modes() -> tuple[str, ...]:
+def _modes() -> tuple[CopyMode, ...]:
     """The copy modes to measure: without NVRTC, kernel mode cannot be built."""
     from kv_offload.copy.cupy_engine import nvrtc_version
 
