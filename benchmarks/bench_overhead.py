@@ -18,6 +18,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,13 +40,13 @@ from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 SUFFIX_TOKENS = 16
 TARGET = 0.97  # issue 15: no_reuse and store_heavy throughput ours/plain
 WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
-CONTENDERS = ("plain", "ours", "ours_bg", "ours_cpu")
+CONTENDERS = ("plain", "ours", "ours_bg", "ours_cpu", "ours_ref")  # ours_ref: --reference-tree
 VARIANTS = {  # name -> (cpu_background_stores, disk tier on)
     "ours": (False, True), "ours_bg": (True, True), "ours_cpu": (False, False)}
 GRADED = ("no_reuse", "store_heavy")
 PAIRS = (  # (numerator, denominator, key suffix) of the ratios paired per round
     ("ours", "plain", ""), ("ours_bg", "plain", "_bg"), ("ours_cpu", "plain", "_cpu"),
-    ("ours_bg", "ours", "_bg_vs_sync"))
+    ("ours_bg", "ours", "_bg_vs_sync"), ("ours", "ours_ref", "_vs_ref"))
 
 
 def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -161,8 +162,18 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
                 if data["in_process"] else "vLLM's default engine processes",
                 loadavg=f"{load['loadavg_start'][0]:.2f} -> {load['loadavg_end'][0]:.2f}",
                 bg_vs_sync=", ".join(f"{w} {fmt(v)}" for w, v in sync.items()),
-                table="\n".join(table(header, rows)),
+                table="\n".join(table(header, rows)), reference=reference_text(data),
                 notes="\n\n".join(data.get("notes", [])))
+
+
+def reference_text(data: dict) -> str:
+    """The report's sentence on ours_ref, empty without ``--reference-tree``."""
+    ref = data.get("reference")
+    if not ref:
+        return ""
+    return (f" `ours_ref`: `ours` run from another checkout, at {ref['commit']} "
+            "(`--reference-tree`), so that `ours/ours_ref` measures the change since then "
+            "side by side.")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -176,6 +187,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated subset to run (reuse_50 needs no_reuse)")
     parser.add_argument("--chunk-tokens", type=int, default=64,
                         help="kv-offload's chunk_tokens (default 64)")
+    parser.add_argument("--reference-tree", type=Path, metavar="DIR",
+                        help="also run `ours` from another checkout of kv-offload (e.g. `git "
+                             "worktree add DIR <commit>`) as ours_ref: a change measured side "
+                             "by side with the code before it")
     add_engine_flags(parser)
     parser.add_workdir()
     args = parser.parse_args(argv)
@@ -214,23 +229,45 @@ def variant_config(base: dict, store: Path, background: bool, disk: bool) -> dic
     return config
 
 
+def reference_of(tree: Path | None) -> dict | None:
+    """Which checkout ours_ref ran: its path and commit."""
+    if tree is None:
+        return None
+    head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+    return {"tree": str(tree), "commit": head or "unknown"}
+
+
+def start_contenders(args: argparse.Namespace, base: Path, ours_cfg: dict, model: Path,
+                     engine: dict, env: dict) -> dict[str, EngineProcess]:
+    """Plain vLLM and each variant (each with a store of its own: no shared hits), plus
+    ours_ref from ``--reference-tree`` (its checkout first on PYTHONPATH)."""
+    configs: dict[str, dict | None] = {"plain": None, **{
+        name: variant_config(ours_cfg, base / f"store-{name}", *VARIANTS[name])
+        for name in VARIANTS}}
+    envs = dict.fromkeys(configs, env)
+    if args.reference_tree:
+        configs["ours_ref"] = variant_config(ours_cfg, base / "store-ours_ref", False, True)
+        envs["ours_ref"] = {**env, "PYTHONPATH": str(args.reference_tree.resolve())}
+    names = [n for n in CONTENDERS if n in configs]
+    return dict(zip(names, start_engines([
+        EngineProcess(model, log_path=base / "logs" / f"{name}.log", engine=engine,
+                      transfer=configs[name] and offload_transfer(configs[name]),
+                      in_process=args.in_process, env=envs[name])
+        for name in names])))
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     base = workdir(args, "overhead")
     ours_cfg = {"cpu_size": "1GiB", "disk_size": "4GiB", "chunk_tokens": args.chunk_tokens,
                 "store_generated": True}
-    transfers = {"plain": None, **{  # each variant has a store of its own: no shared hits
-        name: offload_transfer(variant_config(ours_cfg, base / f"store-{name}", *VARIANTS[name]))
-        for name in VARIANTS}}
     model = make_tiny_model()
     engine = engine_kwargs(in_process=args.in_process)
     env = benchmark_env(in_process=args.in_process,
                         vllm_default_binding=args.vllm_default_binding)
     started, loadavg_start = time.perf_counter(), os.getloadavg()
-    engines = dict(zip(CONTENDERS, start_engines([
-        EngineProcess(model, log_path=base / "logs" / f"{name}.log", engine=engine,
-                      transfer=transfers[name], in_process=args.in_process, env=env)
-        for name in CONTENDERS])))
+    engines = start_contenders(args, base, ours_cfg, model, engine, env)
     ok = False
     try:
         turns = Turns(0.0) if args.quick else Turns()  # --quick: no figures to protect
@@ -257,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          "heavy_prompts", "heavy_prompt_tokens",
                                          "heavy_max_tokens", "workloads")},
         suffix_tokens=SUFFIX_TOKENS, startup_s={name: e.startup_s for name, e in engines.items()},
-        per_round=rounds, summary=summary, verdicts=verdicts(summary))
+        per_round=rounds, summary=summary, verdicts=verdicts(summary),
+        reference=reference_of(args.reference_tree))
     result["machine"]["loadavg_start"] = loadavg_start
     return finish(result, args.json, render_section, started)
 
