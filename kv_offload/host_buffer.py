@@ -150,7 +150,7 @@ def allocate_host_slots(
             f"bytes) but only {format_size(free)} of host memory is available; lower "
             "cpu_size in the offload config")
     if pinned:
-        from kv_offload.copy.cupy_engine import alloc_pinned_host
+        from kv_offload.copy.cuda_runtime import alloc_pinned_host
 
         array, owner = alloc_pinned_host(nbytes)
         tensor = torch.from_numpy(array).view(int(num_slots), int(slot_bytes))

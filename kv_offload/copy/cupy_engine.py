@@ -1,8 +1,9 @@
 """CuPy copy engine: KV planes on a CUDA device <-> pinned host slots, asynchronously.
 
-All CuPy calls of the project live in this module; CuPy is imported on first use, so
-the module imports cleanly without it and only ``CupyCopyEngine(...)`` and
-``alloc_pinned_host`` raise ``CudaUnavailableError``. Planning comes from ``plan.py``.
+The CuPy calls of the copies live in this module, those that ask whether CUDA is usable
+or allocate pinned memory in ``cuda_runtime.py``; CuPy is imported on first use, so the
+module imports cleanly without it and only ``CupyCopyEngine(...)`` raises
+``CudaUnavailableError``. Planning comes from ``plan.py``.
 
 Ordering (per call, all GPU-side, no host synchronisation):
 
@@ -44,12 +45,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kv_offload.copy.base import (
-    CopyEngine,
-    CopyEngineClosedError,
-    CopyHandle,
-    CudaUnavailableError,
-    InsufficientHostMemoryError,
+from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle
+from kv_offload.copy.cuda_runtime import (
+    HOST_ALLOC_MAPPED,
+    HOST_ALLOC_PORTABLE,
+    MEMCPY_DEFAULT,
+    cuda_module,
+    device_address,
 )
 from kv_offload.copy.plan import (
     ByteRanges,
@@ -63,18 +65,11 @@ from kv_offload.copy.plan import (
 )
 from kv_offload.copy.planes import describe_planes
 
-__all__ = ["CupyCopyEngine", "alloc_pinned_host", "cuda_available", "nvrtc_version"]
+__all__ = ["CupyCopyEngine", "CopyMode"]
 
 logger = logging.getLogger(__name__)
 
 CopyMode = Literal["auto", "memcpy", "kernel"]
-
-# CUDA enums as the CUDA headers define them (``tests/copy/test_cupy_api.py`` checks them
-# against CuPy's ``cupy.cuda.runtime`` constants where CuPy is installed).
-_HOST_ALLOC_PORTABLE = 0x01  # cudaHostAllocPortable: usable from every context
-_HOST_ALLOC_MAPPED = 0x02  # cudaHostAllocMapped: addressable by kernels
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
-_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
 
 KERNEL_TILE_BYTES = 64 << 10
 """Bytes one CUDA thread block copies in ``kernel`` mode."""
@@ -114,70 +109,6 @@ extern "C" __global__ void kvo_copy_tiles(unsigned long long table_addr) {
 _KERNEL_THREADS = 256
 
 
-def _cupy() -> Any:
-    try:
-        import cupy
-    except ImportError as exc:
-        raise CudaUnavailableError(
-            "kv-offload needs CuPy for CUDA KV caches and pinned host memory; install "
-            "kv-offload[cuda12] or kv-offload[cuda13]") from exc
-    return cupy
-
-
-def _cuda() -> Any:
-    """CuPy, once CUDA answers with at least one device; else CudaUnavailableError
-    (CuPy installed on a host without a GPU or driver says why: no device, driver too old)."""
-    cp = _cupy()
-    try:
-        count = cp.cuda.runtime.getDeviceCount()
-    except cp.cuda.runtime.CUDARuntimeError as exc:
-        raise CudaUnavailableError(f"CuPy is installed but CUDA is not usable here: {exc}") from exc
-    if count < 1:
-        raise CudaUnavailableError("CuPy is installed but CUDA reports no device")
-    return cp
-
-
-def cuda_available() -> bool:
-    """Whether CuPy imports and sees at least one CUDA device. Never raises."""
-    try:
-        return _cupy().cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-def nvrtc_version() -> tuple[int, int] | None:
-    """The NVRTC version CuPy loads (the tile-copy kernel of ``kernel`` mode is compiled
-    with it), or None when it cannot be loaded: ``auto`` then copies with
-    cudaMemcpyAsync only and ``kernel`` mode is refused. Never raises."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        major, minor = nvrtc.getVersion()
-        return int(major), int(minor)
-    except Exception:
-        return None
-
-
-def alloc_pinned_host(nbytes: int) -> tuple[np.ndarray, object]:
-    """Allocate exactly ``nbytes`` of page-locked, portable, CUDA-mapped host memory.
-
-    Returns a writable uint8 numpy array over it and the owning allocation (freed when
-    neither it nor the array is referenced any more). Raises CudaUnavailableError
-    without CuPy or a device, InsufficientHostMemoryError when CUDA refuses the size.
-    """
-    cp = _cuda()
-    try:
-        mem = cp.cuda.PinnedMemory(int(nbytes), _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
-    except cp.cuda.runtime.CUDARuntimeError as exc:
-        if "MemoryAllocation" in str(exc):
-            raise InsufficientHostMemoryError(
-                f"cannot pin {nbytes} bytes of host memory ({exc}); lower cpu_size in the "
-                "offload config") from None
-        raise CudaUnavailableError(f"cannot allocate pinned host memory: {exc}") from exc
-    array = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), dtype=np.uint8, count=int(nbytes))
-    return array, mem
-
-
 @dataclass(slots=True)
 class _Pending:
     event: Any  # cupy.cuda.Event recorded after the call's copies
@@ -201,10 +132,10 @@ class _TableArena:
             if pool:
                 return pool.pop()
         cp = self._cp
-        mem = cp.cuda.PinnedMemory(size, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
+        mem = cp.cuda.PinnedMemory(size, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
         view = np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), dtype=np.uint64,
                              count=size // 8)
-        return mem, view, _device_address(cp, mem.ptr)
+        return mem, view, device_address(cp, mem.ptr)
 
     def give_back(self, item: tuple[Any, np.ndarray, int]) -> None:
         with self._lock:
@@ -230,14 +161,6 @@ def _compile_kernel(cp: Any, *, required: bool) -> Any:
     return kernel
 
 
-def _device_address(cp: Any, host_ptr: int) -> int:
-    attrs = cp.cuda.runtime.pointerGetAttributes(host_ptr)
-    if getattr(attrs, "type", _MEMORY_TYPE_HOST) != _MEMORY_TYPE_HOST or not attrs.devicePointer:
-        raise ValueError("host memory is not pinned and mapped for CUDA; allocate it with "
-                         "allocate_host_slots(..., pinned=True)")
-    return int(attrs.devicePointer)
-
-
 class CupyCopyEngine(CopyEngine):
     """Copies chunks between CUDA planes and pinned host slots on two CUDA streams.
 
@@ -261,7 +184,7 @@ class CupyCopyEngine(CopyEngine):
     ) -> None:
         """Raises CudaUnavailableError without CuPy/CUDA, ValueError for planes not on
         ``device``, unpinned host slots, a slot too small for a chunk, or a bad mode."""
-        cp = _cuda()
+        cp = cuda_module()
         geometry = describe_planes(planes)
         if geometry.device.type != "cuda" or (geometry.device.index or 0) != device:
             raise ValueError(f"CupyCopyEngine(device={device}) got planes on {geometry.device}")
@@ -281,7 +204,7 @@ class CupyCopyEngine(CopyEngine):
         self._plane_ptrs = np.array([p.data_ptr() for p in planes], dtype=np.int64)
         self._host_ptr = int(host.tensor.data_ptr())
         self._use_device()
-        self._host_dev_ptr = _device_address(cp, self._host_ptr)
+        self._host_dev_ptr = device_address(cp, self._host_ptr)
         self._fixed_stream = None if compute_stream is None else int(compute_stream)
         self._streams = {d: cp.cuda.Stream(non_blocking=True) for d in Direction}
         self._kernel = (None if mode == "memcpy"
@@ -423,7 +346,7 @@ class CupyCopyEngine(CopyEngine):
         src, dst = self._endpoints(direction, ranges, self._host_ptr)
         memcpy_async = self._cp.cuda.runtime.memcpyAsync
         for s, d, n in zip(src.tolist(), dst.tolist(), ranges.nbytes.tolist()):
-            memcpy_async(d, s, n, _MEMCPY_DEFAULT, stream.ptr)
+            memcpy_async(d, s, n, MEMCPY_DEFAULT, stream.ptr)
 
     def _launch_kernel(self, direction: Direction, ranges: ByteRanges, stream: Any) -> Any:
         if self._kernel is None:  # never: _use_kernel is False without a kernel

@@ -85,7 +85,7 @@ def environment() -> dict[str, Any]:
 
 def _nvrtc() -> str:
     """NVRTC's version, or why kernel mode is skipped: the tile kernel needs it."""
-    from kv_offload.copy.cupy_engine import nvrtc_version
+    from kv_offload.copy.cuda_runtime import nvrtc_version
 
     version = nvrtc_version()
     return "missing: kernel mode skipped" if version is None else f"{version[0]}.{version[1]}"
@@ -93,7 +93,7 @@ def _nvrtc() -> str:
 
 def _modes() -> tuple[CopyMode, ...]:
     """The copy modes to measure: without NVRTC, kernel mode cannot be built."""
-    from kv_offload.copy.cupy_engine import nvrtc_version
+    from kv_offload.copy.cuda_runtime import nvrtc_version
 
     return ("memcpy", "kernel", "auto") if nvrtc_version() else ("memcpy", "auto")
 

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from kv_offload.copy import cupy_engine
+from kv_offload.copy import cuda_runtime, cupy_engine
 
 cp = pytest.importorskip("cupy", reason="CuPy is not installed")
 
@@ -36,8 +36,8 @@ def parameters(fn: object) -> list[str]:
 
 def test_cuda_enums_match_cupys():
     rt = cp.cuda.runtime
-    ours = (cupy_engine._HOST_ALLOC_PORTABLE, cupy_engine._HOST_ALLOC_MAPPED,
-            cupy_engine._MEMCPY_DEFAULT, cupy_engine._MEMORY_TYPE_HOST)
+    ours = (cuda_runtime.HOST_ALLOC_PORTABLE, cuda_runtime.HOST_ALLOC_MAPPED,
+            cuda_runtime.MEMCPY_DEFAULT, cuda_runtime.MEMORY_TYPE_HOST)
     assert ours == (rt.hostAllocPortable, rt.hostAllocMapped, rt.memcpyDefault,
                     rt.memoryTypeHost)
 
@@ -100,10 +100,10 @@ def test_tile_kernel_compiles_with_nvrtc(arch):
 
 
 def test_without_a_device_the_engine_says_cuda_is_unusable():
-    if cupy_engine.cuda_available():
+    if cuda_runtime.cuda_available():
         pytest.skip("a CUDA device is present")
-    with pytest.raises(cupy_engine.CudaUnavailableError, match="CUDA is not usable|no device"):
-        cupy_engine.alloc_pinned_host(4096)
+    with pytest.raises(cuda_runtime.CudaUnavailableError, match="CUDA is not usable|no device"):
+        cuda_runtime.alloc_pinned_host(4096)
 
 
 class FakePinnedMemory:
@@ -121,7 +121,7 @@ def test_pinned_host_memory_is_a_writable_view_of_the_allocation(monkeypatch):
     monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 1)
     monkeypatch.setattr(cp.cuda, "PinnedMemory", FakePinnedMemory)
     FakePinnedMemory.flags.clear()
-    array, owner = cupy_engine.alloc_pinned_host(4096)
+    array, owner = cuda_runtime.alloc_pinned_host(4096)
     assert array.dtype == np.uint8 and array.nbytes == 4096 and array.flags.writeable
     assert array.ctypes.data == owner.ptr  # no copy: CUDA's pages, CuPy's buffer protocol
     rt = cp.cuda.runtime
@@ -133,8 +133,8 @@ def test_pinned_host_memory_refused_by_cuda_names_cpu_size(monkeypatch):
         raise cp.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
     monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 1)
     monkeypatch.setattr(cp.cuda, "PinnedMemory", out_of_memory)
-    with pytest.raises(cupy_engine.InsufficientHostMemoryError, match="cpu_size"):
-        cupy_engine.alloc_pinned_host(1 << 40)
+    with pytest.raises(cuda_runtime.InsufficientHostMemoryError, match="cpu_size"):
+        cuda_runtime.alloc_pinned_host(1 << 40)
 
 
 def test_nvrtc_version_is_the_one_cupy_loads():
@@ -143,4 +143,4 @@ def test_nvrtc_version_is_the_one_cupy_loads():
         expected = tuple(nvrtc.getVersion())
     except Exception:
         expected = None
-    assert cupy_engine.nvrtc_version() == expected
+    assert cuda_runtime.nvrtc_version() == expected

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kv_offload.copy import SKIP_BLOCK, CudaUnavailableError
-from kv_offload.copy import cupy_engine as cupy_engine_module
-from kv_offload.copy.cupy_engine import CupyCopyEngine, cuda_available
+from kv_offload.copy import SKIP_BLOCK, CudaUnavailableError, cuda_runtime
+from kv_offload.copy.cuda_runtime import cuda_available
+from kv_offload.copy.cupy_engine import CupyCopyEngine
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.host_buffer import HostSlots
 
@@ -22,7 +22,7 @@ cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
 
 def test_module_imports_and_reports_no_cuda_without_cupy():
     assert isinstance(HAVE_CUDA, bool)
-    assert callable(cupy_engine_module.alloc_pinned_host)
+    assert callable(cuda_runtime.alloc_pinned_host)
 
 
 @pytest.mark.skipif(HAVE_CUDA, reason="CuPy and a CUDA device are present")
@@ -32,7 +32,7 @@ def test_construction_without_cuda_raises_cuda_unavailable():
     with pytest.raises(CudaUnavailableError):
         CupyCopyEngine(planes, host, 2, device=0)
     with pytest.raises(CudaUnavailableError):
-        cupy_engine_module.alloc_pinned_host(4096)
+        cuda_runtime.alloc_pinned_host(4096)
 
 
 # -- on a CUDA device ---------------------------------------------------------------------
@@ -66,7 +66,7 @@ def slot_rows(layout, host_tensor, slot, plane, pos):
 
 @pytest.fixture(params=["memcpy", "kernel", "auto"])
 def mode(request):
-    if request.param == "kernel" and cupy_engine_module.nvrtc_version() is None:
+    if request.param == "kernel" and cuda_runtime.nvrtc_version() is None:
         pytest.skip("kernel mode needs NVRTC, which CuPy cannot load here")
     return request.param
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kv_offload.copy.base import CudaUnavailableError
-from kv_offload.copy.cupy_engine import cuda_available
+from kv_offload.copy.cuda_runtime import cuda_available
 from kv_offload.host_buffer import (
     HostSlots,
     InsufficientHostMemoryError,
