@@ -48,11 +48,13 @@ def cuda_module() -> Any:
 
 
 def cuda_available() -> bool:
-    """Whether CuPy imports and sees at least one CUDA device. Never raises."""
+    """Whether CuPy imports and sees at least one CUDA device (``cuda_module``). Never
+    raises."""
     try:
-        return _cupy().cuda.runtime.getDeviceCount() > 0
+        cuda_module()
     except Exception:
         return False
+    return True
 
 
 def nvrtc_version() -> tuple[int, int] | None:
