@@ -36,6 +36,16 @@ from pathlib import Path
 from typing import Any
 
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_OWN_TREE = str(Path(__file__).resolve().parents[2])  # the checkout this module runs from
+
+
+def child_pythonpath(pythonpath: str | None) -> str:
+    """PYTHONPATH of an engine process: ``pythonpath`` (e.g. another checkout to measure
+    side by side) first, then the checkout of this kv_offload. The child runs with
+    ``python -P``: with ``-m`` its working directory would otherwise come first on
+    ``sys.path``, and started from a repository root it would import that checkout's
+    kv_offload whatever PYTHONPATH says."""
+    return os.pathsep.join(p for p in (pythonpath, _OWN_TREE) if p)
 
 
 class EngineError(RuntimeError):
@@ -101,13 +111,15 @@ class EngineProcess:
                 full_env.pop(key, None)
             else:
                 full_env[key] = value
+        full_env["PYTHONPATH"] = child_pythonpath(full_env.get("PYTHONPATH"))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()/kill()
         spec = {"model": str(model), "engine": self.engine,
                 "transfer": dict(transfer) if transfer else None}
         # A session of its own: kill() ends vLLM's engine-core and worker children with it.
+        # -P: the working directory must not shadow PYTHONPATH (see child_pythonpath).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kv_offload.testing.engine_server", json.dumps(spec)],
+            [sys.executable, "-P", "-m", "kv_offload.testing.engine_server", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             env=full_env, start_new_session=True)
         if self.proc.stdin is None or self.proc.stdout is None:  # never: both are pipes

@@ -10,6 +10,7 @@ stopped engine leaves no process behind.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,29 @@ def test_an_engine_that_cannot_start_raises_with_its_log(tmp_path):
         proc.wait_ready()
     assert "no-such-model" in str(info.value)
     proc.close()
+
+
+STUB_SERVER = '''
+import json, sys
+print("stub engine_server from", __file__, file=sys.stderr, flush=True)
+print(json.dumps({"ok": True, "startup_s": 0.0}), flush=True)
+for line in sys.stdin:
+    if json.loads(line)["op"] == "quit":
+        break
+'''
+
+
+def test_the_engine_process_imports_kv_offload_from_its_pythonpath(tmp_path, monkeypatch):
+    """``--reference-tree`` measures another checkout: started from a repository root,
+    the child must still import the checkout on its PYTHONPATH, not the one in its working
+    directory (``python -m`` puts that first unless run with ``-P``)."""
+    other = tmp_path / "other-checkout"
+    (other / "kv_offload" / "testing").mkdir(parents=True)
+    (other / "kv_offload" / "__init__.py").write_text("")
+    (other / "kv_offload" / "testing" / "__init__.py").write_text("")
+    (other / "kv_offload" / "testing" / "engine_server.py").write_text(STUB_SERVER)
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # this checkout's root
+    with EngineProcess("unused", log_path=tmp_path / "log.txt", timeout_s=120,
+                       env={"PYTHONPATH": str(other)}) as proc:
+        pass
+    assert f"stub engine_server from {other}" in proc.log()
