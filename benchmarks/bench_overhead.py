@@ -171,6 +171,9 @@ def reference_text(data: dict) -> str:
     ref = data.get("reference")
     if not ref:
         return ""
+    if ref.get("caveat"):  # a run found wrong after the fact: say so where it is shown
+        return (f" `ours_ref` was meant to run `ours` from another checkout, at {ref['commit']} "
+                f"(`--reference-tree`), but {ref['caveat']}")
     return (f" `ours_ref`: `ours` run from another checkout, at {ref['commit']} "
             "(`--reference-tree`), so that `ours/ours_ref` measures the change since then "
             "side by side.")
