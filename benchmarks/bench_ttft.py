@@ -266,7 +266,8 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
         ratios_table="\n".join(table(["ratio", *[f"L={n}" for n in lengths]], ratios_rows)),
         plot="![TTFT vs prompt length](img/ttft.png)\n" if plotted else "",
         startup=", ".join(f"{k} {v:.0f}" for k, v in data["startup_s"].items()),
-        seconds=f"{data['seconds']:.0f}")
+        seconds=f"{data['seconds']:.0f}",
+        notes="".join(f"\n{note}\n" for note in data.get("notes", [])))
 
 
 def plot(data: dict, path: Path) -> bool:

@@ -154,9 +154,12 @@ def test_ttft_quick(tmp_path):
     assert hits["cpu"]["256"]["hits"]["host_hit"] == 256
     assert hits["disk"]["256"]["hits"]["disk_hit"] == 256
     assert hits["peer_warm"]["256"]["hits"]["external_hit"] > 0
-    assert {"cpu_vs_cold", "disk_vs_cold", "cpu_vs_peer", "disk_vs_peer"} <= set(
-        data["ratios"]["256"])
-    assert len(data["verdicts"]) == 4
+    assert {"cpu_vs_cold", "disk_vs_cold", "cpu_vs_peer", "disk_vs_peer", "cpu_vs_vllm_hit",
+            "disk_vs_vllm_hit"} <= set(data["ratios"]["256"])
+    # graded at 4k and 8k, or the longest length measured below: 256 here
+    assert [(v["key"], v["length"]) for v in data["verdicts"]][-2:] == [
+        ("cpu_vs_vllm_hit", 256), ("disk_vs_vllm_hit", 256)]
+    assert len(data["verdicts"]) == 6
 
 
 @pytest.mark.engine
