@@ -75,6 +75,12 @@ class CopyEngine(abc.ABC):
         the calling thread until the copy is done."""
         self.wait(handle)
 
+    @property
+    def synchronous(self) -> bool:
+        """Whether ``store`` and ``load`` copy before they return (no streams): a copy
+        made on the calling thread then costs it the copy and nothing else."""
+        return False
+
     def current_stream(self) -> object | None:
         """A token naming the calling thread's compute stream, to order a copy issued
         later from another thread after it (``after=`` of ``store``/``load``). None

@@ -144,6 +144,10 @@ class TorchCopyEngine(CopyEngine):
         streams: ``after`` is ignored)."""
         return self._copy(Direction.LOAD, block_ids, slots)
 
+    @property
+    def synchronous(self) -> bool:
+        return True
+
     def is_done(self, handle: CopyHandle) -> bool:
         return True
 

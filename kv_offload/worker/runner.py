@@ -116,10 +116,17 @@ class OffloadWorker:
         the disk fills of remote chunks behind them), then one engine
         copy per job on the copy thread, queued only once the reads it needs (its own and
         those of jobs it shares chunks with) are done, so a slow disk never holds up the
-        copies of other jobs. Returns at once."""
+        copies of other jobs. Returns at once, except that with a synchronous engine (the
+        CPU backend) a job held by the CPU tier alone is copied before returning
+        (``_load_now``): vLLM calls this after the step's forward."""
         now = self._clock()
         for job in jobs:
             load = WorkerLoad(job, now, self.engine.current_stream())
+            if self.engine.synchronous and not any(
+                    m.disk_slot is not None or m.remote_key is not None
+                    or m.after_job is not None for m in job.chunks):
+                self._load_now(load)
+                continue
             reads: dict[int, Future[bool]] = {}
             needed: list[Future[bool]] = []
             fills: list[Future[int | None] | None] = []
@@ -145,6 +152,21 @@ class OffloadWorker:
                 if any(f is not None for f in fills):
                     self._fills[job.job_id] = fills
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
+
+    def _load_now(self, load: WorkerLoad) -> None:
+        """Copy a load that needs no read into the engine on the calling thread (vLLM's,
+        after the step's forward): with a synchronous engine the copy thread would do
+        the same work, only later and on a core the next forward needs. The next
+        ``poll`` reports it, so the request runs one step sooner."""
+        done: Future[None] = Future()
+        with self._lock:
+            self._loads[load.job.job_id] = load
+        try:
+            self._run_load(load, {})
+        finally:
+            done.set_result(None)
+            with self._lock:
+                load.future = done
 
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done); any thread."""

@@ -71,7 +71,11 @@ def test_without_a_binding_threads_stay_where_they_start():
 
 
 class RecordingEngine:
-    """A copy engine that notes the CPUs of the thread each copy runs on."""
+    """A copy engine that notes the CPUs of the thread each copy runs on. It presents
+    itself as asynchronous (as a streamed engine is), so that loads go through the copy
+    thread; a synchronous engine copies CPU-tier loads on vLLM's thread instead."""
+
+    synchronous = False
 
     def __init__(self, inner):
         self._inner = inner

@@ -229,3 +229,23 @@ def test_verification_off_trusts_the_slab(planes, tmp_path):
     assert not failed
     assert bytes(planes[0][11][:3].tolist()) == b"\x01\x02\x03"
     worker.close()
+
+
+def test_a_cpu_tier_load_is_copied_on_the_calling_thread_and_reported_at_the_next_poll(planes):
+    """With the CPU backend's synchronous engine, a load that needs no read is copied by
+    ``start_loads`` itself (vLLM calls it after the step's forward), so the same step's
+    ``get_finished`` reports it and vLLM computes the request one step sooner."""
+    worker = make_worker(planes, None)
+    assert worker.engine.synchronous
+    original = blocks_of(planes, [3, 7])
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1),))])
+    drain(worker, until=lambda r, f, b: any(x.host_stored for x in r))
+    for p in planes:
+        p[[9, 10]] = 0
+    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),))])
+    for p, orig in zip(planes, original):  # before any poll
+        assert torch.equal(p[[9, 10]], orig)
+    result = worker.poll()
+    assert result.finished_req_ids == {"req"} and not result.failed_block_ids
+    assert worker.take_report().loaded == {2: {0: frozenset()}}
+    assert not worker.has_pending_jobs()
