@@ -105,6 +105,13 @@ class WorkerLoad:
         return frozenset(self.failed)
 
 
+def completed() -> Future[None]:
+    """A future that is already done (for a copy made on the calling thread)."""
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
+
+
 def when_all_done(futures: Sequence[Future], fn: Callable[[], None]) -> None:
     """Call ``fn()`` once every future is done: at once if none is pending, else on the
     thread that completes the last one."""

@@ -26,7 +26,7 @@ from kv_offload.remote.values import ValueCheck
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies, HostCopy
-from kv_offload.worker.loads import WorkerLoad, when_all_done
+from kv_offload.worker.loads import WorkerLoad, completed, when_all_done
 
 if TYPE_CHECKING:
     from kv_offload.copy.base import CopyEngine
@@ -116,15 +116,13 @@ class OffloadWorker:
         the disk fills of remote chunks behind them), then one engine
         copy per job on the copy thread, queued only once the reads it needs (its own and
         those of jobs it shares chunks with) are done, so a slow disk never holds up the
-        copies of other jobs. Returns at once, except that with a synchronous engine (the
-        CPU backend) a job held by the CPU tier alone is copied before returning
-        (``_load_now``): vLLM calls this after the step's forward."""
+        copies of other jobs. Returns at once; with a synchronous engine a job held by the
+        CPU tier alone is copied first (``_load_now``)."""
         now = self._clock()
         for job in jobs:
             load = WorkerLoad(job, now, self.engine.current_stream())
-            if self.engine.synchronous and not any(
-                    m.disk_slot is not None or m.remote_key is not None
-                    or m.after_job is not None for m in job.chunks):
+            if self.engine.synchronous and all(m.disk_slot is None and m.remote_key is None
+                                               and m.after_job is None for m in job.chunks):
                 self._load_now(load)
                 continue
             reads: dict[int, Future[bool]] = {}
@@ -154,19 +152,15 @@ class OffloadWorker:
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
 
     def _load_now(self, load: WorkerLoad) -> None:
-        """Copy a load that needs no read into the engine on the calling thread (vLLM's,
-        after the step's forward): with a synchronous engine the copy thread would do
-        the same work, only later and on a core the next forward needs. The next
-        ``poll`` reports it, so the request runs one step sooner."""
-        done: Future[None] = Future()
+        """Copy a load that needs no read on vLLM's thread, after the step's forward: the
+        same step's ``poll`` reports it, so the request runs a step sooner."""
         with self._lock:
             self._loads[load.job.job_id] = load
         try:
             self._run_load(load, {})
         finally:
-            done.set_result(None)
             with self._lock:
-                load.future = done
+                load.future = completed()
 
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done); any thread."""
@@ -387,7 +381,9 @@ class OffloadWorker:
                 if job_id not in self._loads and _all_done(fills):
                     self._report.disk_stored[job_id] = {self.rank: _results(fills)}
                     del self._fills[job_id]
-        self._prune_staged(now)
+        for key, (fut, t0) in list(self._staged.items()):  # reads others no longer wait for
+            if fut.done() and now - t0 > STAGED_READ_TTL_S:
+                del self._staged[key]
         return PollResult(finished, failed_blocks, self._copies.take_sent())
 
     def _log_store_failure(self, job_id: int, copy: HostCopy) -> None:
@@ -419,11 +415,6 @@ class OffloadWorker:
 
     def has_pending_jobs(self) -> bool:
         return bool(self._loads or self._stores or self._fills or self._copies.num_pending())
-
-    def _prune_staged(self, now: float) -> None:
-        for key, (fut, t0) in list(self._staged.items()):
-            if fut.done() and now - t0 > STAGED_READ_TTL_S:
-                del self._staged[key]
 
     def _chunk_bytes(self, blocks: np.ndarray) -> int:
         per_block = self.host.slot_bytes // max(1, blocks.shape[1]) if blocks.size else 0
