@@ -258,7 +258,7 @@ def test_store_is_private_and_no_request_data_names_a_file(restarted):
 # ---- 2. disk full ----------------------------------------------------------------------------
 
 def test_full_disk_fails_stores_softly(restarted, reference):
-    """The slab file system is full: stores fail (counted, one log line for the burst),
+    """The slab file system is full: stores fail (counted, one log line per burst),
     serving continues, and nothing half-written becomes visible."""
     p = phase(restarted, "fill")
     assert p["faults"]["fill_slab_fs"] <= 2 << 20
@@ -269,7 +269,10 @@ def test_full_disk_fails_stores_softly(restarted, reference):
     assert delta["chunks_stored_disk"] + errors <= delta["chunks_stored_cpu"]
     assert set(p["verify"]) == {"OK"}, p["verify"]
     assert p["connector"]["disk_enabled"], "a full disk is per chunk, not a broken tier"
-    assert restarted["log"].count("disk write failed") == 1
+    # One line per burst of failures, never one per chunk: a write that still fits (a
+    # slot whose pages the slab already holds) ends a burst, and the next failure logs again.
+    lines = restarted["log"].count("disk write failed")
+    assert lines >= 1 and (lines < errors or errors == 1), (lines, errors)
     after = phase(restarted, "after_fill")
     assert after["tokens"] == reference.tokens(PROMPTS["fill"])
     assert after["counters_delta"]["load_errors"] == 0
