@@ -75,8 +75,9 @@ class _FaultySlab:
 class _FaultyEngine:
     """A copy engine whose loads fail on purpose (see Faults)."""
 
-    def __init__(self, engine: Any, harness: SchedulerHarness) -> None:
+    def __init__(self, engine: Any, harness: SchedulerHarness, *, synchronous: bool) -> None:
         self.unfaulty, self._h = engine, harness
+        self.synchronous = synchronous  # False: the worker queues loads for its copy thread
 
     def load(self, *args: Any, **kwargs: Any) -> Any:
         if self._h.draw("copy_failure"):
@@ -100,7 +101,11 @@ class SchedulerHarness:
                  load_timeout_steps: int = 5, faults: Faults = Faults(),
                  max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
                  delay_rule: Callable[[Callable, tuple], int | None] | None = None,
-                 background_stores: bool = False) -> None:
+                 background_stores: bool = False, copy_thread: bool = True) -> None:
+        """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
+        engine (the default: a copy's delay is what races); False: on vLLM's thread, as
+        with the CPU backend's synchronous engine."""
+        self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
         self.delay_rule = delay_rule  # scripted delays of background tasks (regressions)
@@ -154,7 +159,8 @@ class SchedulerHarness:
         real_worker = setup.OffloadWorker
 
         def make_worker(**kwargs: Any) -> Any:
-            kwargs["engine"] = _FaultyEngine(kwargs["engine"], self)
+            kwargs["engine"] = _FaultyEngine(kwargs["engine"], self,
+                                             synchronous=not self.copy_thread)
             if kwargs.get("slab") is not None:
                 kwargs["slab"] = _FaultySlab(kwargs["slab"], self)
             worker = real_worker(**kwargs, clock=lambda: self.now)

@@ -1,14 +1,17 @@
 """OffloadWorker: the worker-side muscle that executes load and store jobs on one rank.
 
 Owns the rank's host slots, copy engine and slab file; makes no policy decisions.
-Disk I/O runs on a thread pool and engine copies of loads on one copy thread, so the
-engine never waits on disk (invariant 6). Everything it finished is reported back
+Disk and remote reads run on a thread pool, so the engine never waits on disk
+(invariant 6). Engine copies of loads run on one copy thread, or, with a synchronous
+engine (the CPU backend), on vLLM's thread once the reads they need are done (in
+``start_loads`` or the next ``poll``), so the copy is reported in the same step. Everything it finished is reported back
 through ``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport``
 for the scheduler side.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -22,15 +25,15 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerReport
-from kv_offload.remote.values import ValueCheck
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies, HostCopy
 from kv_offload.worker.loads import WorkerLoad, completed, when_all_done
+from kv_offload.worker.reads import TierReads
 
 if TYPE_CHECKING:
     from kv_offload.copy.base import CopyEngine
-    from kv_offload.disk.slab import ReadResult, SlabFile
+    from kv_offload.disk.slab import SlabFile
     from kv_offload.host_buffer import HostSlots
     from kv_offload.remote.tier import RemoteTier
 
@@ -104,27 +107,26 @@ class OffloadWorker:
         self._stores: dict[int, _Store] = {}
         self._staged: dict[tuple[int, int], tuple[Future[bool], float]] = {}
         self._fills: dict[int, list[Future[int | None] | None]] = {}  # load job -> fill_disk_slot writes
-        self._remote_misses = 0
         self._report = WorkerReport()
         self._disk = DiskHealth(rank)
         self._stats: dict[str, float] = {}
+        self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
+            collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
+        self._reads = TierReads(rank=rank, host=host, slab=slab, remote=remote,
+                                verify_checksums=verify_checksums, disk=self._disk,
+                                count=self._count, clock=clock)
 
     # -- loads -----------------------------------------------------------------------------
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
         """Start ``jobs`` in the background: disk and remote reads on the I/O pool (and
-        the disk fills of remote chunks behind them), then one engine
-        copy per job on the copy thread, queued only once the reads it needs (its own and
-        those of jobs it shares chunks with) are done, so a slow disk never holds up the
-        copies of other jobs. Returns at once; with a synchronous engine a job held by the
-        CPU tier alone is copied first (``_load_now``)."""
+        the disk fills of remote chunks behind them), then the engine copy of each job,
+        once the reads it needs (its own and those of jobs it shares chunks with) are
+        done, so a slow disk never holds up the copies of other jobs. Returns at once,
+        except that a synchronous engine copies a job that needs no read right here."""
         now = self._clock()
         for job in jobs:
             load = WorkerLoad(job, now, self.engine.current_stream())
-            if self.engine.synchronous and all(m.disk_slot is None and m.remote_key is None
-                                               and m.after_job is None for m in job.chunks):
-                self._load_now(load)
-                continue
             reads: dict[int, Future[bool]] = {}
             needed: list[Future[bool]] = []
             fills: list[Future[int | None] | None] = []
@@ -133,8 +135,7 @@ class OffloadWorker:
                 if move.cpu_slot is None:
                     continue
                 if move.disk_slot is not None or move.remote_key is not None:
-                    read = self._read_chunk if move.disk_slot is not None else self._read_remote
-                    fut = self._io.submit(read, move)
+                    fut = self._io.submit(self._reads.read, move)
                     reads[i] = fut
                     self._staged[(job.job_id, move.cpu_slot)] = (fut, now)
                     needed.append(fut)
@@ -150,71 +151,37 @@ class OffloadWorker:
                 if any(f is not None for f in fills):
                     self._fills[job.job_id] = fills
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
+        self._copy_ready()
 
-    def _load_now(self, load: WorkerLoad) -> None:
-        """Copy a load that needs no read on vLLM's thread, after the step's forward: the
-        same step's ``poll`` reports it, so the request runs a step sooner."""
-        with self._lock:
-            self._loads[load.job.job_id] = load
-        try:
-            self._run_load(load, {})
-        finally:
+    def _copy_ready(self) -> None:
+        """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
+        (``start_loads``, after the step's forward, and ``poll``): the blocks belong to
+        requests vLLM does not schedule until the load is reported, and vLLM's cores are
+        idle here, while the I/O threads share the others."""
+        while True:
             with self._lock:
-                load.future = completed()
+                if not self._ready:
+                    return
+                load, reads = self._ready.popleft()
+            try:
+                self._run_load(load, reads)
+            finally:
+                with self._lock:
+                    load.future = completed()
 
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
-        """Queue the engine copy of ``load`` (its reads are done); any thread."""
+        """Queue the engine copy of ``load`` (its reads are done; any thread): on the
+        copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)."""
+        if self.engine.synchronous:
+            with self._lock:
+                self._ready.append((load, reads))
+            return
         try:
             future = self._copier.submit(self._run_load, load, reads)
         except RuntimeError:  # shut down by close()
             return
         with self._lock:
             load.future = future
-
-    def _read_chunk(self, move: ChunkMove) -> bool:
-        """Read a chunk from its disk slot into its host slot (I/O thread)."""
-        if (self.slab is None or move.checksums is None or move.cpu_slot is None
-                or move.disk_slot is None):
-            return False
-        view = self.host.slot_view(move.cpu_slot)
-        start = self._clock()
-        result: ReadResult | Exception
-        try:
-            expected = move.checksums[self.rank] if self.verify_checksums else None
-            result = self.slab.read(move.disk_slot, view, expected)
-        except Exception as exc:  # any I/O failure is a miss; vLLM recomputes
-            result = exc
-        self._count(bytes_disk_read=len(view), seconds_disk_read=self._clock() - start)
-        if isinstance(result, Exception) or not result:
-            self._count(**{self._disk.read_failed(move.disk_slot, result): 1})
-            return False
-        self._disk.read_ok()
-        return True
-
-    def _read_remote(self, move: ChunkMove) -> bool:
-        """Fetch a chunk from the remote tier into its host slot (I/O thread)."""
-        if self.remote is None or move.cpu_slot is None or move.remote_key is None:
-            return False
-        view = self.host.slot_view(move.cpu_slot)
-        start = self._clock()
-        result = self.remote.read_into(move.remote_key, self.rank, view,
-                                       verify_checksum=self.verify_checksums)
-        if result is ValueCheck.OK:
-            self._count(bytes_remote_read=len(view), seconds_remote_read=self._clock() - start)
-            return True
-        if isinstance(result, Exception):
-            self._count(remote_errors=1)  # logged once per burst by RemoteHealth
-            return False
-        self._count(remote_misses=1)
-        with self._lock:
-            self._remote_misses += 1
-            misses = self._remote_misses
-        if misses == 1 or misses % 1000 == 0:
-            logger.warning(
-                "kv-offload: remote chunk unusable (%s: evicted since the lookup, or "
-                "written by another format or layout); its tokens are recomputed "
-                "(%d so far)", result.value, misses)
-        return False
 
     def _fill_disk(self, read: Future[bool], move: ChunkMove) -> int | None:
         """Write a chunk fetched from the remote tier to its disk slot once ``read``
@@ -228,25 +195,32 @@ class OffloadWorker:
         return self._write_slot(move.cpu_slot, move.fill_disk_slot)
 
     def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
-        """Copy the chunks of ``load`` whose reads succeeded into the engine (copy thread)."""
-        job = load.job
+        """Copy the chunks of ``load`` whose reads succeeded and that were not copied
+        early into the engine."""
         ok_rows = load.sort_rows(reads, self._wait_staged)
         with self._lock:
             if not load.begin_copy():
                 return
-        if ok_rows:
-            slots = np.array([job.chunks[i].cpu_slot for i in ok_rows], dtype=np.int64)
-            blocks = np.array([job.chunks[i].block_ids for i in ok_rows], dtype=np.int64)
-            try:
-                start = self._clock()
-                self.engine.wait(self.engine.load(slots, blocks, after=load.stream))
-                self._count(bytes_load=self._chunk_bytes(blocks),
-                            seconds_load=self._clock() - start)
-            except Exception:
-                logger.exception("kv-offload: copying job %d into the engine failed", job.job_id)
-                load.failed.update(ok_rows)
+        if ok_rows and not self._copy_rows(load, ok_rows):
+            load.failed.update(ok_rows)
         with self._lock:
             load.end_copy()
+
+    def _copy_rows(self, load: WorkerLoad, rows: list[int]) -> bool:
+        """Copy chunks ``rows`` of ``load`` from their host slots into the engine and
+        wait for it; False (logged) when the copy failed."""
+        chunks = load.job.chunks
+        slots = np.array([chunks[i].cpu_slot for i in rows], dtype=np.int64)
+        blocks = np.array([chunks[i].block_ids for i in rows], dtype=np.int64)
+        try:
+            start = self._clock()
+            self.engine.wait(self.engine.load(slots, blocks, after=load.stream))
+        except Exception:
+            logger.exception("kv-offload: copying job %d into the engine failed",
+                             load.job.job_id)
+            return False
+        self._count(bytes_load=self._chunk_bytes(blocks), seconds_load=self._clock() - start)
+        return True
 
     def _wait_staged(self, job_id: int, cpu_slot: int) -> bool:
         entry = self._staged.get((job_id, cpu_slot))
@@ -344,6 +318,7 @@ class OffloadWorker:
         """Collect finished work. Loads past ``load_timeout_s`` that are still reading
         are failed now (their blocks reported for recompute); their slots stay pinned on
         the scheduler side until the reads really end."""
+        self._copy_ready()
         finished: set[str] = set()
         failed_blocks: set[int] = set()
         now = self._clock()

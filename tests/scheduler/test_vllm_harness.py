@@ -56,13 +56,14 @@ def quiet_injected_faults(caplog):
     caplog.set_level(logging.CRITICAL, logger="kv_offload")
 
 
+@pytest.mark.parametrize("copy_thread", [True, False], ids=["copy_thread", "vllm_thread"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", _seeds())
 def test_random_workload_ends_idle_with_every_token_on_the_right_kv(
-        harness_factory, seed, async_scheduling):
+        harness_factory, seed, async_scheduling, copy_thread):
     faults = Faults(seed=seed, **FAULTS) if seed % 2 else Faults(seed=seed, delay=0.3)
     harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
-                              faults=faults)
+                              faults=faults, copy_thread=copy_thread)
     stats = run_workload(harness, seed, num_requests=60, p_abort=0.05, max_tokens=12,
                          p_reset=0.2 if async_scheduling else 0.05)
     assert harness.check_idle() == [], f"seed {seed}: {stats}"
@@ -122,7 +123,7 @@ def test_a_shared_staging_slot_is_not_reused_under_a_waiting_job(harness_factory
 
     def delays(fn, args):
         name = getattr(fn, "__name__", "")
-        if name == "_read_chunk":
+        if name == "read":  # TierReads.read
             fired["read"] += 1
             return 8  # past the timeout of 5 steps
         job = getattr(args[0], "job", None) if args else None

@@ -249,3 +249,55 @@ def test_a_cpu_tier_load_is_copied_on_the_calling_thread_and_reported_at_the_nex
     assert result.finished_req_ids == {"req"} and not result.failed_block_ids
     assert worker.take_report().loaded == {2: {0: frozenset()}}
     assert not worker.has_pending_jobs()
+
+
+class GatedSlab:
+    """A slab whose reads fill the buffer with slot + 1 once ``release`` is set."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.reads = 0
+
+    def read(self, slot, buf, expected):
+        self.release.wait(10)
+        np.frombuffer(buf, dtype=np.uint8)[:] = slot + 1
+        self.reads += 1
+        return True
+
+    def close(self):
+        pass
+
+
+def test_a_disk_load_is_copied_by_the_poll_after_its_reads_and_reported_by_it(planes):
+    """With the CPU backend's synchronous engine the I/O threads only read; the poll
+    (vLLM's ``get_finished``) that finds the reads done copies the chunks on vLLM's
+    thread and reports the request at once, not a copy thread's run later."""
+    slab = GatedSlab()
+    worker = make_worker(planes, slab)
+    copied_on = []
+    load = worker.engine.load
+
+    def recording_load(slots, block_ids, *, after=None):
+        copied_on.append(threading.get_ident())
+        return load(slots, block_ids, after=after)
+
+    worker.engine.load = recording_load
+    job = LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)), ChunkMove((5, 6), 1, 4, (0,))))
+    worker.start_loads([job])
+    assert worker.poll().finished_req_ids == set()  # still reading
+    slab.release.set()
+    wait_until(lambda: slab.reads == 2)
+    time.sleep(0.05)  # a copy thread, if there were one, would have copied by now
+    assert copied_on == []
+    result = worker.poll()
+    assert result.finished_req_ids == {"req"} and not result.failed_block_ids
+    assert copied_on == [threading.get_ident()]
+    assert all(bool((p[[1, 2]] == 4).all()) and bool((p[[5, 6]] == 5).all()) for p in planes)
+    worker.close()
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.005)
