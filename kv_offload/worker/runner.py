@@ -165,6 +165,9 @@ class OffloadWorker:
                 load, reads = self._ready.popleft()
             try:
                 self._run_load(load, reads)
+            except Exception:  # a bug: the load fails (recomputed), vLLM's step goes on
+                logger.exception("kv-offload: load job %d failed", load.job.job_id)
+                load.failed.update(range(len(load.job.chunks)))
             finally:
                 with self._lock:
                     load.future = completed()
@@ -195,8 +198,7 @@ class OffloadWorker:
         return self._write_slot(move.cpu_slot, move.fill_disk_slot)
 
     def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
-        """Copy the chunks of ``load`` whose reads succeeded and that were not copied
-        early into the engine."""
+        """Copy the chunks of ``load`` whose reads succeeded into the engine."""
         ok_rows = load.sort_rows(reads, self._wait_staged)
         with self._lock:
             if not load.begin_copy():

@@ -301,3 +301,21 @@ def wait_until(condition, timeout=5.0):
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         time.sleep(0.005)
+
+
+def test_a_bug_in_a_load_copied_on_vllms_thread_fails_the_load_not_the_step(planes, monkeypatch):
+    """``poll`` runs on vLLM's thread (``get_finished``): whatever goes wrong while it
+    copies a load, the request's blocks are reported for recompute and poll returns."""
+    slab = GatedSlab()
+    slab.release.set()
+    worker = make_worker(planes, slab)
+
+    def broken(*args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(type(worker._reads), "read", lambda self, move: True)
+    monkeypatch.setattr("kv_offload.worker.loads.WorkerLoad.sort_rows", broken)
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)),))])
+    _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
+    assert failed == {1, 2}
+    worker.close()
