@@ -155,10 +155,13 @@ def test_ttft_quick(tmp_path):
     assert hits["disk"]["256"]["hits"]["disk_hit"] == 256
     assert hits["peer_warm"]["256"]["hits"]["external_hit"] > 0
     assert {"cpu_vs_cold", "disk_vs_cold", "cpu_vs_peer", "disk_vs_peer", "cpu_vs_vllm_hit",
-            "disk_vs_vllm_hit"} <= set(data["ratios"]["256"])
+            "disk_vs_vllm_hit", "cpu_vs_own_hit", "disk_vs_own_hit"} <= set(data["ratios"]["256"])
+    for mode, hit in (("cpu", "own_hit"), ("disk", "own_hit_restarted")):  # measured in pairs
+        assert len(hits[mode]["256"]["samples_s"]) == len(hits[hit]["256"]["samples_s"])
+        assert hits[hit]["256"]["hits"]["vllm_hit"] == 256
     # graded at 4k and 8k, or the longest length measured below: 256 here
     assert [(v["key"], v["length"]) for v in data["verdicts"]][-2:] == [
-        ("cpu_vs_vllm_hit", 256), ("disk_vs_vllm_hit", 256)]
+        ("cpu_vs_own_hit", 256), ("disk_vs_own_hit", 256)]
     assert len(data["verdicts"]) == 6
 
 
