@@ -3,8 +3,9 @@
 Owns the rank's host slots, copy engine and slab file; makes no policy decisions.
 Disk and remote reads run on a thread pool, so the engine never waits on disk
 (invariant 6). Engine copies of loads run on one copy thread, or, with a synchronous
-engine (the CPU backend), on vLLM's thread once the reads they need are done (in
-``start_loads`` or the next ``poll``), so the copy is reported in the same step. Everything it finished is reported back
+engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per job, on vLLM's thread
+once the reads they need are done (in ``start_loads`` or the next ``poll``), so the copy
+is reported in the same step. Everything it finished is reported back
 through ``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport``
 for the scheduler side.
 """
@@ -39,9 +40,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISK_BROKEN_AFTER", "STAGED_READ_TTL_S", "OffloadWorker", "PollResult"]
+__all__ = ["DISK_BROKEN_AFTER", "INLINE_LOAD_MAX_BYTES", "STAGED_READ_TTL_S", "OffloadWorker",
+           "PollResult"]
 
 STAGED_READ_TTL_S = 300.0
+INLINE_LOAD_MAX_BYTES = 256 << 20
+"""Largest load (host bytes per rank) a synchronous engine copies on vLLM's thread: ~15-30
+ms at this machine's copy speed, a stall of every running request's step that a larger
+load would stretch; larger loads use the copy thread."""
 T = TypeVar("T")
 
 
@@ -174,8 +180,10 @@ class OffloadWorker:
 
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done; any thread): on the
-        copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)."""
-        if self.engine.synchronous:
+        copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)
+        unless it is larger than ``INLINE_LOAD_MAX_BYTES``."""
+        inline = sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
+        if self.engine.synchronous and inline <= INLINE_LOAD_MAX_BYTES:
             with self._lock:
                 self._ready.append((load, reads))
             return

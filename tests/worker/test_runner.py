@@ -319,3 +319,25 @@ def test_a_bug_in_a_load_copied_on_vllms_thread_fails_the_load_not_the_step(plan
     _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
     assert failed == {1, 2}
     worker.close()
+
+
+def test_a_load_too_large_to_copy_on_vllms_thread_goes_to_the_copy_thread(planes, monkeypatch):
+    """A copy on vLLM's thread stalls the step of every running request: past
+    INLINE_LOAD_MAX_BYTES a load is copied on the copy thread instead."""
+    monkeypatch.setattr("kv_offload.worker.runner.INLINE_LOAD_MAX_BYTES", SLOT_BYTES)
+    worker = make_worker(planes, None)
+    copied_on = {}
+    load = worker.engine.load
+
+    def recording_load(slots, block_ids, *, after=None):
+        copied_on[len(slots)] = threading.get_ident()
+        return load(slots, block_ids, after=after)
+
+    worker.engine.load = recording_load
+    worker.start_loads([LoadJob(1, "small", (ChunkMove((1, 2), 0),)),
+                        LoadJob(2, "large", (ChunkMove((3, 4), 1), ChunkMove((5, 6), 2)))])
+    _, finished, failed = drain(worker, until=lambda r, f, b: {"small", "large"} <= f)
+    assert not failed
+    assert copied_on[1] == threading.get_ident()  # one chunk: on the calling thread
+    assert copied_on[2] != threading.get_ident()  # two chunks: past the limit
+    worker.close()
