@@ -3,7 +3,7 @@
 Owns the rank's host slots, copy engine and slab file; makes no policy decisions.
 Disk and remote reads run on a thread pool, so the engine never waits on disk
 (invariant 6). Engine copies of loads run on one copy thread, or, with a synchronous
-engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per job, on vLLM's thread
+engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on vLLM's thread
 once the reads they need are done (in ``start_loads`` or the next ``poll``), so the copy
 is reported in the same step. Everything it finished is reported back
 through ``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport``
@@ -45,9 +45,9 @@ __all__ = ["DISK_BROKEN_AFTER", "INLINE_LOAD_MAX_BYTES", "STAGED_READ_TTL_S", "O
 
 STAGED_READ_TTL_S = 300.0
 INLINE_LOAD_MAX_BYTES = 256 << 20
-"""Largest load (host bytes per rank) a synchronous engine copies on vLLM's thread: ~15-30
-ms at this machine's copy speed, a stall of every running request's step that a larger
-load would stretch; larger loads use the copy thread."""
+"""Most load bytes (per rank) a synchronous engine copies on vLLM's thread in one call:
+~15-30 ms at this machine's copy speed, a stall of every running request's step that more
+would stretch; larger loads, and loads past it, use the copy thread."""
 T = TypeVar("T")
 
 
@@ -164,11 +164,17 @@ class OffloadWorker:
         (``start_loads``, after the step's forward, and ``poll``): the blocks belong to
         requests vLLM does not schedule until the load is reported, and vLLM's cores are
         idle here, while the I/O threads share the others."""
+        budget = INLINE_LOAD_MAX_BYTES
         while True:
             with self._lock:
                 if not self._ready:
                     return
                 load, reads = self._ready.popleft()
+            size = self._load_bytes(load)
+            if size > budget:
+                self._to_copier(load, reads)
+                continue
+            budget -= size
             try:
                 self._run_load(load, reads)
             except Exception:  # a bug: the load fails (recomputed), vLLM's step goes on
@@ -180,19 +186,23 @@ class OffloadWorker:
 
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done; any thread): on the
-        copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)
-        unless it is larger than ``INLINE_LOAD_MAX_BYTES``."""
-        inline = sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
-        if self.engine.synchronous and inline <= INLINE_LOAD_MAX_BYTES:
+        copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)."""
+        if self.engine.synchronous:
             with self._lock:
                 self._ready.append((load, reads))
-            return
+        else:
+            self._to_copier(load, reads)
+
+    def _to_copier(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         try:
             future = self._copier.submit(self._run_load, load, reads)
         except RuntimeError:  # shut down by close()
             return
         with self._lock:
             load.future = future
+
+    def _load_bytes(self, load: WorkerLoad) -> int:
+        return sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
 
     def _fill_disk(self, read: Future[bool], move: ChunkMove) -> int | None:
         """Write a chunk fetched from the remote tier to its disk slot once ``read``

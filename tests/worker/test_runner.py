@@ -321,10 +321,10 @@ def test_a_bug_in_a_load_copied_on_vllms_thread_fails_the_load_not_the_step(plan
     worker.close()
 
 
-def test_a_load_too_large_to_copy_on_vllms_thread_goes_to_the_copy_thread(planes, monkeypatch):
+def test_loads_past_the_inline_budget_go_to_the_copy_thread(planes, monkeypatch):
     """A copy on vLLM's thread stalls the step of every running request: past
-    INLINE_LOAD_MAX_BYTES a load is copied on the copy thread instead."""
-    monkeypatch.setattr("kv_offload.worker.runner.INLINE_LOAD_MAX_BYTES", SLOT_BYTES)
+    INLINE_LOAD_MAX_BYTES in one call, loads are copied on the copy thread instead."""
+    monkeypatch.setattr("kv_offload.worker.runner.INLINE_LOAD_MAX_BYTES", 2 * SLOT_BYTES)
     worker = make_worker(planes, None)
     copied_on = {}
     load = worker.engine.load
@@ -334,10 +334,13 @@ def test_a_load_too_large_to_copy_on_vllms_thread_goes_to_the_copy_thread(planes
         return load(slots, block_ids, after=after)
 
     worker.engine.load = recording_load
-    worker.start_loads([LoadJob(1, "small", (ChunkMove((1, 2), 0),)),
-                        LoadJob(2, "large", (ChunkMove((3, 4), 1), ChunkMove((5, 6), 2)))])
-    _, finished, failed = drain(worker, until=lambda r, f, b: {"small", "large"} <= f)
+    worker.start_loads([LoadJob(1, "a", (ChunkMove((1, 2), 0),)),
+                        LoadJob(2, "b", (ChunkMove((3, 4), 1), ChunkMove((5, 6), 2))),
+                        LoadJob(3, "c", (ChunkMove((7, 8), 0), ChunkMove((9, 10), 1),
+                                         ChunkMove((11, 12), 2)))])
+    _, finished, failed = drain(worker, until=lambda r, f, b: {"a", "b", "c"} <= f)
     assert not failed
-    assert copied_on[1] == threading.get_ident()  # one chunk: on the calling thread
-    assert copied_on[2] != threading.get_ident()  # two chunks: past the limit
+    assert copied_on[1] == threading.get_ident()  # within the budget: the calling thread
+    assert copied_on[2] != threading.get_ident()  # within the limit, past what is left of it
+    assert copied_on[3] != threading.get_ident()  # past the limit
     worker.close()
