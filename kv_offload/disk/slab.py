@@ -15,10 +15,11 @@ import os
 import re
 import stat
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kv_offload.checksum import new_hasher
+from kv_offload.checksum import checksum, new_hasher
 from kv_offload.disk.errors import StorePathError
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ _NAMESPACE_RE = re.compile(r"[0-9a-f]{1,128}")
 # reads keep 256 KiB pieces, each still in L2 (1 MiB per core here) when it is hashed.
 # Writes: 2 MiB pieces. Each pwritev into ext4's page cache pays a per-call cost (inode
 # lock, timestamps); 256 KiB pieces wrote at 0.74-0.82x a raw file, 2 MiB pieces at
-# 0.86-0.92x (interleaved A/B runs, issue 15, docs/disk-tier.md).
+# 0.86-0.92x (interleaved A/B runs, issue 15, docs/disk-tier.md). ``write_many`` gives
+# runs of consecutive slots smaller than that one pwritev per 2 MiB too.
 _READ_PIECE = 256 << 10
 _WRITE_PIECE = 2 << 20
 
@@ -188,22 +190,60 @@ class SlabFile:
         ``fsync=True`` the data is fdatasync'ed before returning. Raises OSError (ENOSPC,
         EIO...): the caller must then release the slot and not publish it.
         """
-        view = _as_bytes_view(buf, self._slot_bytes, writable=False)
-        offset = self._offset(slot)
+        return self.write_many([slot], [buf])[0]
+
+    def write_many(self, slots: Sequence[int], bufs: Sequence[Buffer]) -> list[int]:
+        """Write each slot from its buffer (as ``write``) and return their checksums.
+
+        Slots smaller than 2 MiB that are consecutive (in any order of ``slots``) go out
+        together, one ``pwritev`` per 2 MiB, each buffer hashed just before; with
+        ``fsync=True`` one fdatasync at the end. Raises OSError as ``write`` does: then
+        no slot of the call may be published (``write`` each to learn which failed).
+        """
+        if len(slots) != len(bufs):
+            raise ValueError(f"{len(slots)} slots but {len(bufs)} buffers")
+        views = [_as_bytes_view(b, self._slot_bytes, writable=False) for b in bufs]
+        offsets = [self._offset(slot) for slot in slots]
         fd = self._current_fd(create=True)
-        hasher = new_hasher()
-        for start in range(0, view.nbytes, _WRITE_PIECE):
-            piece = view[start : start + _WRITE_PIECE]
-            hasher.update(piece)
-            done = 0
-            while done < piece.nbytes:
-                n = os.pwritev(fd, [piece[done:]], offset + start + done)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"pwritev wrote {n} bytes to {self.path}")
-                done += n
+        sums = [0] * len(views)
+        if self._slot_bytes >= _WRITE_PIECE:
+            for i, (view, offset) in enumerate(zip(views, offsets)):
+                hasher = new_hasher()
+                for start in range(0, view.nbytes, _WRITE_PIECE):
+                    piece = view[start : start + _WRITE_PIECE]
+                    hasher.update(piece)
+                    self._pwrite_all(fd, [piece], offset + start)
+                sums[i] = hasher.intdigest()
+        else:
+            per_call = _WRITE_PIECE // self._slot_bytes
+            order = sorted(range(len(views)), key=offsets.__getitem__)
+            start = 0
+            while start < len(order):
+                end = start + 1
+                while (end < len(order) and end - start < per_call
+                       and offsets[order[end]] == offsets[order[end - 1]] + self._slot_bytes):
+                    end += 1
+                run = order[start:end]
+                for i in run:
+                    sums[i] = checksum(views[i])
+                self._pwrite_all(fd, [views[i] for i in run], offsets[run[0]])
+                start = end
         if self._fsync:
             os.fdatasync(fd)
-        return hasher.intdigest()
+        return sums
+
+    def _pwrite_all(self, fd: int, views: list[memoryview], offset: int) -> None:
+        """``pwritev`` until every byte of ``views`` is written at ``offset``."""
+        while views:
+            n = os.pwritev(fd, views, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwritev wrote {n} bytes to {self.path}")
+            offset += n
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views = views[1:]
+            if views and n:
+                views = [views[0][n:], *views[1:]]
 
     def read(self, slot: int, buf: Buffer, expected_checksum: int | None) -> ReadResult:
         """Read the whole slot into ``buf`` and verify it against ``expected_checksum``.

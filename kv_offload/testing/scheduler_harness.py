@@ -68,6 +68,11 @@ class _FaultySlab:
             raise OSError(errno.ENOSPC, "injected: no space left on device")
         return self.unfaulty.write(slot, buf)
 
+    def write_many(self, slots: list[int], bufs: list[Any]) -> list[int]:
+        if self._h.draw("enospc"):  # the worker then writes each chunk alone
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        return self.unfaulty.write_many(slots, bufs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.unfaulty, name)
 

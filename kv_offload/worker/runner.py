@@ -31,6 +31,7 @@ from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies, HostCopy
 from kv_offload.worker.loads import WorkerLoad, completed, when_all_done
 from kv_offload.worker.reads import TierReads
+from kv_offload.worker.writes import SlabWrites
 
 if TYPE_CHECKING:
     from kv_offload.copy.base import CopyEngine
@@ -121,6 +122,8 @@ class OffloadWorker:
         self._reads = TierReads(rank=rank, host=host, slab=slab, remote=remote,
                                 verify_checksums=verify_checksums, disk=self._disk,
                                 count=self._count, clock=clock)
+        self._writes = None if slab is None else SlabWrites(
+            host=host, slab=slab, disk=self._disk, count=self._count, clock=clock)
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -211,9 +214,9 @@ class OffloadWorker:
             ok = read.result()
         except Exception:
             ok = False
-        if not ok or self.slab is None or move.cpu_slot is None or move.fill_disk_slot is None:
+        if not ok or self._writes is None or move.cpu_slot is None or move.fill_disk_slot is None:
             return None
-        return self._write_slot(move.cpu_slot, move.fill_disk_slot)
+        return self._writes.write(move.cpu_slot, move.fill_disk_slot)
 
     def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Copy the chunks of ``load`` whose reads succeeded into the engine."""
@@ -264,12 +267,7 @@ class OffloadWorker:
             handle = self._copies.issue(blocks, slots, job.req_ids)
             # Issue time (the copy runs in the background, or inline on a sync engine).
             self._count(bytes_store=self._chunk_bytes(blocks), seconds_store=self._clock() - start)
-            writes: list[Future[int | None] | None] = []
-            for move in job.chunks:
-                if move.disk_slot is None or self.slab is None:
-                    writes.append(None)
-                else:
-                    writes.append(self._io.submit(self._write_chunk, handle, move))
+            writes = self._queue_disk_writes(handle, job.chunks)
             # Remote writes queue behind the local ones: never in the step's critical path.
             remote_writes = [None if m.remote_key is None or self.remote is None
                              else self._io.submit(self._write_remote, handle, m)
@@ -303,34 +301,24 @@ class OffloadWorker:
         self._count(bytes_remote_write=len(view), seconds_remote_write=self._clock() - start)
         return True
 
-    def _write_chunk(self, handle: HostCopy, move: ChunkMove) -> int | None:
-        """Write one chunk to the slab once its engine copy is done (I/O thread)."""
-        try:
-            handle.wait()
-        except Exception as exc:
-            logger.warning("kv-offload: engine copy of a stored chunk failed: %s", exc)
-            return None
-        if move.cpu_slot is None or move.disk_slot is None:
-            return None  # never queued so
-        return self._write_slot(move.cpu_slot, move.disk_slot)
-
-    def _write_slot(self, cpu_slot: int, disk_slot: int) -> int | None:
-        """Write a host slot to a slab slot (I/O thread); its checksum, or None if it
-        failed. Any exception is a failed store: a full disk (ENOSPC) only for this
-        chunk, any other error also counts towards DISK_BROKEN_AFTER."""
-        if self.slab is None:
-            return None  # never queued without a slab
-        try:
-            view = self.host.slot_view(cpu_slot)
-            start = self._clock()
-            checksum = self.slab.write(disk_slot, view)
-        except Exception as exc:  # OSError, StorePathError (directory re-creation)...
-            self._disk.write_failed(exc)
-            self._count(disk_write_errors=1)
-            return None
-        self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
-        self._disk.write_ok()
-        return checksum
+    def _queue_disk_writes(self, handle: HostCopy, chunks: Sequence[ChunkMove]
+                           ) -> list[Future[int | None] | None]:
+        """Queue the slab writes of a store job's chunks behind its engine copy
+        (``worker/writes.py``); one future per chunk (None: no disk slot), its checksum
+        or None when the write failed."""
+        writes: list[Future[int | None] | None] = [None] * len(chunks)
+        if self._writes is None:
+            return writes
+        rows = [(i, (m.cpu_slot, m.disk_slot)) for i, m in enumerate(chunks)
+                if m.cpu_slot is not None and m.disk_slot is not None]
+        per_task = self._writes.chunks_per_task()
+        for start in range(0, len(rows), per_task):
+            task = rows[start : start + per_task]
+            futures: list[Future[int | None]] = [Future() for _ in task]
+            for (i, _), future in zip(task, futures):
+                writes[i] = future
+            self._io.submit(self._writes.write_after_copy, handle, [p for _, p in task], futures)
+        return writes
 
     # -- completion ------------------------------------------------------------------------
 

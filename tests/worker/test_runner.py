@@ -344,3 +344,57 @@ def test_loads_past_the_inline_budget_go_to_the_copy_thread(planes, monkeypatch)
     assert copied_on[2] != threading.get_ident()  # within the limit, past what is left of it
     assert copied_on[3] != threading.get_ident()  # past the limit
     worker.close()
+
+
+class HalfFullSlab:
+    """A real slab on which a write of several chunks at once fails with ENOSPC, and so
+    does a write of any odd slot alone: only some chunks of the job fit."""
+
+    def __init__(self, slab):
+        self.slab = slab
+
+    def write_many(self, slots, bufs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def write(self, slot, buf):
+        if slot % 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.slab.write(slot, buf)
+
+    def read(self, slot, buf, expected):
+        return self.slab.read(slot, buf, expected)
+
+    def close(self):
+        self.slab.close()
+
+
+def test_a_failed_multi_chunk_write_stores_each_chunk_that_fits(planes, tmp_path):
+    """A store job's chunks go to the slab in one write; when it fails, each chunk is
+    written alone, so a disk with room for some of them still stores those."""
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    worker = make_worker(planes, HalfFullSlab(slab))
+    job = StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, 10 + i) for i in range(4)))
+    worker.run_stores([job])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    (sums,) = [x.disk_stored[1][0] for x in reports if x.disk_stored]
+    assert [s is not None for s in sums] == [True, False, True, False]
+    for i in (0, 2):
+        out = np.empty(SLOT_BYTES, np.uint8)
+        assert slab.read(10 + i, out, sums[i])
+        assert np.array_equal(out, worker.host.slot_view(i))
+    worker.close()
+
+
+def test_a_store_jobs_chunks_reach_the_slab_in_one_write(planes, tmp_path, monkeypatch):
+    """Small chunks on consecutive disk slots cost one system call, not one each."""
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    worker = make_worker(planes, slab)
+    calls = []
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: calls.append(off) or real(fd, bufs, off))
+    worker.run_stores([StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, 20 + i)
+                                         for i in range(4)))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    assert calls == [20 * SLOT_BYTES]
+    assert all(s is not None for x in reports for s in x.disk_stored.get(1, {0: ()})[0])
+    worker.close()
