@@ -101,7 +101,6 @@ class OffloadWorker:
         self.slab = slab
         self.remote = remote
         self.load_timeout_s = load_timeout_s
-        self.verify_checksums = verify_checksums
         self._clock = clock
         place = (placement or ThreadPlacement()).background
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io",
@@ -224,26 +223,21 @@ class OffloadWorker:
         with self._lock:
             if not load.begin_copy():
                 return
-        if ok_rows and not self._copy_rows(load, ok_rows):
-            load.failed.update(ok_rows)
+        if ok_rows:
+            chunks = load.job.chunks
+            slots = np.array([chunks[i].cpu_slot for i in ok_rows], dtype=np.int64)
+            blocks = np.array([chunks[i].block_ids for i in ok_rows], dtype=np.int64)
+            try:
+                start = self._clock()
+                self.engine.wait(self.engine.load(slots, blocks, after=load.stream))
+                self._count(bytes_load=self._chunk_bytes(blocks),
+                            seconds_load=self._clock() - start)
+            except Exception:
+                logger.exception("kv-offload: copying job %d into the engine failed",
+                                 load.job.job_id)
+                load.failed.update(ok_rows)
         with self._lock:
             load.end_copy()
-
-    def _copy_rows(self, load: WorkerLoad, rows: list[int]) -> bool:
-        """Copy chunks ``rows`` of ``load`` from their host slots into the engine and
-        wait for it; False (logged) when the copy failed."""
-        chunks = load.job.chunks
-        slots = np.array([chunks[i].cpu_slot for i in rows], dtype=np.int64)
-        blocks = np.array([chunks[i].block_ids for i in rows], dtype=np.int64)
-        try:
-            start = self._clock()
-            self.engine.wait(self.engine.load(slots, blocks, after=load.stream))
-        except Exception:
-            logger.exception("kv-offload: copying job %d into the engine failed",
-                             load.job.job_id)
-            return False
-        self._count(bytes_load=self._chunk_bytes(blocks), seconds_load=self._clock() - start)
-        return True
 
     def _wait_staged(self, job_id: int, cpu_slot: int) -> bool:
         entry = self._staged.get((job_id, cpu_slot))
