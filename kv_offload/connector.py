@@ -46,10 +46,11 @@ DISK_STATS_INTERVAL_S = 5.0
 
 
 class OffloadConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> workers: this step's plan."""
+    """Scheduler -> workers: this step's plan; ``idle``: vLLM runs no forward this step."""
 
-    def __init__(self, plan: StepPlan | None) -> None:
+    def __init__(self, plan: StepPlan | None, idle: bool = False) -> None:
         self.plan = plan  # None: the hook and its fallback failed (workers do nothing)
+        self.idle = idle
 
 
 class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
@@ -240,7 +241,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
             preempted)
         self._guard.call("build_connector_meta (summary)", lambda: None,
                          self._maybe_log_summary)
-        return OffloadConnectorMetadata(plan)
+        return OffloadConnectorMetadata(plan, idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -397,7 +398,10 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        result = self._worker.poll()
+        # A step without a forward has nothing to do but wait for loads: report them
+        # the moment they end, instead of spinning through empty steps until then.
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        result = self._worker.poll(idle=isinstance(meta, OffloadConnectorMetadata) and meta.idle)
         self._pending_failed_blocks |= result.failed_block_ids
         return (result.finished_sending or None), (result.finished_req_ids or None)
 

@@ -14,9 +14,14 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from kv_offload import OffloadConfig
-from kv_offload.connector import KVOffloadConnector, OffloadWorkerMetadata
-from kv_offload.jobs import WorkerReport
+from kv_offload.connector import (
+    KVOffloadConnector,
+    OffloadConnectorMetadata,
+    OffloadWorkerMetadata,
+)
+from kv_offload.jobs import StepPlan, WorkerReport
 from kv_offload.testing.scheduler_harness import build_kv_cache_config, build_vllm_config
+from kv_offload.worker.runner import PollResult
 
 BLOCK = 8
 CHUNK = 2 * BLOCK
@@ -61,9 +66,10 @@ def new_request(manager: FakeCacheManager, req_id: str, num_tokens: int, first_b
 def scheduler_output(*, new=(), cached=(), spec=None, preempted=()):
     """The SchedulerOutput fields the connector reads. ``new``: (request, tokens
     scheduled); ``cached``: (req_id, computed before, tokens scheduled)."""
+    num_scheduled = {**{r.request_id: n for r, n in new}, **{rid: n for rid, _, n in cached}}
     return SimpleNamespace(
-        num_scheduled_tokens={**{r.request_id: n for r, n in new},
-                              **{rid: n for rid, _, n in cached}},
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
         scheduled_spec_decode_tokens=spec or {},
         scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=0)
                             for r, _ in new],
@@ -142,6 +148,28 @@ def test_preempted_requests_with_copies_in_flight_are_fenced(connector):
     conn.build_connector_meta(scheduler_output(new=[(a, CHUNK + 1), (b, 4)]))
     plan = conn.build_connector_meta(scheduler_output(preempted=["p", "q"])).plan
     assert plan.preempted == ("p",)  # "q" stored nothing: nothing to fence
+
+
+def test_workers_wait_for_loads_only_in_a_step_without_forward(connector):
+    """The plan marks a step in which vLLM scheduled no token; only then does the
+    worker's ``get_finished`` wait (briefly) for loads in flight instead of returning."""
+    conn, manager = connector
+    request = new_request(manager, "w", CHUNK + 1, 0)
+    admit(conn, request)
+    assert conn.build_connector_meta(scheduler_output()).idle
+    assert not conn.build_connector_meta(scheduler_output(new=[(request, CHUNK + 1)])).idle
+
+    worker_side = KVOffloadConnector(conn._vllm_config, KVConnectorRole.WORKER,
+                                     build_kv_cache_config(64, BLOCK))
+    polls = []
+    worker_side._worker = SimpleNamespace(
+        poll=lambda *, idle=False: polls.append(idle) or PollResult(set(), set()))
+    for idle in (True, False):
+        worker_side.bind_connector_metadata(OffloadConnectorMetadata(StepPlan(), idle=idle))
+        assert worker_side.get_finished(set()) == (None, None)
+        worker_side.clear_connector_metadata()
+    assert polls == [True, False]
+    worker_side._worker = None
 
 
 def test_a_healthy_server_slower_than_the_lookup_budget_is_not_a_failure(redis_server):

@@ -83,6 +83,10 @@ class WorkerLoad:
         """The copy thread is finished with this load (copied, failed or cancelled)."""
         return self.future is not None and self.future.done()
 
+    def ended(self) -> bool:
+        """Copied, failed or cancelled: ``take_failed_blocks`` has an answer."""
+        return self.phase is WorkerLoadPhase.CANCELLED or self.copy_ended()
+
     def take_failed_blocks(self) -> set[int] | None:
         """The engine blocks to report failed to vLLM with the request's completion, once:
         all of them when cancelled, those of failed chunks when the copy ended; None

@@ -41,14 +41,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISK_BROKEN_AFTER", "INLINE_LOAD_MAX_BYTES", "STAGED_READ_TTL_S", "OffloadWorker",
-           "PollResult"]
+__all__ = ["DISK_BROKEN_AFTER", "IDLE_STEP_WAIT_S", "INLINE_LOAD_MAX_BYTES", "STAGED_READ_TTL_S",
+           "OffloadWorker", "PollResult"]
 
 STAGED_READ_TTL_S = 300.0
 INLINE_LOAD_MAX_BYTES = 256 << 20
 """Most load bytes (per rank) a synchronous engine copies on vLLM's thread in one call:
 ~15-30 ms at this machine's copy speed, a stall of every running request's step that more
 would stretch; larger loads, and loads past it, use the copy thread."""
+IDLE_STEP_WAIT_S = 0.005
+"""Longest ``poll`` waits for a load in flight in a step where vLLM runs no forward (its
+only requests wait for loads): the load is reported the moment it ends instead of at the
+next step, and the I/O threads get the cores that vLLM's empty steps would spin on. A new
+request arriving meanwhile waits at most this long to be scheduled."""
 T = TypeVar("T")
 
 
@@ -101,6 +106,7 @@ class OffloadWorker:
         self.slab = slab
         self.remote = remote
         self.load_timeout_s = load_timeout_s
+        self.idle_wait_s = IDLE_STEP_WAIT_S
         self._clock = clock
         place = (placement or ThreadPlacement()).background
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io",
@@ -116,6 +122,7 @@ class OffloadWorker:
         self._report = WorkerReport()
         self._disk = DiskHealth(rank)
         self._stats: dict[str, float] = {}
+        self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
         self._reads = TierReads(rank=rank, host=host, slab=slab, remote=remote,
@@ -192,6 +199,7 @@ class OffloadWorker:
         if self.engine.synchronous:
             with self._lock:
                 self._ready.append((load, reads))
+            self._progress.set()
         else:
             self._to_copier(load, reads)
 
@@ -202,6 +210,7 @@ class OffloadWorker:
             return
         with self._lock:
             load.future = future
+        future.add_done_callback(lambda _: self._progress.set())
 
     def _load_bytes(self, load: WorkerLoad) -> int:
         return sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
@@ -316,10 +325,13 @@ class OffloadWorker:
 
     # -- completion ------------------------------------------------------------------------
 
-    def poll(self) -> PollResult:
+    def poll(self, *, idle: bool = False) -> PollResult:
         """Collect finished work. Loads past ``load_timeout_s`` that are still reading
         are failed now (their blocks reported for recompute); their slots stay pinned on
-        the scheduler side until the reads really end."""
+        the scheduler side until the reads really end. ``idle``: vLLM runs no forward
+        this step; first wait up to ``idle_wait_s`` for a load in flight to end."""
+        if idle and self.idle_wait_s > 0:
+            self._wait_for_a_load(self.idle_wait_s)
         self._copy_ready()
         finished: set[str] = set()
         failed_blocks: set[int] = set()
@@ -362,6 +374,22 @@ class OffloadWorker:
             if fut.done() and now - t0 > STAGED_READ_TTL_S:
                 del self._staged[key]
         return PollResult(finished, failed_blocks, self._copies.take_sent())
+
+    def _wait_for_a_load(self, timeout_s: float) -> None:
+        """Block until a load not yet reported to vLLM has ended (copied, failed or
+        cancelled), there is none, or ``timeout_s`` passed (real time). Copies the loads
+        of a synchronous engine whose reads end meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._progress.clear()  # before looking: a later end sets it again
+            self._copy_ready()
+            with self._lock:
+                waiting = [load for load in self._loads.values() if not load.reported_to_vllm]
+                if not waiting or any(load.ended() for load in waiting):
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._progress.wait(left):
+                return
 
     def _log_store_failure(self, job_id: int, copy: HostCopy) -> None:
         try:
