@@ -50,10 +50,8 @@ INLINE_LOAD_MAX_BYTES = 256 << 20
 ~15-30 ms at this machine's copy speed, a stall of every running request's step that more
 would stretch; larger loads, and loads past it, use the copy thread."""
 IDLE_STEP_WAIT_S = 0.005
-"""Longest ``poll`` waits for a load in flight in a step where vLLM runs no forward (its
-only requests wait for loads): the load is reported the moment it ends instead of at the
-next step, and the I/O threads get the cores that vLLM's empty steps would spin on. A new
-request arriving meanwhile waits at most this long to be scheduled."""
+"""Longest an idle ``poll`` (no forward this step) waits for a load in flight, which it then
+reports at once; a request arriving meanwhile is scheduled at most this much later."""
 T = TypeVar("T")
 
 
@@ -376,9 +374,8 @@ class OffloadWorker:
         return PollResult(finished, failed_blocks, self._copies.take_sent())
 
     def _wait_for_a_load(self, timeout_s: float) -> None:
-        """Block until a load not yet reported to vLLM has ended (copied, failed or
-        cancelled), there is none, or ``timeout_s`` passed (real time). Copies the loads
-        of a synchronous engine whose reads end meanwhile."""
+        """Block until a load not yet reported to vLLM has ended, there is none, or
+        ``timeout_s`` passed; copies a synchronous engine's loads whose reads end."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._progress.clear()  # before looking: a later end sets it again
