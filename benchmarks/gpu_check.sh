@@ -13,4 +13,6 @@ OUTDIR=${1:-${OUT:-gpu-check}}
 mkdir -p "$OUTDIR"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# CuPy compiles the copy kernel into ~/.cupy/kernel_cache, which may not be writable there.
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/kv-offload-cupy-cache}
 timeout 230 "$PY" -m kv_offload.testing.gpu_check --out "$OUTDIR" 2>&1 | tee "$OUTDIR/gpu_check.log"

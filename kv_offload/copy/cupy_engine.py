@@ -36,6 +36,7 @@ staging buffer); ``mode`` picks one or lets ``auto`` choose by range count and s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -311,11 +312,18 @@ class CupyCopyEngine(CopyEngine):
             cp.cuda.runtime.eventRecord(ready.ptr, self._compute_stream(after))
             stream.wait_event(ready)
             table = None
-            if ranges.num_ranges:
-                if self._use_kernel(ranges):
-                    table = self._launch_kernel(direction, ranges, stream)
-                else:
-                    self._issue_memcpys(direction, ranges, stream)
+            try:
+                if ranges.num_ranges:
+                    if self._use_kernel(ranges):
+                        table = self._launch_kernel(direction, ranges, stream)
+                    else:
+                        self._issue_memcpys(direction, ranges, stream)
+            except BaseException:
+                # No handle tracks the copies already queued, and the caller is about to
+                # reuse their slots (failed store) or blocks (failed load): let them end.
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
+                raise
             done = cp.cuda.Event(block=True, disable_timing=True)  # wait() sleeps, no spin
             done.record(stream)
             seq = next(self._seq)

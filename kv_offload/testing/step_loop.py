@@ -5,8 +5,9 @@ Each step: admit requests (their prompts share prefixes, so loads hit chunks sto
 earlier requests), plan (``OffloadScheduler.plan_step``), apply the *previous* step's
 outputs (async scheduling: vLLM schedules step N+1 before it sees step N's), then the
 worker in the model runner's order: ``fence`` preempted requests, ``hold`` finished ones,
-``start_loads``, the forward (a kernel on the compute stream writes every scheduled
-token's KV and checks the KV of every loaded token), ``run_stores``, ``poll``. Freed
+the forward (a kernel on the compute stream writes every scheduled token's KV and checks
+the KV of every loaded token), ``start_loads`` (before the forward every other step, as
+vLLM before 0.32 did), ``run_stores``, ``poll``. Freed
 blocks go back LIFO, so the next request reuses them at once; requests are preempted
 now and then. KV is a function of the token prefix, so every byte is checked: loaded
 blocks on the device as the forward reads them, stored chunks in the host slots at the
@@ -192,8 +193,14 @@ class StepLoop:
         self.counts["fenced"] += len(plan.preempted)
         self.worker.fence(plan.preempted)
         self.worker.hold(plan.held)
-        self.worker.start_loads(plan.loads)
+        # vLLM 0.32 starts asynchronous loads after the forward, older versions before it:
+        # every other step each way.
+        loads_first = self.counts["steps"] % 2 == 1
+        if loads_first:
+            self.worker.start_loads(plan.loads)
         finished = self._forward(scheduled)
+        if not loads_first:
+            self.worker.start_loads(plan.loads)
         self.worker.run_stores(plan.stores)
         self.counts["chunks_stored"] += sum(len(j.chunks) for j in plan.stores)
         result, report = self.worker.poll(), self.worker.take_report()

@@ -33,6 +33,7 @@ class FakeCupy:
     def __init__(self) -> None:
         self.log: list[tuple[str, str, int]] = []
         self.set_devices: list[tuple[str, int]] = []
+        self.fail_memcpy_after: int | None = None  # memcpyAsync calls that succeed
         self._tls = threading.local()
         fake = self
 
@@ -65,6 +66,9 @@ class FakeCupy:
 
             def wait_event(self, event):
                 fake.call("streamWaitEvent")
+
+            def synchronize(self):
+                fake.call("streamSynchronize")
 
         class Device:
             """As CuPy's: one stack per object; ``__exit__`` sets the previous device."""
@@ -111,6 +115,9 @@ class FakeCupy:
 
         def memcpy_async(dst, src, size, kind, stream):
             fake.call("memcpyAsync")
+            if fake.fail_memcpy_after is not None and fake.calls().count("memcpyAsync") > (
+                    fake.fail_memcpy_after):
+                raise RuntimeError("cudaErrorInvalidValue")
             ctypes.memmove(dst, src, size)
 
         runtime = SimpleNamespace(
@@ -234,6 +241,23 @@ def test_every_cuda_call_runs_on_the_engines_device_whichever_thread_makes_it(fa
     assert off_device == []
     assert {device for _, device in fake.set_devices} == {ENGINE_DEVICE}
     assert fake.current() == ENGINE_DEVICE  # vLLM's thread is still on its device
+
+
+def test_a_copy_failing_halfway_lets_the_queued_part_end_before_raising(fake):
+    """A store whose third memcpy fails returns no handle, and the caller frees its slot
+    (a load's blocks are recomputed): the copies already queued must have ended first."""
+    _, planes = kv_planes()
+    _, host = padded_host(4, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+    fake.fail_memcpy_after = 2
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+        engine.store(np.array([[1, 3], [5, 7]]), np.array([0, 2]))
+    calls = fake.calls()
+    assert calls.count("memcpyAsync") == 3
+    assert calls.index("streamSynchronize") > len(calls) - 1 - calls[::-1].index("memcpyAsync")
+    fake.fail_memcpy_after = None
+    engine.close()
 
 
 def test_waits_sleep_instead_of_spinning(fake):
