@@ -52,8 +52,8 @@ class CopyEngine(abc.ABC):
     def store(self, block_ids: np.ndarray, slots: np.ndarray, *,
               after: object | None = None) -> CopyHandle:
         """Copy engine blocks into host slots (mutates the host buffer only). The copy
-        reads the blocks as the compute issued so far on ``after`` (a token from
-        ``current_stream``; None: the calling thread's stream) leaves them."""
+        reads the blocks as the compute issued before ``after`` (a ``compute_mark``
+        token; None: everything issued so far on the calling thread's stream) leaves them."""
 
     @abc.abstractmethod
     def load(self, slots: np.ndarray, block_ids: np.ndarray, *,
@@ -81,10 +81,11 @@ class CopyEngine(abc.ABC):
         made on the calling thread then costs it the copy and nothing else."""
         return False
 
-    def current_stream(self) -> object | None:
-        """A token naming the calling thread's compute stream, to order a copy issued
-        later from another thread after it (``after=`` of ``store``/``load``). None
-        for engines without streams, which ignore ``after``."""
+    def compute_mark(self) -> object | None:
+        """A token for the compute issued so far on the calling thread's stream, to
+        order a copy issued later from another thread after that work, and only that
+        (``after=`` of ``store``/``load``). None for engines without streams, which
+        ignore ``after``."""
         return None
 
     @abc.abstractmethod

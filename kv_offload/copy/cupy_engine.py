@@ -12,9 +12,11 @@ Ordering (per call, all GPU-side, no host synchronisation):
 - ``store``/``load`` first record an event on the *compute stream* and make the copy
   stream wait on it, so a store sees every kernel enqueued before the call (the
   finished forward pass) and a load does not overtake earlier work on its blocks. The
-  compute stream is resolved per call: the ``after`` stream the caller captured with
-  ``current_stream()`` on vLLM's thread, else the stream current on the calling thread
-  (never one captured at construction: vLLM may run forwards on another stream later);
+  compute stream is resolved per call: ``after``, an event the caller recorded with
+  ``compute_mark()`` on vLLM's thread (the copy then waits for the work queued before
+  the mark, not for forwards queued while a disk read ran), else the stream current on
+  the calling thread (never one captured at construction: vLLM may run forwards on
+  another stream later);
 - ``fence(handle)`` makes the calling thread's current stream wait for one copy: the
   worker fences only the copies of blocks vLLM may reuse in the next forward (preempted
   requests); finished requests' blocks are held until their copies are done;
@@ -221,8 +223,9 @@ class CupyCopyEngine(CopyEngine):
 
     def store(self, block_ids: np.ndarray, slots: np.ndarray, *, after: Any = None
               ) -> CopyHandle:
-        """Issue engine -> host copies ordered after the work queued so far on ``after``
-        (a ``current_stream()`` token), default the calling thread's current stream."""
+        """Issue engine -> host copies ordered after the work queued before ``after`` (a
+        ``compute_mark()`` token, or a raw stream handle: all work queued on it so far),
+        default the calling thread's current stream."""
         return self._submit(Direction.STORE, block_ids, slots, after)
 
     def load(self, slots: np.ndarray, block_ids: np.ndarray, *, after: Any = None
@@ -240,10 +243,17 @@ class CupyCopyEngine(CopyEngine):
             self._cp.cuda.runtime.streamWaitEvent(self._compute_stream(None),
                                                   pending.event.ptr)
 
-    def current_stream(self) -> int:
+    def compute_mark(self) -> Any:
+        """An event recorded now on the calling thread's compute stream (vLLM's thread):
+        pass it as ``after`` from another thread."""
+        self._use_device()
+        mark = self._cp.cuda.Event(block=False, disable_timing=True)
+        self._cp.cuda.runtime.eventRecord(mark.ptr, self._compute_stream(None))
+        return mark
+
+    def _current_stream(self) -> int:
         """The raw handle of the calling thread's current CUDA stream (or the fixed
-        ``compute_stream``): capture it on vLLM's thread, pass it as ``after`` from
-        another thread."""
+        ``compute_stream``)."""
         if self._fixed_stream is not None:
             return self._fixed_stream
         return int(torch.cuda.current_stream(self._device_id).cuda_stream)
@@ -252,7 +262,7 @@ class CupyCopyEngine(CopyEngine):
         """The raw handle of the stream to order against: ``after`` or the current one.
         Used through the runtime's handle calls, not wrapped in a CuPy stream object
         (``ExternalStream`` is deprecated since CuPy 14 and would be one object a call)."""
-        return self.current_stream() if after is None else int(after)
+        return self._current_stream() if after is None else int(after)
 
     def is_done(self, handle: CopyHandle) -> bool:
         """Query the call's event (never blocks). Unknown or retired handles are done."""
@@ -308,8 +318,11 @@ class CupyCopyEngine(CopyEngine):
                 if self._closed:
                     raise CopyEngineClosedError("CupyCopyEngine is closed")
             stream = self._streams[direction]
-            ready = cp.cuda.Event(block=False, disable_timing=True)
-            cp.cuda.runtime.eventRecord(ready.ptr, self._compute_stream(after))
+            if isinstance(after, cp.cuda.Event):  # a compute_mark(): already recorded
+                ready = after
+            else:
+                ready = cp.cuda.Event(block=False, disable_timing=True)
+                cp.cuda.runtime.eventRecord(ready.ptr, self._compute_stream(after))
             stream.wait_event(ready)
             table = None
             try:

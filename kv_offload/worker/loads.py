@@ -32,7 +32,7 @@ class WorkerLoad:
 
     job: LoadJob
     started: float  # worker clock when the job was handed out
-    stream: object | None = None  # the compute stream current when vLLM handed it out
+    mark: object | None = None  # engine.compute_mark() when vLLM handed it out: copy after it
     future: Future[None] | None = None  # the engine copy on the copy thread, once queued
     phase: WorkerLoadPhase = WorkerLoadPhase.READING
     failed: set[int] = field(default_factory=set)  # chunk indexes not loaded

@@ -138,8 +138,9 @@ class OffloadWorker:
         done, so a slow disk never holds up the copies of other jobs. Returns at once,
         except that a synchronous engine copies a job that needs no read right here."""
         now = self._clock()
+        mark = self.engine.compute_mark() if jobs else None  # the copies wait for this only
         for job in jobs:
-            load = WorkerLoad(job, now, self.engine.current_stream())
+            load = WorkerLoad(job, now, mark)
             reads: dict[int, Future[bool]] = {}
             needed: list[Future[bool]] = []
             fills: list[Future[int | None] | None] = []
@@ -236,7 +237,7 @@ class OffloadWorker:
             blocks = np.array([chunks[i].block_ids for i in ok_rows], dtype=np.int64)
             try:
                 start = self._clock()
-                self.engine.wait(self.engine.load(slots, blocks, after=load.stream))
+                self.engine.wait(self.engine.load(slots, blocks, after=load.mark))
                 self._count(bytes_load=self._chunk_bytes(blocks),
                             seconds_load=self._clock() - start)
             except Exception:

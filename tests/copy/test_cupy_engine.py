@@ -199,7 +199,7 @@ def test_copies_follow_the_stream_current_when_issued(mode):
             for p in planes:
                 p[40:40 + bpc].fill_(round_ + 5)
             handle = engine.store(ids, np.array([1]))
-            token = engine.current_stream()
+            token = engine.compute_mark()
         engine.wait(handle)
         for p in range(len(planes)):
             for i in range(bpc):
@@ -209,7 +209,7 @@ def test_copies_follow_the_stream_current_when_issued(mode):
         torch.cuda._sleep(200_000_000)
         for p in planes:
             p[60:60 + bpc].fill_(1)  # the previous owner's last write to the blocks
-        token = engine.current_stream()
+        token = engine.compute_mark()
     issued = []
     thread = threading.Thread(target=lambda: issued.append(
         engine.load(np.array([2]), np.arange(60, 60 + bpc)[None, :], after=token)))

@@ -22,7 +22,7 @@ from kv_offload.copy.planes import PlaneGeometry, describe_planes
 from kv_offload.host_buffer import HostSlots
 
 ENGINE_DEVICE = 1  # a rank > 0: its threads must never touch device 0
-COMPUTE_STREAM = 7  # a raw stream handle, as ``current_stream()`` returns on vLLM's thread
+COMPUTE_STREAM = 7  # the raw handle of vLLM's compute stream on its thread
 
 
 class FakeCupy:
@@ -34,6 +34,8 @@ class FakeCupy:
         self.log: list[tuple[str, str, int]] = []
         self.set_devices: list[tuple[str, int]] = []
         self.fail_memcpy_after: int | None = None  # memcpyAsync calls that succeed
+        self.recorded: list[tuple[int, int]] = []  # runtime.eventRecord: (event, stream)
+        self.waited: list[int] = []  # the events copy streams were made to wait on
         self._tls = threading.local()
         fake = self
 
@@ -66,6 +68,7 @@ class FakeCupy:
 
             def wait_event(self, event):
                 fake.call("streamWaitEvent")
+                fake.waited.append(event.ptr)
 
             def synchronize(self):
                 fake.call("streamSynchronize")
@@ -124,7 +127,8 @@ class FakeCupy:
             CUDARuntimeError=RuntimeError, getDeviceCount=lambda: 2,
             getDevice=self.current, setDevice=self.set_device,
             pointerGetAttributes=pointer_attributes, memcpyAsync=memcpy_async,
-            eventRecord=lambda event, stream: fake.call("eventRecord"),
+            eventRecord=lambda event, stream: (fake.call("eventRecord"),
+                                               fake.recorded.append((event, stream))),
             streamWaitEvent=lambda stream, event, flags=0: fake.call("streamWaitEvent"))
         self.cuda = SimpleNamespace(
             runtime=runtime, Event=Event, Stream=Stream, Device=Device, PinnedMemory=PinnedMemory,
@@ -257,6 +261,30 @@ def test_a_copy_failing_halfway_lets_the_queued_part_end_before_raising(fake):
     assert calls.count("memcpyAsync") == 3
     assert calls.index("streamSynchronize") > len(calls) - 1 - calls[::-1].index("memcpyAsync")
     fake.fail_memcpy_after = None
+    engine.close()
+
+
+def test_a_load_waits_for_the_compute_before_its_mark_not_for_work_queued_later(fake):
+    """The worker marks the compute stream when vLLM hands out a load (``start_loads``);
+    the copy thread issues the copy after the disk reads, when more forwards may be
+    queued: the copy waits on the mark, not on a new event that would wait for those."""
+    _, planes = kv_planes()
+    _, host = padded_host(4, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+    mark = engine.compute_mark()  # vLLM's thread
+    assert fake.recorded == [(mark.ptr, COMPUTE_STREAM)]
+
+    def copy_thread():
+        engine.wait(engine.load(np.array([0]), np.array([[10, 11]]), after=mark))
+
+    thread = threading.Thread(target=copy_thread, name="kv-offload-copy")
+    thread.start()
+    thread.join()
+    assert fake.recorded == [(mark.ptr, COMPUTE_STREAM)]  # nothing new on the compute stream
+    assert fake.waited == [mark.ptr]
+    engine.wait(engine.load(np.array([1]), np.array([[12, 13]]), after=COMPUTE_STREAM))
+    assert fake.recorded[-1][1] == COMPUTE_STREAM and fake.waited[-1] == fake.recorded[-1][0]
     engine.close()
 
 
