@@ -241,7 +241,8 @@ class KVOffloadConnector(KVConnectorBase_V1):
             preempted)
         self._guard.call("build_connector_meta (summary)", lambda: None,
                          self._maybe_log_summary)
-        return OffloadConnectorMetadata(plan, idle=scheduler_output.total_num_scheduled_tokens == 0)
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+        return OffloadConnectorMetadata(plan, idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
