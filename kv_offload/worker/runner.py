@@ -137,10 +137,9 @@ class OffloadWorker:
         once the reads it needs (its own and those of jobs it shares chunks with) are
         done, so a slow disk never holds up the copies of other jobs. Returns at once,
         except that a synchronous engine copies a job that needs no read right here."""
-        now = self._clock()
-        mark = self.engine.compute_mark() if jobs else None  # the copies wait for this only
+        now, mark = self._clock(), self.engine.compute_mark() if jobs else None
         for job in jobs:
-            load = WorkerLoad(job, now, mark)
+            load = WorkerLoad(job, now, mark)  # its copy waits for the compute before mark
             reads: dict[int, Future[bool]] = {}
             needed: list[Future[bool]] = []
             fills: list[Future[int | None] | None] = []
