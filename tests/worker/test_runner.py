@@ -346,9 +346,14 @@ def test_loads_past_the_inline_budget_go_to_the_copy_thread(planes, monkeypatch)
     worker.close()
 
 
-def test_a_poll_in_a_step_without_forward_reports_a_load_the_moment_its_reads_end(planes):
+@pytest.mark.parametrize("copy_thread", [False, True])
+def test_a_poll_in_a_step_without_forward_reports_a_load_the_moment_its_reads_end(
+        planes, monkeypatch, copy_thread):
     """vLLM's only requests wait for loads: rather than return empty and spin through
-    empty steps, the idle poll waits for the reads, copies and reports the request."""
+    empty steps, the idle poll waits for the reads, copies and reports the request. A
+    copy on the copy thread (CUDA, loads past the inline budget) wakes it too."""
+    if copy_thread:
+        monkeypatch.setattr("kv_offload.worker.runner.INLINE_LOAD_MAX_BYTES", 0)
     slab = GatedSlab()
     worker = make_worker(planes, slab)
     worker.idle_wait_s = 10.0
@@ -376,20 +381,6 @@ def test_an_idle_poll_waits_at_most_idle_wait_s_and_not_at_all_without_loads(pla
     slab.release.set()
     _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
     assert not failed
-    worker.close()
-
-
-def test_an_idle_poll_also_wakes_for_a_load_copied_on_the_copy_thread(planes, monkeypatch):
-    """CUDA (and loads past the inline budget) copy on the copy thread: its end wakes
-    the idle poll too."""
-    monkeypatch.setattr("kv_offload.worker.runner.INLINE_LOAD_MAX_BYTES", 0)
-    slab = GatedSlab()
-    worker = make_worker(planes, slab)
-    worker.idle_wait_s = 10.0
-    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)),))])
-    threading.Timer(0.05, slab.release.set).start()
-    result = worker.poll(idle=True)
-    assert result.finished_req_ids == {"req"} and not result.failed_block_ids
     worker.close()
 
 
