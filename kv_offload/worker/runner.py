@@ -5,7 +5,8 @@ Disk and remote reads run on a thread pool, so the engine never waits on disk
 (invariant 6). Engine copies of loads run on one copy thread, or, with a synchronous
 engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on vLLM's thread
 once the reads they need are done (in ``start_loads`` or the next ``poll``), so the copy
-is reported in the same step. Everything it finished is reported back
+is reported in the same step. Store jobs are tracked by ``WorkerStores``
+(``worker/stores.py``). Everything it finished is reported back
 through ``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport``
 for the scheduler side.
 """
@@ -21,16 +22,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob, WorkerReport
+from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
-from kv_offload.worker.host_copies import HostCopies, HostCopy
+from kv_offload.worker.host_copies import HostCopies
 from kv_offload.worker.loads import WorkerLoad, completed, when_all_done
 from kv_offload.worker.reads import TierReads
+from kv_offload.worker.stores import WorkerStores, all_done, chunk_bytes, results
 from kv_offload.worker.writes import SlabWrites
 
 if TYPE_CHECKING:
@@ -52,16 +54,6 @@ would stretch; larger loads, and loads past it, use the copy thread."""
 IDLE_STEP_WAIT_S = 0.005
 """Longest an idle ``poll`` (no forward this step) waits for a load in flight, which it then
 reports at once; a request arriving meanwhile is scheduled at most this much later."""
-T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _Store:
-    job: StoreJob
-    copy: HostCopy
-    writes: list[Future[int | None] | None]  # slab writes: checksum or None
-    remote_writes: list[Future[bool] | None]
-    host_reported: bool = False
 
 
 @dataclass(slots=True)
@@ -114,7 +106,6 @@ class OffloadWorker:
         self._copies = HostCopies(engine, background=background_stores, initializer=place)
         self._lock = threading.Lock()
         self._loads: dict[int, WorkerLoad] = {}
-        self._stores: dict[int, _Store] = {}
         self._staged: dict[tuple[int, int], tuple[Future[bool], float]] = {}
         self._fills: dict[int, list[Future[int | None] | None]] = {}  # load job -> fill_disk_slot writes
         self._report = WorkerReport()
@@ -128,6 +119,10 @@ class OffloadWorker:
                                 count=self._count, clock=clock)
         self._writes = None if slab is None else SlabWrites(
             host=host, slab=slab, disk=self._disk, count=self._count, clock=clock)
+        self._stores = WorkerStores(
+            rank=rank, host=host, copies=self._copies, writes=self._writes, remote=remote,
+            submit=lambda fn, *args: self._io.submit(fn, *args), count=self._count,
+            clock=clock)
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -237,7 +232,7 @@ class OffloadWorker:
             try:
                 start = self._clock()
                 self.engine.wait(self.engine.load(slots, blocks, after=load.mark))
-                self._count(bytes_load=self._chunk_bytes(blocks),
+                self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
                             seconds_load=self._clock() - start)
             except Exception:
                 logger.exception("kv-offload: copying job %d into the engine failed",
@@ -259,21 +254,10 @@ class OffloadWorker:
 
     def run_stores(self, jobs: Sequence[StoreJob]) -> None:
         """Start copying engine blocks to host slots for ``jobs`` (ordered after this
-        step's compute), then queue slab and remote writes behind each copy. Never waits
-        for a copy: its blocks are protected by ``fence`` and ``hold`` (invariant 3)."""
-        for job in jobs:
-            slots = np.array([m.cpu_slot for m in job.chunks], dtype=np.int64)
-            blocks = np.array([m.block_ids for m in job.chunks], dtype=np.int64)
-            start = self._clock()
-            handle = self._copies.issue(blocks, slots, job.req_ids)
-            # Issue time (the copy runs in the background, or inline on a sync engine).
-            self._count(bytes_store=self._chunk_bytes(blocks), seconds_store=self._clock() - start)
-            writes = self._queue_disk_writes(handle, job.chunks)
-            # Remote writes queue behind the local ones: never in the step's critical path.
-            remote_writes = [None if m.remote_key is None or self.remote is None
-                             else self._io.submit(self._write_remote, handle, m)
-                             for m in job.chunks]
-            self._stores[job.job_id] = _Store(job, handle, writes, remote_writes)
+        step's compute), then queue slab and remote writes behind each copy
+        (``worker/stores.py``). Never waits for a copy: its blocks are protected by
+        ``fence`` and ``hold`` (invariant 3)."""
+        self._stores.run(jobs)
 
     def fence(self, req_ids: Sequence[str]) -> None:
         """Order this step's forward after the copies of these (preempted) requests'
@@ -284,42 +268,6 @@ class OffloadWorker:
         """The scheduler held these finished requests' blocks: ``poll`` reports each in
         ``finished_sending`` once this rank's copies of its blocks are done."""
         self._copies.hold(req_ids)
-
-    def _write_remote(self, handle: HostCopy, move: ChunkMove) -> bool:
-        """Write one chunk to the remote tier (I/O thread); False when it failed or the
-        tier is backing off (a skipped store, counted)."""
-        try:
-            handle.wait()
-        except Exception:
-            return False
-        if self.remote is None or move.cpu_slot is None or move.remote_key is None:
-            return False  # never queued so
-        view = self.host.slot_view(move.cpu_slot)
-        start = self._clock()
-        if not self.remote.write(move.remote_key, self.rank, view):
-            self._count(remote_skipped_stores=1)
-            return False
-        self._count(bytes_remote_write=len(view), seconds_remote_write=self._clock() - start)
-        return True
-
-    def _queue_disk_writes(self, handle: HostCopy, chunks: Sequence[ChunkMove]
-                           ) -> list[Future[int | None] | None]:
-        """Queue the slab writes of a store job's chunks behind its engine copy
-        (``worker/writes.py``); one future per chunk (None: no disk slot), its checksum
-        or None when the write failed."""
-        writes: list[Future[int | None] | None] = [None] * len(chunks)
-        if self._writes is None:
-            return writes
-        rows = [(i, (m.cpu_slot, m.disk_slot)) for i, m in enumerate(chunks)
-                if m.cpu_slot is not None and m.disk_slot is not None]
-        per_task = self._writes.chunks_per_task()
-        for start in range(0, len(rows), per_task):
-            task = rows[start : start + per_task]
-            futures: list[Future[int | None]] = [Future() for _ in task]
-            for (i, _), future in zip(task, futures):
-                writes[i] = future
-            self._io.submit(self._writes.write_after_copy, handle, [p for _, p in task], futures)
-        return writes
 
     # -- completion ------------------------------------------------------------------------
 
@@ -348,25 +296,11 @@ class OffloadWorker:
                     if load.bad_reads:
                         self._report.bad_reads[job_id] = {self.rank: frozenset(load.bad_reads)}
                     del self._loads[job_id]
-        for job_id, store in list(self._stores.items()):
-            if not store.host_reported and store.copy.done():
-                store.host_reported = True
-                if store.copy.failed():
-                    self._log_store_failure(job_id, store.copy)
-                    self._report.host_failed[job_id] = 1
-                else:
-                    self._report.host_stored[job_id] = 1
-            if store.host_reported and _all_done(store.writes + store.remote_writes):
-                if any(w is not None for w in store.writes):
-                    self._report.disk_stored[job_id] = {self.rank: _results(store.writes)}
-                if any(w is not None for w in store.remote_writes):
-                    self._report.remote_stored[job_id] = {
-                        self.rank: tuple(bool(r) for r in _results(store.remote_writes))}
-                del self._stores[job_id]
+        self._stores.collect(self._report)
         with self._lock:
             for job_id, fills in list(self._fills.items()):
-                if job_id not in self._loads and _all_done(fills):
-                    self._report.disk_stored[job_id] = {self.rank: _results(fills)}
+                if job_id not in self._loads and all_done(fills):
+                    self._report.disk_stored[job_id] = {self.rank: results(fills)}
                     del self._fills[job_id]
         for key, (fut, t0) in list(self._staged.items()):  # reads others no longer wait for
             if fut.done() and now - t0 > STAGED_READ_TTL_S:
@@ -387,13 +321,6 @@ class OffloadWorker:
             left = deadline - time.monotonic()
             if left <= 0 or not self._progress.wait(left):
                 return
-
-    def _log_store_failure(self, job_id: int, copy: HostCopy) -> None:
-        try:
-            copy.wait()
-        except Exception:
-            logger.exception("kv-offload: copying store job %d to the CPU tier failed; its "
-                             "chunks are not stored", job_id)
 
     def take_report(self) -> WorkerReport | None:
         """The report accumulated since the last call (None when empty)."""
@@ -418,20 +345,15 @@ class OffloadWorker:
     def has_pending_jobs(self) -> bool:
         return bool(self._loads or self._stores or self._fills or self._copies.num_pending())
 
-    def _chunk_bytes(self, blocks: np.ndarray) -> int:
-        per_block = self.host.slot_bytes // max(1, blocks.shape[1]) if blocks.size else 0
-        return int((blocks != SKIP_BLOCK).sum()) * per_block
-
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Finish queued disk and remote writes (bounded by ``timeout_s``), then stop."""
         deadline = self._clock() + timeout_s
         self._copies.close()  # copies already issued finish (the writes read them)
-        pending = [w for s in list(self._stores.values()) for w in s.writes + s.remote_writes]
-        pending += [f for fills in list(self._fills.values()) for f in fills]
+        pending = self._stores.pending_writes()
+        pending += [f for fills in list(self._fills.values()) for f in fills if f is not None]
         for w in pending:
-            if w is not None:
-                with contextlib.suppress(Exception):
-                    w.result(timeout=max(0.0, deadline - self._clock()))
+            with contextlib.suppress(Exception):
+                w.result(timeout=max(0.0, deadline - self._clock()))
         self._io.shutdown(wait=False, cancel_futures=True)
         self._copier.shutdown(wait=False, cancel_futures=True)
         if self.slab is not None:
@@ -440,11 +362,3 @@ class OffloadWorker:
             self.remote.close()
         self.engine.close()
 
-
-def _all_done(futures: Sequence[Future | None]) -> bool:
-    return all(f is None or f.done() for f in futures)
-
-
-def _results(futures: Sequence[Future[T] | None]) -> tuple[T | None, ...]:
-    """Results of done futures, None for absent ones (their functions never raise)."""
-    return tuple(None if f is None else f.result() for f in futures)
