@@ -13,6 +13,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_MAP_SIZE = 64 << 10
 DEFAULT_MAP_SIZE = 64 << 20
+READER_CHECK_EVERY_S = 10.0
+"""How often a write first frees reader slots of dead processes (``clear_stale_readers``)."""
 _CORRUPT = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
             lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadChecksumError, lmdb.IncompatibleError)
 _LMDB_MAGIC = 0xBEEFC0DE
@@ -102,6 +105,7 @@ class StoreEnv:
     def __init__(self, root: Path, *, map_size: int, sync: bool) -> None:
         self.root, self.lock, self.refs = root, threading.RLock(), 0
         self.live_tokens: set[int] = set()
+        self._next_reader_check = 0.0
         check_data_file(root)
         try:
             self.env = lmdb.open(
@@ -112,6 +116,7 @@ class StoreEnv:
         except lmdb.Error as exc:
             raise lmdb_failure(root, exc) from exc
         try:
+            self.clear_stale_readers()
             self.dbs = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
             self.write(self._check_format)
         except BaseException:
@@ -172,21 +177,49 @@ class StoreEnv:
         (so ``fn`` must not mutate in-memory state).
         """
         with self.lock:
+            if time.monotonic() >= self._next_reader_check:
+                self.clear_stale_readers()
             while True:
                 try:
                     with self.transaction(write=True) as txn:
                         return fn(txn)
                 except lmdb.MapFullError:
-                    self.grow_map(2 * self.env.info()["map_size"])
+                    if self.clear_stale_readers():
+                        continue  # pages a dead reader pinned are free again: retry
+                    try:
+                        size = self.env.info()["map_size"]
+                    except lmdb.Error as exc:
+                        raise lmdb_failure(self.root, exc) from exc
+                    self.grow_map(2 * size)
 
     def grow_map(self, new_size: int) -> None:
-        """Grow the memory map to at least ``new_size`` bytes; never shrinks it."""
+        """Grow the memory map to at least ``new_size`` bytes; never shrinks it.
+        LMDB errors become StoreError, as in ``transaction``."""
         with self.lock:
-            old = self.env.info()["map_size"]
+            try:
+                old = self.env.info()["map_size"]
+                if new_size > old:
+                    self.env.set_mapsize(new_size)
+            except lmdb.Error as exc:
+                raise lmdb_failure(self.root, exc) from exc
             if new_size > old:
-                self.env.set_mapsize(new_size)
                 logger.info("disk tier: index map grown from %d to %d KiB", old >> 10,
                             new_size >> 10)
+
+    def clear_stale_readers(self) -> int:
+        """Free the reader slots of processes that died inside a read transaction (a
+        ``kill -9`` during a lookup): while one stays, LMDB reuses no page freed after
+        that snapshot and the index grows with every write. How many were cleared."""
+        with self.lock:
+            self._next_reader_check = time.monotonic() + READER_CHECK_EVERY_S
+            try:
+                cleared = self.env.reader_check()
+            except lmdb.Error as exc:
+                raise lmdb_failure(self.root, exc) from exc
+        if cleared:
+            logger.warning("disk tier: cleared %d reader slot(s) left by processes that died "
+                           "during a lookup", cleared)
+        return cleared
 
 
 def check_store_path(root: Path) -> None:

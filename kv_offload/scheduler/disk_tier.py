@@ -8,8 +8,9 @@ GIL twice in it, which costs the scheduler thread far more when vLLM's other thr
 busy (~0.5 ms a transaction inside an engine on 2 cores, docs/benchmarks.md).
 
 A disk index that fails (``StoreError``: a full or read-only file system under the
-index, a corrupted environment) turns the disk tier off for the rest of the run, with
-one error line; serving goes on from the CPU tier. It never escapes into vLLM.
+index, a corrupted environment; or any other exception, logged with its traceback)
+turns the disk tier off for the rest of the run, with one error line; serving goes on
+from the CPU tier. It never escapes into vLLM.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ class DiskTier:
     """Wraps a disk index (or None: tier off). Scheduler thread only.
 
     While ``enabled``, lookups and allocations go to the index. Once a call raised
-    ``StoreError`` (or ``disable`` was called) they answer "nothing" (no hit, no slot),
-    while what jobs in flight hold is still unpinned, committed, released or dropped.
-    Every call swallows ``StoreError`` (the caller's fallback stands).
+    (or ``disable`` was called) they answer "nothing" (no hit, no slot), while what
+    jobs in flight hold is still unpinned, committed, released or dropped. Every call
+    swallows the exception (the caller's fallback stands).
     """
 
     def __init__(self, index: DiskIndexLike | None) -> None:
@@ -156,3 +157,6 @@ class DiskTier:
             yield
         except StoreError as exc:
             self.disable(f"disk index {what}: {exc}")
+        except Exception as exc:  # a bug, or an LMDB error not translated: same outcome
+            logger.exception("kv-offload: disk index %s raised unexpectedly", what)
+            self.disable(f"disk index {what}: {exc!r}")

@@ -59,6 +59,16 @@ class BlockHolds:
         out, self._new_held = tuple(self._new_held), []
         return out
 
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """These preempted requests' copies were fenced (vLLM freed their blocks, and
+        the workers order the next forward after the copies): nothing of them is held
+        any more. A request run again is tracked afresh by its new store jobs."""
+        for req in req_ids:
+            for job_id in self._jobs_of.pop(req, ()):
+                reqs = self._reqs_of.get(job_id)
+                if reqs is not None:
+                    reqs.discard(req)
+
     def released(self, req_ids: Iterable[str]) -> None:
         """vLLM freed these requests' blocks (every rank reported them sent)."""
         for req in req_ids:

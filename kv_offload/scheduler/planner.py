@@ -269,10 +269,12 @@ class OffloadScheduler:
         store_job = self.stores.plan(stores) if stores else None
         if store_job is not None:
             self.holds.copying(store_job.job_id, store_job.req_ids)
-        loads = self.take_pending_loads()
         self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
         self._maybe_flush_access()
         fenced = tuple(r for r in preempted if self.holds.is_copying(r))
+        self.holds.forget(fenced)  # the fence protects their freed blocks: never held later
+        loads = self.take_pending_loads()  # last: if anything above raised, the connector
+        # hands them out itself (a load never handed out would leave its request waiting)
         return StepPlan(loads, (store_job,) if store_job is not None else (),
                         held=self.holds.take_new(), preempted=fenced)
 
@@ -334,10 +336,14 @@ class OffloadScheduler:
     def request_finished(self, req_id: str) -> bool:
         """Forget a finished request. Its jobs keep their pins until they complete.
         True when vLLM must keep its blocks until the workers report it sent (a copy
-        of them may still be running: ``BlockHolds``)."""
-        self._requests.pop(req_id, None)
+        of them may still be running: ``BlockHolds``). Never for a request waiting for
+        its load: vLLM keeps those blocks until ``finished_recving`` by itself, and no
+        store copies them (a hold too would free the request twice: vLLM asserts)."""
+        state = self._requests.pop(req_id, None)
         if self._remote_lookups is not None:
             self._remote_lookups.forget(req_id)
+        if state is not None and state.loading:
+            return False
         return self.holds.finish(req_id)
 
     def blocks_released(self, req_ids: Iterable[str]) -> None:

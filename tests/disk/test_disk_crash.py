@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kv_offload.disk import DiskIndex, SlabFile, iter_entries
+from kv_offload.disk import env as env_module
 
 NS = "c4a54"
 SLOT = 64 * 1024
@@ -77,6 +78,13 @@ def reserve_all_and_die(root: str) -> None:
     slots = index.allocate([hashlib.sha256(b"doomed-%d" % i).digest() for i in range(NUM_SLOTS)])
     print(sum(s is not None for s in slots), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_in_a_lookup(root: str) -> None:
+    """Die by SIGKILL inside a read transaction, as a process killed during a lookup."""
+    index, _ = open_store(root)
+    with index._env.read():
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def verify_store(root) -> int:
@@ -145,6 +153,35 @@ def test_full_store_reclaims_a_dead_writers_slots_while_running(tmp_path):
             slab.close()
 
 
+def test_a_process_killed_in_a_lookup_does_not_make_the_index_grow(tmp_path, monkeypatch):
+    """Its LMDB reader slot pinned the snapshot of that lookup for as long as any other
+    process kept the store open: no page freed after it was reused, and the index file
+    grew with every write (~36 KiB per store) until the disk was full. Writes now free
+    reader slots of dead processes (every READER_CHECK_EVERY_S; 0 here)."""
+    monkeypatch.setattr(env_module, "READER_CHECK_EVERY_S", 0.0)
+    index, slabs = open_store(tmp_path)
+    try:
+        def churn(n: int) -> None:  # a full namespace: every allocation evicts
+            for i in range(n):
+                keys = [hashlib.sha256(b"churn-%d-%d" % (n, i)).digest()]
+                (slot,) = index.allocate(keys)
+                if slot is not None:
+                    index.commit([(keys[0], slot, (1, 1))])
+
+        churn(2 * NUM_SLOTS)
+        out = subprocess.run([sys.executable, __file__, str(tmp_path), "die-in-a-lookup"],
+                             env=_child_env(), capture_output=True, timeout=60)
+        assert out.returncode == -signal.SIGKILL, out.stderr.decode()[-2000:]
+        before = index._env.env.info()["last_pgno"]
+        churn(1500)
+        grown = index._env.env.info()["last_pgno"] - before
+        assert grown < 50, f"the index grew by {grown} pages behind a dead reader"
+    finally:
+        index.close()
+        for slab in slabs:
+            slab.close()
+
+
 def _child_env() -> dict:
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path}
@@ -153,5 +190,7 @@ def _child_env() -> dict:
 if __name__ == "__main__":
     if sys.argv[2] == "reserve-and-die":
         reserve_all_and_die(sys.argv[1])
+    elif sys.argv[2] == "die-in-a-lookup":
+        die_in_a_lookup(sys.argv[1])
     else:
         writer(sys.argv[1], int(sys.argv[2]))

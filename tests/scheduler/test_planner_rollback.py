@@ -3,10 +3,13 @@ hook guard then fails the load (the request recomputes) or skips the step's stor
 no pin, staging or storing slot, disk pin or disk reservation is left behind to shrink
 the tiers, or to end every later hit on the prefix at a chunk that never completes."""
 
+import lmdb
 import pytest
 from planner_support import make_request, make_scheduler
 from test_planner import store_two_chunks_on_disk
 
+from kv_offload.disk import DiskIndex
+from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import SlotState
 
 BLOCKS = [40, 41, 42, 43, 44]
@@ -102,3 +105,33 @@ def test_a_job_that_fails_to_complete_does_not_keep_the_others_of_its_report(mon
     assert sched.counters.hook_errors == 1
     assert sched.cpu.state(req_b.block_hashes[1]) is SlotState.READY
     assert sched.num_matched_tokens(make_request("c", list(range(100, 109))), 0) == 8
+
+
+def test_an_unexpected_index_error_in_the_step_turns_the_tier_off_and_keeps_its_loads(
+        tmp_path, monkeypatch):
+    """An LMDB error that is no StoreError (growing the map failed) in the step's commit
+    transaction escaped the disk tier's guard after plan_step had taken the step's loads:
+    the connector's fallback plan found none, and the request waited for its load forever.
+    Now the tier turns off (as for any index failure) and the loads go out."""
+    index = DiskIndex.open(tmp_path / "s", namespace_id="ab" * 16, descriptor={},
+                           slot_bytes=64, num_ranks=2, capacity_bytes=64 * 2 * 8)
+    sched, blocks = make_scheduler(num_ranks=2, disk_index=index)
+    a = make_request("a", list(range(17)))
+    sched.num_matched_tokens(a, 0)
+    blocks["a"] = [0, 1, 2, 3, 4]
+    (job,) = sched.plan_step([("a", 17)]).stores
+    sched.on_report(WorkerReport(host_stored={job.job_id: 2},
+                                 disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+    assert sched.disk_tier.has_queued()  # the commits wait for the next step's write
+    b = make_request("b", list(range(17)))
+    assert sched.num_matched_tokens(b, 0) == 16  # a CPU-tier hit
+    sched.plan_load(b, [10, 11, 12, 13, 14], 16)
+
+    def failing_write(fn):
+        raise lmdb.Error("mdb_env_set_mapsize: Cannot allocate memory")
+    monkeypatch.setattr(index._env, "write", failing_write)
+    plan = sched.plan_step([], ())
+    assert [load.req_id for load in plan.loads] == ["b"]
+    assert not sched.disk_enabled
+    monkeypatch.undo()
+    index.close()

@@ -23,6 +23,7 @@ from harness_workload import run_workload
 from vllm.v1.request import RequestStatus
 
 from kv_offload.testing.scheduler_harness import Faults, SchedulerHarness
+from kv_offload.worker import host_copies
 
 FAULTS = dict(delay=0.3, slow=0.05, corrupt_read=0.05, failed_read=0.05, copy_failure=0.05,
               enospc=0.05)
@@ -218,3 +219,39 @@ def test_blocks_freed_under_a_slow_store_copy_are_reused_only_after_it(harness_f
     assert harness.requests["b"].is_finished()
     assert harness.check_idle() == []  # every CPU slot holds its key's KV
     assert harness.scheduler_side.counters.chunks_stored_cpu == 2 + 5
+
+
+def test_a_request_aborted_while_loading_is_not_also_held(harness_factory, monkeypatch):
+    """A request is preempted while a store copy of its blocks runs (fenced), comes back
+    with an asynchronous hit, and is aborted while that load runs. The scheduler side
+    still counted the old copy and held the request; on CUDA, where a fence does not wait
+    on the host, the worker reported it sent at once: vLLM freed its blocks under the
+    running load, then asserted on its finished_recving and the engine core died."""
+    stores = {"n": 0}
+
+    def delays(fn, args):
+        name = getattr(fn, "__name__", "")
+        if name == "store":
+            stores["n"] += 1
+            return 8 if stores["n"] >= 2 else 0  # the second store copy is slow
+        job = getattr(args[0], "job", None) if args else None
+        if name == "_run_load" and getattr(job, "req_id", None) == "a":
+            return 3
+        return None
+
+    # As on CUDA: the fence orders the next forward after the copy on the device, and the
+    # host does not wait (the copy may still run when poll looks at it).
+    monkeypatch.setattr(host_copies.HostCopy, "fence", lambda self: None)
+    harness = harness_factory(num_blocks=64, cpu_slots=8, disk=False, background_stores=True,
+                              max_num_batched_tokens=32, delay_rule=delays,
+                              load_timeout_steps=50)
+    harness.add("a", _doc(56, 0), max_tokens=30)
+    while stores["n"] < 2 and harness.step_index < 40:
+        harness.step()
+    assert harness.scheduler_side.holds.is_copying("a"), "the scripted delays did not apply"
+    assert harness.reset_prefix_cache(reset_connector=False)  # preempts a
+    harness.step()
+    assert harness.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    harness.abort("a")
+    harness.run(max_steps=40)
+    assert harness.check_idle() == []

@@ -1,0 +1,48 @@
+"""Which finished requests vLLM must keep the blocks of (``BlockHolds``, invariant 3).
+
+Holding too little lets a store copy read blocks vLLM gave to another request; holding a
+request vLLM already keeps for its load frees it twice (vLLM asserts, the engine dies).
+"""
+
+from planner_support import make_request, make_scheduler
+
+from kv_offload.jobs import WorkerReport
+from kv_offload.scheduler.holds import BlockHolds
+
+
+def test_a_request_finishing_while_its_blocks_are_copied_is_held_until_released():
+    holds = BlockHolds()
+    holds.copying(1, ["a", "b"])
+    holds.copied(1)
+    assert not holds.finish("b"), "its copy is done: nothing to hold"
+    holds.copying(2, ["a"])
+    assert holds.finish("a") and holds.take_new() == ("a",) and holds.num_held() == 1
+    assert not holds.finish("a"), "held once"
+    holds.released(["a"])
+    assert holds.num_held() == 0 and not holds.is_copying("a")
+
+
+def test_a_fenced_request_is_not_held_for_its_old_copies_but_for_new_ones():
+    holds = BlockHolds()
+    holds.copying(1, ["a", "b"])
+    holds.forget(["a"])  # preempted: the fence protects its freed blocks
+    assert not holds.is_copying("a") and not holds.finish("a")
+    holds.copying(2, ["a"])  # it ran again and is being copied again
+    holds.copied(1)
+    assert holds.is_copying("a") and holds.finish("a")
+    assert holds.is_copying("b") is False, "job 1 was b's only copy"
+
+
+def test_a_request_waiting_for_its_load_is_never_held():
+    """vLLM keeps its blocks until finished_recving by itself."""
+    sched, blocks = make_scheduler()
+    a = make_request("a", list(range(17)))
+    sched.num_matched_tokens(a, 0)
+    blocks["a"] = [0, 1, 2, 3, 4]
+    (job,) = sched.plan_step([("a", 17)]).stores
+    sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+    b = make_request("b", list(range(17)))
+    assert sched.num_matched_tokens(b, 0) == 16
+    sched.plan_load(b, [10, 11, 12, 13, 14], 16)
+    sched.holds.copying(99, ["b"])  # as if an older copy of its blocks were unreported
+    assert sched.request_finished("b") is False
