@@ -44,10 +44,13 @@ class LoadPlanner:
         far is given back before the exception propagates (the caller fails the load),
         so nothing is held for a job that will never run."""
         with contextlib.ExitStack() as undo:
-            for source in run:
-                if source.cpu is not None:  # before any eviction
+            for source in run:  # every source pinned before any eviction, the fills' too
+                if source.cpu is not None:
                     self.cpu.pin([source.cpu.slot])
                     undo.callback(self.cpu.unpin, [source.cpu.slot])
+                elif source.disk is not None:
+                    self.disk.pin([source.disk.slot])
+                    undo.callback(self.disk.unpin, [source.disk.slot])
             fills = self._fill_slots([s.key for s in run if s.remote])
             undo.callback(self.disk.release, list(fills.values()))
             job_id = next(self._job_ids)
@@ -60,6 +63,8 @@ class LoadPlanner:
                 chunk_tiers.append(tier)
             undo.pop_all()
         self.disk.release(list(fills.values()))  # fills of chunks that found no CPU slot
+        self.disk.unpin([s.disk.slot for s, m in zip(run, moves)  # disk chunks that did not
+                         if s.cpu is None and s.disk is not None and m.cpu_slot is None])
         self.cpu.touch(k for k, m in zip(keys, moves) if m.cpu_slot is not None)
         self.counters.load_errors += chunk_tiers.count(None)
         self.counters.chunks_loaded_cpu += chunk_tiers.count("cpu")
@@ -84,9 +89,7 @@ class LoadPlanner:
             return ChunkMove(blocks, None), None
         undo.callback(self.cpu.unpin, [slot])  # runs second: frees the discarded slot
         undo.callback(self.cpu.discard_slot, slot)
-        if source.disk is not None:
-            self.disk.pin([source.disk.slot])
-            undo.callback(self.disk.unpin, [source.disk.slot])
+        if source.disk is not None:  # pinned by plan
             return ChunkMove(blocks, slot, source.disk.slot, tuple(source.disk.checksums)), "disk"
         return ChunkMove(blocks, slot, remote_key=source.key,
                          fill_disk_slot=fills.pop(source.key, None)), "remote"

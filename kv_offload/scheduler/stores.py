@@ -39,28 +39,29 @@ class StorePlanner:
         unique: dict[ChunkKey, tuple[tuple[int, ...], str]] = {}
         for key, blocks, req_id in chunks:
             unique.setdefault(key, (blocks, req_id))
-        keys, slots, moves, unused_disk, req_ids = [], [], [], [], []
+        keys, slots, moves, req_ids = [], [], [], []
         with contextlib.ExitStack() as undo:
-            disk_slots = self.disk.allocate(list(unique))
-            undo.callback(self.disk.release, [s for s in disk_slots if s is not None])
-            for (key, (blocks, req_id)), disk_slot in zip(unique.items(), disk_slots):
+            reserved: list[tuple[ChunkKey, tuple[int, ...], str, int]] = []
+            for key, (blocks, req_id) in unique.items():
                 evictions = self.cpu.num_evictions
                 slot = self.cpu.reserve(key, SlotState.STORING)
                 self.counters.evictions_cpu += self.cpu.num_evictions - evictions
                 if slot is None:
                     self.counters.skipped_stores += 1
-                    if disk_slot is not None:
-                        unused_disk.append(disk_slot)
                     continue
                 undo.callback(self.cpu.unpin, [slot])  # runs second: frees the slot
                 undo.callback(self.cpu.discard_slot, slot)
+                reserved.append((key, blocks, req_id, slot))
+            # Disk slots only for chunks that got a CPU slot: each may evict a disk entry.
+            disk_slots = self.disk.allocate([key for key, *_ in reserved])
+            undo.callback(self.disk.release, [s for s in disk_slots if s is not None])
+            for (key, blocks, req_id, slot), disk_slot in zip(reserved, disk_slots):
                 keys.append(key)
                 slots.append(slot)
                 req_ids.append(req_id)
                 moves.append(ChunkMove(blocks, slot, disk_slot,
                                        remote_key=key if self.with_remote else None))
             undo.pop_all()
-        self.disk.release(unused_disk)
         if not moves:
             return None
         job_id = next(self._job_ids)

@@ -4,10 +4,18 @@ Covers invariants 1 and 2 (visibility only after every rank finished; pins prote
 slots being read) and the plan shapes the workers rely on.
 """
 
+import itertools
+
 from planner_support import make_request, make_scheduler, store_request
 
+from kv_offload.disk import DiskIndex
 from kv_offload.jobs import SKIP_BLOCK, WorkerReport
 from kv_offload.scheduler import SlotState
+from kv_offload.scheduler.counters import SchedulerCounters
+from kv_offload.scheduler.cpu_index import CpuIndex
+from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.scheduler.loads import LoadPlanner
+from kv_offload.scheduler.lookup import Source
 
 
 def test_store_plans_full_chunks_with_their_blocks():
@@ -205,3 +213,48 @@ def test_a_step_writes_the_disk_index_once(disk_index, monkeypatch):
     sched.plan_step([])  # nothing at all
     assert len(writes) == 1 and not sched.has_pending_work()
     assert len(disk_index.find_prefix([second.block_hashes[1], second.block_hashes[3]])) == 2
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def test_a_loads_disk_fills_never_evict_a_disk_chunk_the_same_load_reads(tmp_path):
+    """A load of a chunk on disk, then two only in the remote tier, on a full disk: the
+    disk slots reserved to keep the remote chunks locally evicted the disk chunk before
+    it was pinned, so one job read a slot and wrote another chunk into it."""
+    index = DiskIndex.open(tmp_path / "s", namespace_id="ab", descriptor={}, slot_bytes=64,
+                           num_ranks=1, capacity_bytes=2 * 64)
+    tier = DiskTier(index)
+    for k in (_key(1), _key(0)):  # the namespace is full; _key(1) is the older
+        (slot,) = index.allocate([k])
+        index.commit([(k, slot, (1000 + slot,))])
+    planner = LoadPlanner(cpu=CpuIndex(8), disk=tier, counters=SchedulerCounters(),
+                          job_ids=itertools.count(1), num_ranks=1)
+    (entry,) = tier.find_prefix([_key(0)])
+    run = [Source(_key(0), None, entry), Source(_key(10), None, None, True),
+           Source(_key(11), None, None, True)]
+    assert planner.plan("r", [_key(0), _key(10), _key(11)], run, [(0,), (1,), (2,)]) == [
+        "disk", "remote", "remote"]
+    (job,) = planner.take_pending()
+    fills = {m.fill_disk_slot for m in job.chunks if m.fill_disk_slot is not None}
+    assert entry.slot not in fills and index.contains(_key(0))
+    assert fills == {1 - entry.slot}, "the older entry made room for one fill"
+    index.close()
+
+
+def test_chunks_that_find_no_cpu_slot_evict_nothing_on_disk(tmp_path):
+    """A store that got one CPU slot for four chunks evicted four disk entries (one per
+    chunk) and gave three of the slots back unused."""
+    index = DiskIndex.open(tmp_path / "s", namespace_id="ab" * 16, descriptor={},
+                           slot_bytes=64, num_ranks=1, capacity_bytes=64 * 4)
+    old = [_key(i) for i in range(4)]
+    index.commit(list(zip(old, index.allocate(old), [(7,)] * 4)))  # the disk is full
+    sched, blocks = make_scheduler(num_ranks=1, num_cpu_slots=1, disk_index=index)
+    req = make_request("a", list(range(33)))  # 4 chunks
+    sched.num_matched_tokens(req, 0)
+    blocks["a"] = list(range(9))
+    (job,) = sched.plan_step([("a", 33)]).stores
+    assert len(job.chunks) == 1 and sched.counters.skipped_stores == 3
+    assert sum(index.contains(k) for k in old) == 3
+    index.close()
