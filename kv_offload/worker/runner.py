@@ -57,6 +57,15 @@ reports at once; a request arriving meanwhile is scheduled at most this much lat
 
 
 @dataclass(slots=True)
+class _Staged:
+    """A read into a host slot that later jobs sharing the chunk wait for (``after_job``);
+    kept until ``STAGED_READ_TTL_S`` after the first poll that saw it end."""
+
+    read: Future[bool]
+    ended: float | None = None
+
+
+@dataclass(slots=True)
 class PollResult:
     """What finished since the last poll (owned by the caller)."""
 
@@ -106,7 +115,7 @@ class OffloadWorker:
         self._copies = HostCopies(engine, background=background_stores, initializer=place)
         self._lock = threading.Lock()
         self._loads: dict[int, WorkerLoad] = {}
-        self._staged: dict[tuple[int, int], tuple[Future[bool], float]] = {}
+        self._staged: dict[tuple[int, int], _Staged] = {}
         self._fills: dict[int, list[Future[int | None] | None]] = {}  # load job -> fill_disk_slot writes
         self._report = WorkerReport()
         self._disk = DiskHealth(rank)
@@ -145,7 +154,7 @@ class OffloadWorker:
                 if move.disk_slot is not None or move.remote_key is not None:
                     fut = self._io.submit(self._reads.read, move)
                     reads[i] = fut
-                    self._staged[(job.job_id, move.cpu_slot)] = (fut, now)
+                    self._staged[(job.job_id, move.cpu_slot)] = _Staged(fut)
                     needed.append(fut)
                     if move.fill_disk_slot is not None:
                         # Queued behind its read, so a busy pool cannot deadlock on it.
@@ -153,7 +162,7 @@ class OffloadWorker:
                 elif move.after_job is not None:
                     staged = self._staged.get((move.after_job, move.cpu_slot))
                     if staged is not None:
-                        needed.append(staged[0])
+                        needed.append(staged.read)
             with self._lock:
                 self._loads[job.job_id] = load
                 if any(f is not None for f in fills):
@@ -178,10 +187,7 @@ class OffloadWorker:
                 continue
             budget -= size
             try:
-                self._run_load(load, reads)
-            except Exception:  # a bug: the load fails (recomputed), vLLM's step goes on
-                logger.exception("kv-offload: load job %d failed", load.job.job_id)
-                load.failed.update(range(len(load.job.chunks)))
+                self._copy_load(load, reads)
             finally:
                 with self._lock:
                     load.future = completed()
@@ -198,7 +204,7 @@ class OffloadWorker:
 
     def _to_copier(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         try:
-            future = self._copier.submit(self._run_load, load, reads)
+            future = self._copier.submit(self._copy_load, load, reads)
         except RuntimeError:  # shut down by close()
             return
         with self._lock:
@@ -218,6 +224,16 @@ class OffloadWorker:
         if not ok or self._writes is None or move.cpu_slot is None or move.fill_disk_slot is None:
             return None
         return self._writes.write(move.cpu_slot, move.fill_disk_slot)
+
+    def _copy_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
+        """``_run_load``, where a bug fails the whole load (its blocks are recomputed)
+        instead of leaving it half reported or escaping into vLLM's step."""
+        try:
+            self._run_load(load, reads)
+        except Exception:
+            logger.exception("kv-offload: load job %d failed", load.job.job_id)
+            with self._lock:
+                load.failed.update(range(len(load.job.chunks)))
 
     def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Copy the chunks of ``load`` whose reads succeeded into the engine."""
@@ -246,7 +262,7 @@ class OffloadWorker:
         if entry is None:
             return False
         try:
-            return bool(entry[0].result(timeout=self.load_timeout_s))
+            return bool(entry.read.result(timeout=self.load_timeout_s))
         except Exception:
             return False
 
@@ -302,8 +318,11 @@ class OffloadWorker:
                 if job_id not in self._loads and all_done(fills):
                     self._report.disk_stored[job_id] = {self.rank: results(fills)}
                     del self._fills[job_id]
-        for key, (fut, t0) in list(self._staged.items()):  # reads others no longer wait for
-            if fut.done() and now - t0 > STAGED_READ_TTL_S:
+        for key, staged in list(self._staged.items()):  # reads others no longer wait for
+            if staged.ended is None:
+                if staged.read.done():
+                    staged.ended = now
+            elif now - staged.ended > STAGED_READ_TTL_S:
                 del self._staged[key]
         return PollResult(finished, failed_blocks, self._copies.take_sent())
 
@@ -356,6 +375,14 @@ class OffloadWorker:
                 w.result(timeout=max(0.0, deadline - self._clock()))
         self._io.shutdown(wait=False, cancel_futures=True)
         self._copier.shutdown(wait=False, cancel_futures=True)
+        running = [f for f in pending + [s.read for s in self._staged.values()]
+                   + [load.future for load in self._loads.values() if load.future is not None]
+                   if not f.done()]
+        if running:  # closing now could let them write into a reused descriptor number
+            logger.warning("kv-offload: %d disk, remote or copy tasks still run after %.0f s; "
+                           "their files and buffers are left to the process's exit",
+                           len(running), timeout_s)
+            return
         if self.slab is not None:
             self.slab.close()
         if self.remote is not None:

@@ -128,7 +128,7 @@ def test_a_shared_staging_slot_is_not_reused_under_a_waiting_job(harness_factory
             fired["read"] += 1
             return 8  # past the timeout of 5 steps
         job = getattr(args[0], "job", None) if args else None
-        if name == "_run_load" and getattr(job, "req_id", None) == "b":
+        if name == "_copy_load" and getattr(job, "req_id", None) == "b":
             fired["b_copy"] += 1
             return 2  # B copies after a store could take a freed slot
         return None
@@ -235,7 +235,7 @@ def test_a_request_aborted_while_loading_is_not_also_held(harness_factory, monke
             stores["n"] += 1
             return 8 if stores["n"] >= 2 else 0  # the second store copy is slow
         job = getattr(args[0], "job", None) if args else None
-        if name == "_run_load" and getattr(job, "req_id", None) == "a":
+        if name == "_copy_load" and getattr(job, "req_id", None) == "a":
             return 3
         return None
 

@@ -303,9 +303,13 @@ def wait_until(condition, timeout=5.0):
         time.sleep(0.005)
 
 
-def test_a_bug_in_a_load_copied_on_vllms_thread_fails_the_load_not_the_step(planes, monkeypatch):
+@pytest.mark.parametrize("copy_thread", [False, True])
+def test_a_bug_in_a_load_copy_fails_the_load_not_the_step(planes, monkeypatch, copy_thread):
     """``poll`` runs on vLLM's thread (``get_finished``): whatever goes wrong while it
-    copies a load, the request's blocks are reported for recompute and poll returns."""
+    copies a load, the request's blocks are reported for recompute and poll returns. On
+    the copy thread, a bug before the copy left the load reported as loaded."""
+    if copy_thread:
+        monkeypatch.setattr("kv_offload.worker.runner.INLINE_LOAD_MAX_BYTES", 0)
     slab = GatedSlab()
     slab.release.set()
     worker = make_worker(planes, slab)
@@ -436,3 +440,31 @@ def test_a_store_jobs_chunks_reach_the_slab_in_one_write(planes, tmp_path, monke
     assert calls == [20 * SLOT_BYTES]
     assert all(s is not None for x in reports for s in x.disk_stored.get(1, {0: ()})[0])
     worker.close()
+
+
+def test_close_leaves_the_slab_open_while_a_write_outlives_its_deadline(planes, tmp_path,
+                                                                        monkeypatch):
+    """close() closed the slab under a write stalled past its deadline; the write's next
+    pwritev then went to whatever file the process opened next under that descriptor."""
+    import kv_offload.disk.slab as slab_module
+
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    stalled, release = threading.Event(), threading.Event()
+    real = os.pwritev
+
+    def stalling_pwritev(fd, bufs, offset):
+        stalled.set()
+        release.wait(10)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(slab_module.os, "pwritev", stalling_pwritev)
+    worker = make_worker(planes, slab)
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, 5),))])
+    assert stalled.wait(5)
+    worker.close(timeout_s=0.1)
+    try:
+        os.fstat(slab._fd)  # still this slab's descriptor: the late write lands in it
+    finally:
+        release.set()
+    wait_until(lambda: os.path.getsize(slab.path) == 6 * SLOT_BYTES)
+    slab.close()
