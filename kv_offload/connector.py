@@ -319,14 +319,14 @@ class KVOffloadConnector(KVConnectorBase_V1):
         data["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
         if self._sched.remote is not None:
             data["remote_up"] = int(self._sched.remote.health.up)
-        disk = self._sched.disk
         now = time.monotonic()
-        if disk is not None and now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:
+        if self._sched.disk is not None and now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:
             self._disk_gauges_at = now
-            st = disk.stats()
+            st = self._sched.disk_tier.stats()  # None: the tier is off (the last gauges stay)
             per_slot = self.layout.slot_bytes * self.layout.tp_size
-            self._disk_gauges = {"disk_used_bytes": st["used_slots"] * per_slot,
-                                 "disk_capacity_bytes": st["num_slots"] * per_slot}
+            if st is not None:
+                self._disk_gauges = {"disk_used_bytes": st["used_slots"] * per_slot,
+                                     "disk_capacity_bytes": st["num_slots"] * per_slot}
         data.update(self._disk_gauges)
         return data
 

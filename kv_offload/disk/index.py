@@ -277,6 +277,10 @@ class DiskIndex:
         if self._pending or any(self._counts.values()):
             self._write(lambda op: None)
 
+    def num_pending_accesses(self) -> int:
+        """Hits recorded in memory and not yet written (``flush_access``)."""
+        return len(self._pending)
+
     def reclaim_reservations(self) -> int:
         """Free the reservations of dead processes; return how many. One write txn."""
         return self._write(lambda op: op.reclaim(alive_owner(self._env.live_tokens)))

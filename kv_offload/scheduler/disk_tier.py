@@ -131,6 +131,24 @@ class DiskTier:
         if self.enabled or also_when_off:
             self._call("flush_access", "flush_access")
 
+    def stats(self) -> dict | None:
+        """The index's ``stats()``; None while the tier is off (or when it fails now)."""
+        index = self._active()
+        if index is None:
+            return None
+        with self._guard("stats"):
+            return index.stats()
+        return None
+
+    def num_pending_accesses(self) -> int:
+        """Hits not yet written to the index (0 while the tier is off)."""
+        index = self._active()
+        if index is None:
+            return 0
+        with self._guard("num_pending_accesses"):
+            return index.num_pending_accesses()
+        return 0
+
     def close(self) -> None:
         self.flush()
         self._call("flush_access", "flush_access")

@@ -34,6 +34,10 @@ from kv_offload.scheduler.tiers import (
 )
 
 ACCESS_FLUSH_INTERVAL_S = 2.0
+ACCESS_FLUSH_MAX_PENDING = 256
+"""Disk hits written at the latest with this many pending: each moves an entry in the
+index's LRU order (~5-25 us, more as the index grows), so a burst of hits is written in
+steps of bounded cost instead of one long transaction every ACCESS_FLUSH_INTERVAL_S."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +368,9 @@ class OffloadScheduler:
 
     def _maybe_flush_access(self) -> None:
         now = self._clock()
-        if self.disk_enabled and now - self._last_access_flush >= ACCESS_FLUSH_INTERVAL_S:
+        if self.disk_enabled and (
+                now - self._last_access_flush >= ACCESS_FLUSH_INTERVAL_S
+                or self.disk_tier.num_pending_accesses() >= ACCESS_FLUSH_MAX_PENDING):
             self._last_access_flush = now
             self.disk_tier.flush_access()
 

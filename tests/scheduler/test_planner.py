@@ -10,12 +10,13 @@ from planner_support import make_request, make_scheduler, store_request
 
 from kv_offload.disk import DiskIndex
 from kv_offload.jobs import SKIP_BLOCK, WorkerReport
-from kv_offload.scheduler import SlotState
+from kv_offload.scheduler import OffloadScheduler, PlannerConfig, SlotState
 from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source
+from kv_offload.scheduler.planner import ACCESS_FLUSH_MAX_PENDING
 
 
 def test_store_plans_full_chunks_with_their_blocks():
@@ -257,4 +258,25 @@ def test_chunks_that_find_no_cpu_slot_evict_nothing_on_disk(tmp_path):
     (job,) = sched.plan_step([("a", 33)]).stores
     assert len(job.chunks) == 1 and sched.counters.skipped_stores == 3
     assert sum(index.contains(k) for k in old) == 3
+    index.close()
+
+
+def test_a_burst_of_disk_hits_is_written_in_bounded_steps(tmp_path):
+    """Hits moved entries in the disk LRU order only every ACCESS_FLUSH_INTERVAL_S: a
+    burst of disk hits piled up and was written in one long transaction on the scheduler
+    thread (16k hits: ~0.1 s). Now a step writes them once ACCESS_FLUSH_MAX_PENDING wait."""
+    num_chunks = ACCESS_FLUSH_MAX_PENDING + 4
+    index = DiskIndex.open(tmp_path / "s", namespace_id="ab" * 16, descriptor={},
+                           slot_bytes=64, num_ranks=1, capacity_bytes=64 * (num_chunks + 1))
+    req = make_request("a", [i % 251 for i in range(8 * num_chunks + 1)])
+    keys = req.block_hashes[1::2]
+    index.commit(list(zip(keys, index.allocate(keys), [(7,)] * num_chunks)))
+    config = PlannerConfig(chunk_tokens=8, block_size=4, tokens_per_hash=4, num_ranks=1,
+                           num_cpu_slots=num_chunks + 1)
+    sched = OffloadScheduler(config, disk_index=index, block_ids_of=lambda rid: [],
+                             clock=lambda: 0.0)  # the interval never passes
+    sched.num_matched_tokens(req, 0)
+    assert index.num_pending_accesses() == num_chunks
+    sched.plan_step([])
+    assert index.num_pending_accesses() == 0
     index.close()
