@@ -83,7 +83,9 @@ class OffloadConfig:
             None picks the smallest multiple of the block size >= 256.
         eviction_policy: "lru" (default) or "fifo", for the CPU tier.
         io_threads: worker threads doing disk I/O, per worker. Default 4.
-        verify_checksums: verify each chunk's checksum when loading from disk. Default True.
+        verify_checksums: verify each chunk's checksum when loading from disk or the
+            remote tier. Default True. Off, nothing catches a damaged chunk, nor one that
+            another instance sharing the store evicts and rewrites during the read.
         disk_fsync: fdatasync slab writes before a chunk is committed (survives power
             loss, costs throughput). Default False: a process crash never loses
             committed chunks; after power loss, torn chunks fail their checksum.

@@ -102,6 +102,12 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self._pending_failed_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
+            if (self.persistent or self.remote_enabled) and not self.config.verify_checksums:
+                logger.warning(
+                    "kv-offload: verify_checksums is off: a chunk damaged on disk, or one "
+                    "that another vLLM instance sharing this disk_path or remote tier "
+                    "replaces while this one reads it, is loaded as is and gives wrong "
+                    "tokens. Turn it off only for a store no other instance uses.")
         remote = "off"
         if self.remote_enabled:
             from kv_offload.remote import RemoteTarget

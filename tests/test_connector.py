@@ -199,3 +199,18 @@ def test_a_healthy_server_slower_than_the_lookup_budget_is_not_a_failure(redis_s
             assert remote.health.up and remote.health.num_failures == 0
         finally:
             conn.shutdown()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_unverified_loads_from_a_store_are_warned_about(tmp_path, caplog, verify):
+    """Without checksums, a chunk another instance sharing the store rewrites during a
+    read is served as is: the operator is told so at start-up."""
+    offload = OffloadConfig(cpu_size=64 * 2 * CHUNK * 4 * 4 * 4, chunk_tokens=CHUNK,
+                            disk_path=str(tmp_path), verify_checksums=verify)
+    vllm_config = build_vllm_config(offload, block_size=BLOCK, max_num_batched_tokens=64,
+                                    max_num_seqs=8)
+    with caplog.at_level("WARNING", logger="kv_offload"):
+        conn = KVOffloadConnector(vllm_config, KVConnectorRole.SCHEDULER,
+                                  build_kv_cache_config(64, BLOCK))
+    conn.shutdown()
+    assert ("verify_checksums is off" in caplog.text) is not verify
