@@ -5,6 +5,7 @@ One of the few modules that import vLLM; everything downstream receives plain va
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -46,6 +47,12 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
             f"kv-offload stores full-attention and MLA KV caches; this model uses {kind} "
             f"(sliding-window or state caches cannot be restored from a prefix)."
         )
+    if getattr(spec, "non_causal", False):
+        raise UnsupportedEngineError(
+            "kv-offload cannot serve a prefix-LM (non-causal) model: the KV of its prompt "
+            "tokens depends on the whole prompt, so a prefix's KV stored for one prompt is "
+            "wrong for another (vLLM turns its own prefix caching off for such models). "
+            "Remove the --kv-transfer-config for this model.")
     _refuse_unsupported_features(vllm_config)
     parallel = vllm_config.parallel_config
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -70,7 +77,43 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
         hash_algo=str(cache_config.prefix_caching_hash_algo),
         salt=config.namespace_salt,
         page_order=_expected_page_order(vllm_config, kv_cache_config, spec),
+        kernel_format=_kernel_format(vllm_config, spec),
     )
+
+
+def _kernel_format(vllm_config: VllmConfig, spec: Any) -> str:
+    """What else decides the bytes inside a block besides ``page_order``: the platform,
+    the attention backend chosen in the config, the platform's fp8 type for an fp8 KV
+    cache, and on the CPU backend the instruction set its kernels pack K and V for (AMX
+    and AVX-512 hosts lay out the same block differently; vLLM picks it per host)."""
+    from vllm.platforms import current_platform
+
+    parts = [str(getattr(current_platform, "device_type", "") or "unknown")]
+    attention_config = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention_config, "backend", None)
+    if backend is not None:
+        parts.append(f"backend={getattr(backend, 'name', backend)}")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype.startswith("fp8"):
+        with contextlib.suppress(Exception):
+            parts.append(f"fp8={current_platform.fp8_dtype()}".replace("torch.", ""))
+    if current_platform.is_cpu():
+        parts.append(f"isa={_cpu_attention_isa(spec, cache_dtype)}")
+    return ",".join(parts)
+
+
+def _cpu_attention_isa(spec: Any, cache_dtype: str) -> str:
+    """The instruction set vLLM's CPU attention packs this engine's blocks for."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(spec.dtype, int(spec.block_size), int(spec.head_size),
+                                 cache_dtype))
+    except Exception as exc:  # a vLLM that moved it: refuse rather than share blindly
+        raise UnsupportedEngineError(
+            f"kv-offload cannot tell how this vLLM's CPU attention packs a KV block ({exc}); "
+            "chunks could be loaded into a host that packs them differently. Use the vLLM "
+            "version kv-offload supports or run without the connector.") from exc
 
 
 def _refuse_unsupported_features(vllm_config: VllmConfig) -> None:

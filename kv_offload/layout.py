@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 from kv_offload.config import OffloadConfig, format_size
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 """Version of the descriptor below; a new field that changes namespaces bumps it."""
 SLOT_FORMAT_VERSION = 1
 """Version of how a chunk is laid out in a host slot, a slab slot and a remote value
@@ -48,6 +48,7 @@ class KVLayout:
     hash_algo: str
     salt: str = ""
     page_order: str = ""  # byte order inside one block of one layer, see page_order()
+    kernel_format: str = ""  # platform, backend, fp8 type, CPU ISA: engine_info._kernel_format
 
     @property
     def blocks_per_chunk(self) -> int:

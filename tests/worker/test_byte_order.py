@@ -196,3 +196,34 @@ def test_namespaces_of_other_byte_orders_never_hit_in_one_store(engine_config, t
     assert indexes["LBNHC"].find_prefix([key]) == []
     for index in indexes.values():
         index.close()
+
+
+def test_cpu_hosts_whose_attention_packs_blocks_differently_get_other_namespaces(
+        engine_config, monkeypatch):
+    """vLLM's CPU attention packs K and V into a block for the host's instruction set
+    (AMX, AVX-512, NEON...): two hosts sharing a remote tier had one namespace for blocks
+    of different bytes, and each would load the other's chunks as wrong KV."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    kv_cache_config, _ = build_engine(engine_config, "LBHNC")
+    config = OffloadConfig(chunk_tokens=2 * BLOCK)
+    here = layout_from_vllm(engine_config, kv_cache_config, config)
+    isa = cpu_attn._get_attn_isa(torch.float32, BLOCK, HEAD_DIM, "auto")
+    assert f"isa={isa}" in here.kernel_format
+    prints = set()
+    for other in ("amx", "vec", "neon"):
+        monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args, isa=other: isa)
+        prints.add(layout_from_vllm(engine_config, kv_cache_config, config).fingerprint())
+    assert len(prints) == 3
+
+
+def test_a_prefix_lm_model_is_refused(engine_config):
+    """Its prompt tokens' KV depends on the whole prompt: a stored prefix would be wrong
+    for any other prompt (vLLM turns its own prefix caching off for such models)."""
+    import dataclasses
+
+    kv_cache_config, _ = build_engine(engine_config, "LBHNC")
+    group = kv_cache_config.kv_cache_groups[0]
+    group.kv_cache_spec = dataclasses.replace(group.kv_cache_spec, non_causal=True)
+    with pytest.raises(UnsupportedEngineError, match="non-causal"):
+        layout_from_vllm(engine_config, kv_cache_config, OffloadConfig(chunk_tokens=2 * BLOCK))
