@@ -100,10 +100,21 @@ class ClusterCounter:
         except ResponseError as exc:
             if "non local key" in str(exc):
                 raise ClusterTopologyChanged(str(exc)) from exc
+            if not scripts_refused(exc):
+                raise
             self.use_script = False
             logger.info("kv-offload: the cluster refuses the lookup script (%s); lookups "
                         "use one EXISTS per chunk", exc)
             return None
+
+
+def scripts_refused(exc: Exception) -> bool:
+    """Whether an error reply to EVAL means the server will never run our script (ACLs,
+    a managed service without scripting, an unknown command), rather than a passing
+    state (-CLUSTERDOWN, -BUSY, -MASTERDOWN, -LOADING), which is a failed call."""
+    text = str(exc).lower()
+    return any(s in text for s in ("noperm", "unknown command", "disabled", "not allowed",
+                                   "no permissions"))
 
 
 def _scatter(num_chunks: int, by_pool: dict[Any, list[int]], replies: dict[Any, list[Any]]

@@ -58,15 +58,23 @@ class RemoteHealth:
                            self._clock() - was_down)
 
     def record_failure(self, error: object) -> None:
-        """Count a failed call (connection refused, timeout, server error) and back off."""
+        """Count a failed call (connection refused, timeout, server error) and back off.
+        The first failure backs off ``min_backoff_s``; only a failure after the backoff
+        ended (the probe) doubles it: calls that were in flight when the server went
+        away fail together and count as one outage."""
         with self._lock:
             self.num_failures += 1
+            now = self._clock()
             first = self._down_since is None
             if first:
-                self._down_since = self._clock()
-            self._backoff = min(self.max_backoff_s,
-                                max(self.min_backoff_s, self._backoff * 2))
-            self._retry_at = self._clock() + self._backoff
+                self._down_since = now
+                self._backoff = self.min_backoff_s
+            elif now >= self._retry_at:
+                self._backoff = min(self.max_backoff_s, max(self.min_backoff_s,
+                                                            self._backoff * 2))
+            else:
+                return
+            self._retry_at = now + self._backoff
             self._probing = False
         if first:
             logger.warning(

@@ -22,7 +22,12 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kv_offload.remote.bulk import RespErrorReply, read_value_into
-from kv_offload.remote.cluster import ClusterCounter, ClusterTopologyChanged, node_pool
+from kv_offload.remote.cluster import (
+    ClusterCounter,
+    ClusterTopologyChanged,
+    node_pool,
+    scripts_refused,
+)
 from kv_offload.remote.health import RemoteHealth
 from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.remote.resp import (
@@ -138,6 +143,7 @@ class RemoteTier:
         except Exception as exc:  # redis errors, timeouts, refused connections
             if _is_redirect(exc):  # resharded: refresh the topology, no backoff
                 self.close()
+                self.health.record_success()  # the server answered (ends a probe too)
                 return [0] * len(requests)
             self._failed(exc)
             return [0] * len(requests)
@@ -164,6 +170,8 @@ class RemoteTier:
         try:
             replies = pipeline_on_connection(client.connection_pool, commands)
         except ResponseError as exc:
+            if not scripts_refused(exc):
+                raise  # a passing state: a failed call, the script stays
             self._use_script = False
             logger.info("kv-offload: the remote server refuses Lua scripts (%s); lookups "
                         "use one EXISTS per chunk", exc)
@@ -247,6 +255,7 @@ class RemoteTier:
         except Exception as exc:
             if _is_redirect(exc):
                 self.close()  # resharded: the next call learns the new topology
+                self.health.record_success()  # the server answered (ends a probe too)
             else:
                 self._failed(exc)
             return exc

@@ -62,3 +62,20 @@ def test_a_burst_of_failures_logs_once_and_recovery_once(caplog):
     assert len(lines) == 2
     assert "failed" in lines[0] and "back" in lines[1]
     assert health.num_failures == 50
+
+
+def test_calls_in_flight_when_the_server_goes_away_count_as_one_outage():
+    """Eight reads failing together backed off 30 s (doubling per failed call) instead
+    of 0.5 s: one server restart took the tier off for half a minute."""
+    clock = Clock()
+    health = RemoteHealth("t", min_backoff_s=0.5, max_backoff_s=30, clock=clock)
+    assert all(health.should_try() for _ in range(8))
+    for _ in range(8):
+        health.record_failure("ConnectionError")
+    clock.now += 0.6
+    assert health.should_try(), "one outage backs off min_backoff_s"
+    health.record_failure("still down")  # the probe failed: now it doubles
+    clock.now += 0.6
+    assert not health.should_try()
+    clock.now += 0.5
+    assert health.should_try()

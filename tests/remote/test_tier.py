@@ -314,3 +314,42 @@ def test_async_lookups_answer_from_the_server(redis_server):
     finally:
         lookups.close()
         tier.close()
+
+
+def test_a_redirect_answering_the_probe_brings_the_tier_back(redis_server, monkeypatch):
+    """After an outage, the probe that ended the backoff got -ASK/-MOVED (a slot being
+    resharded): neither a success nor a failure was recorded, the probe never ended,
+    and the tier stayed off for the rest of the process."""
+    tier = tier_for(RemoteTarget(redis_server.url))
+    tier.health.record_failure("timeout")  # an outage...
+    time.sleep(0.06)  # ...whose backoff ended: the next call is the probe
+
+    def moved(*args, **kwargs):
+        raise tier_module.RespErrorReply("MOVED 3999 127.0.0.1:1")
+    monkeypatch.setattr(tier_module, "read_value_into", moved)
+    assert isinstance(tier.read_into(key(1), 0, memoryview(bytearray(SLOT))), Exception)
+    monkeypatch.undo()
+    assert tier.health.up, "the server answered: the tier is up"
+    assert tier.write(key(2), 0, memoryview(payload(2)))
+
+
+def test_a_passing_server_state_does_not_turn_the_lookup_script_off(redis_server,
+                                                                      monkeypatch):
+    """Any error reply to EVAL (-CLUSTERDOWN during a failover, -BUSY, -LOADING) turned
+    the script off for the life of the process; now only a refusal does."""
+    from redis.exceptions import ResponseError
+
+    from kv_offload.remote.cluster import scripts_refused
+
+    assert scripts_refused(ResponseError("NOPERM this user has no permissions to run 'eval'"))
+    assert scripts_refused(ResponseError("ERR unknown command 'EVAL'"))
+    for passing in ("CLUSTERDOWN The cluster is down", "BUSY Redis is busy running a script",
+                    "LOADING Redis is loading the dataset in memory", "MASTERDOWN Link down"):
+        assert not scripts_refused(ResponseError(passing))
+    tier = tier_for(RemoteTarget(redis_server.url))
+
+    def busy(*args, **kwargs):
+        raise ResponseError("BUSY Redis is busy running a script")
+    monkeypatch.setattr(tier_module, "pipeline_on_connection", busy)
+    assert tier.lookup([key(9901)]) == 0
+    assert tier._use_script and not tier.health.up, "a failed call, the script stays"
