@@ -16,12 +16,7 @@ from typing import Any
 from _engine import TTFT_MODEL, benchmark_env
 from _markdown import Targets, fill, fmt, table, verdict
 
-from kv_offload.testing.engine import (
-    EngineProcess,
-    engine_kwargs,
-    offload_transfer,
-    start_engines,
-)
+from kv_offload.testing.engine import EngineProcess, engine_kwargs, offload_transfer, start_engines
 from kv_offload.testing.redis_server import SlowProxy
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
@@ -74,7 +69,8 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
     """One engine, remote tier on, no disk tier: per round new prompts cold, then again
     after reset_prefix_cache(reset_connector=True), loaded from Redis."""
     model_kwargs, model, engine, env = _setup(args)
-    offload = {"cpu_size": "1GiB", "remote_url": url, "remote_timeout_s": args.timeout_s}
+    offload = {"cpu_size": "1GiB", "remote_url": url, "remote_timeout_s": args.timeout_s,
+               "connector_reset": "cpu"}  # the reset leaves Redis serving
     samples: dict[str, dict[int, list[float]]] = {"cold": {}, "remote": {}}
     hits = dict.fromkeys(("remote", "host", "cold_external"), 0.0)
     mismatches = []

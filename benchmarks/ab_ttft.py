@@ -7,8 +7,7 @@ a CPU-tier hit after ``reset_prefix_cache``, and a disk-tier hit after the CPU t
 dropped too (``reset_prefix_cache(reset_connector=True)``: the slab stays in the page
 cache, as after a restart). Prints medians and paired medians (each hit over the same
 round's vLLM hit on the same engine; the second checkout over the first), which hold
-up on a noisy machine where two runs of ``bench_ttft.py`` do not. Not part of
-``make bench``: it compares code, not kv-offload with others.
+up on a noisy machine where two runs of ``bench_ttft.py`` do not. Not in ``make bench``.
 
     git worktree add /tmp/base HEAD~1
     python benchmarks/ab_ttft.py --rounds 20 base=/tmp/base new=.
@@ -33,6 +32,11 @@ def paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def _reset_cpu_only(tree: str) -> dict:  # a reset leaves the disk answering, if it knows how
+    known = "connector_reset" in (Path(tree) / "kv_offload" / "config.py").read_text()
+    return {"connector_reset": "cpu"} if known else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,7 +54,8 @@ def main() -> None:
             model, log_path=Path(tmp) / f"{name}.log",
             engine=engine_kwargs(max_model_len=args.length + 64),
             transfer=offload_transfer({"cpu_size": "1GiB", "disk_size": "4GiB",
-                                       "disk_path": str(Path(tmp) / f"store-{name}")}),
+                                       "disk_path": str(Path(tmp) / f"store-{name}"),
+                                       **_reset_cpu_only(path)}),
             env={**env, "PYTHONPATH": str(Path(path).resolve())})
             for name, path in trees.items()])))
         turns = Turns()

@@ -27,6 +27,7 @@ _SIZE_UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 EVICTION_POLICIES = ("lru", "fifo")
+CONNECTOR_RESETS = ("all", "cpu")
 _REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 _NODE_RE = re.compile(r"^((redis|rediss|valkey|valkeys)://([^@/]*@)?)?[A-Za-z0-9_.\[\]:-]+:\d+/?$")
 
@@ -119,6 +120,12 @@ class OffloadConfig:
             leaves eviction to the server (``maxmemory-policy allkeys-lru``).
         remote_max_backoff_s: after failures, the remote server is retried with a backoff
             that doubles from 0.5 s up to this. Default 30.
+        connector_reset: what vLLM's ``reset_prefix_cache(reset_connector=True)`` clears.
+            "all" (default): every chunk of the CPU tier, and the disk and remote tiers
+            are not used for the rest of the run: vLLM resets connectors around weight
+            updates, and those tiers are keyed by the model's config, not its weights.
+            "cpu": the CPU tier only (the disk and remote tiers keep serving; for tests
+            and benchmarks, or when weights never change in place).
     """
 
     cpu_size: int | str = "4GiB"
@@ -142,6 +149,7 @@ class OffloadConfig:
     remote_key_prefix: str = "kv-offload"
     remote_ttl_s: int | None = None
     remote_max_backoff_s: float = 30.0
+    connector_reset: str = "all"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -161,6 +169,10 @@ class OffloadConfig:
                 raise ValueError("disk_size: must be > 0 when disk_path is set")
         if self.chunk_tokens is not None:
             _check_int(self.chunk_tokens, "chunk_tokens", minimum=1)
+        if self.connector_reset not in CONNECTOR_RESETS:
+            raise ValueError(
+                f"connector_reset: {self.connector_reset!r} is not supported; choose one of "
+                f"{', '.join(CONNECTOR_RESETS)}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction_policy: {self.eviction_policy!r} is not supported; "

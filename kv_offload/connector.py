@@ -284,8 +284,9 @@ class KVOffloadConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         if self._scheduler is None:
             return True
-        return self._guard.call("reset_cache", lambda: None, self._scheduler.reset_cpu_tier
-                                ) is not None
+        reset = (self._scheduler.reset_all if self.config.connector_reset == "all"
+                 else self._scheduler.reset_cpu_tier)
+        return self._guard.call("reset_cache", lambda: None, reset) is not None
 
     # ==== metrics (both sides) ===============================================================
 

@@ -56,6 +56,7 @@ def test_disk_tier_is_off_without_path():
         ({"chunk_tokens": "256"}, "chunk_tokens: expected an integer"),
         ({"io_threads": 0}, "io_threads"),
         ({"eviction_policy": "random"}, "choose one of lru, fifo"),
+        ({"connector_reset": "disk"}, "connector_reset: 'disk' is not supported; choose one of all, cpu"),
         ({"verify_checksums": "yes"}, "verify_checksums: expected true or false"),
         ({"load_timeout_s": 0}, "load_timeout_s"),
         ({"namespace_salt": 3}, "namespace_salt"),

@@ -206,6 +206,14 @@ class CpuIndex:
         if entry is not None and entry.listed:
             self.discard(entry.key)
 
+    def discard_all(self) -> int:
+        """``discard`` every entry, pinned or in flight (stores and loads under way
+        then publish nothing); returns how many were listed."""
+        keys = list(self._entries)
+        for key in keys:
+            self.discard(key)
+        return len(keys)
+
     def clear_unpinned(self) -> int:
         """Drop every READY unpinned entry; returns how many were dropped."""
         victims = [k for k, e in self._entries.items() if self._evictable(e)]

@@ -154,11 +154,14 @@ class DiskTier:
         self._call("flush_access", "flush_access")
         self._call("close", "close")
 
-    def disable(self, reason: str) -> None:
-        """Stop using the disk tier for the rest of the run; logs once."""
+    def disable(self, reason: str, *, failed: bool = True) -> None:
+        """Stop using the disk tier for the rest of the run; logs once (``failed``:
+        as an error naming the fix; otherwise the caller says why)."""
         if not self.enabled:
             return
         self.enabled = False
+        if not failed:
+            return
         logger.error(
             "kv-offload: the disk tier keeps failing (%s); it is disabled for this run and "
             "serving continues from the CPU tier. Fix the store directory (deleted, "

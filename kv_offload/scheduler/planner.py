@@ -11,6 +11,7 @@ index, off for good after a failure), ``CpuIndex`` (the CPU tier's slots and pin
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from kv_offload.scheduler.tiers import (
     RequestLike,
 )
 
+logger = logging.getLogger(__name__)
 ACCESS_FLUSH_INTERVAL_S = 2.0
 ACCESS_FLUSH_MAX_PENDING = 256
 """Disk hits written at the latest with this many pending: each moves an entry in the
@@ -82,6 +84,7 @@ class OffloadScheduler:
         self.disk = disk_index  # the raw index (stats); the planner goes through disk_tier
         self.disk_tier = DiskTier(disk_index)
         self.remote = remote
+        self._remote_on = remote is not None  # False after reset_all
         self._remote_lookups: RemoteLookupsLike | None = None  # see _remote_lookup
         self._remote_errors = 0
         self.counters = SchedulerCounters()
@@ -164,7 +167,7 @@ class OffloadScheduler:
         answer is pending. Never waits on the network: the tier's ``RemoteLookups`` asks
         the server on its own threads, within the lookup budget, and the answer is
         memoised per request (vLLM asks again, next step, while a request waits)."""
-        if self.remote is None or start >= len(keys):
+        if self.remote is None or not self._remote_on or start >= len(keys):
             return 0
         memo = state.remote
         if memo is not None and memo[:2] == (start, len(keys)):
@@ -363,8 +366,26 @@ class OffloadScheduler:
                     or self.disk_tier.has_queued())
 
     def reset_cpu_tier(self) -> int:
-        """Drop unpinned READY CPU entries (vLLM ``reset_prefix_cache(reset_connector=True)``)."""
+        """Drop unpinned READY CPU entries (``connector_reset="cpu"``)."""
         return self.cpu.clear_unpinned()
+
+    def reset_all(self) -> int:
+        """Forget every chunk computed so far (``connector_reset="all"``): the CPU tier's
+        entries at once (those pinned or in flight are never published), and the disk
+        and remote tiers for the rest of the run (no lookups, no stores; jobs in flight
+        finish what they wrote). Returns how many CPU entries were dropped."""
+        dropped = self.cpu.discard_all()
+        if self.disk_enabled or self.remote is not None:
+            logger.warning(
+                "kv-offload: vLLM reset the connector's cache (it does so around weight "
+                "updates); the disk and remote tiers, keyed by the model's config and not "
+                "its weights, are not used for the rest of this run. Restart (with another "
+                "namespace_salt if the weights changed) to use them again, or set "
+                "connector_reset='cpu' if the weights never change in place.")
+        self.disk_tier.disable("reset", failed=False)
+        self._remote_on = False
+        self.stores.with_remote = False
+        return dropped
 
     def _maybe_flush_access(self) -> None:
         now = self._clock()

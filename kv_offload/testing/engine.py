@@ -180,7 +180,8 @@ class EngineProcess:
         self.call({"op": "drain", "timeout_s": timeout_s})
 
     def reset(self, *, connector: bool = False) -> bool:
-        """Drop vLLM's prefix cache, and kv-offload's CPU tier with ``connector``.
+        """Drop vLLM's prefix cache, and with ``connector`` kv-offload's (what its
+        ``connector_reset`` says: the CPU tier only with "cpu").
         Returns vLLM's answer: False when blocks were still in use (nothing reset)."""
         return self.call({"op": "reset", "connector": connector})["reset"]
 

@@ -106,10 +106,12 @@ class SchedulerHarness:
                  load_timeout_steps: int = 5, faults: Faults = Faults(),
                  max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
                  delay_rule: Callable[[Callable, tuple], int | None] | None = None,
-                 background_stores: bool = False, copy_thread: bool = True) -> None:
+                 background_stores: bool = False, copy_thread: bool = True,
+                 connector_reset: str = "cpu") -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
-        with the CPU backend's synchronous engine."""
+        with the CPU backend's synchronous engine. ``connector_reset``: the option of that
+        name; "cpu" (not the default "all") lets a reset leave the disk tier answering."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
@@ -124,7 +126,7 @@ class SchedulerHarness:
             cpu_size=cpu_slots * slot_bytes, chunk_tokens=self.chunk_tokens,
             disk_path=str(tmp_path / "store") if disk else None, disk_size=256 * slot_bytes,
             load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1,
-            cpu_background_stores=background_stores)
+            cpu_background_stores=background_stores, connector_reset=connector_reset)
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)

@@ -8,8 +8,8 @@ SPEC: {"model": path, "offload": extra-config dict or null, "engine": LLM kwargs
        "phases": [{"name", "prompts", "max_tokens", "one_by_one", "reset_prefix_cache",
                    "reset_connector", "command_before": argv, "sleep_before_s",
                    "command_during": {"argv", "after_s"}}]}
-``reset_connector`` also drops kv-offload's CPU tier; the commands (run here, in the
-parent) let a test kill or restart a server before or while a phase runs.
+``reset_connector`` also resets kv-offload (its CPU tier only with ``connector_reset:
+"cpu"``); the commands (run here, in the parent) let a test kill or restart a server before or while a phase runs.
 OUT:  {"startup_s", "phases": [{"name", "tokens", "texts", "seconds", "latency_s",
                                 "metrics", ...}], "log"}: a phase holds the fields of
 ``EngineProcess.generate`` plus its name.

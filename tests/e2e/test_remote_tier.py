@@ -43,7 +43,8 @@ def offload(store: Path | None, **remote) -> dict:
     # 20 ms, and a lookup past its budget is a miss; these tests need the hits.
     return {"cpu_size": "64MiB", "disk_path": str(store) if store else None,
             "disk_size": "256MiB", "chunk_tokens": CHUNK, "io_threads": 2,
-            "remote_max_backoff_s": 2.0, "remote_lookup_budget_ms": 500.0, **remote}
+            "remote_max_backoff_s": 2.0, "remote_lookup_budget_ms": 500.0,
+            "connector_reset": "cpu", **remote}  # a reset leaves the tiers below serving
 
 
 def spec(model: Path, offload_cfg: dict, phases: list[dict]) -> dict:

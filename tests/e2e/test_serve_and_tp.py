@@ -79,7 +79,7 @@ def tp2_runs(tmp_path_factory, redis_server):
 
     def offload(store):
         return {"cpu_size": "64MiB", "disk_path": str(store), "chunk_tokens": 64,
-                "remote_url": redis_server.url}
+                "remote_url": redis_server.url, "connector_reset": "cpu"}
 
     first = run_in_subprocess(
         {"model": str(model), "offload": offload(tmp_path_factory.mktemp("tp2-a") / "store"),

@@ -54,8 +54,9 @@ ABORTED = [0, 1, 2]  # F[0] is storing, H[0] loading from disk, F[1] waiting for
 
 
 def offload(store: Path) -> dict:
+    # connector_reset "cpu": the phases reset the CPU tier to make the disk tier answer.
     return {"cpu_size": "32MiB", "disk_path": str(store), "disk_size": "256MiB",
-            "chunk_tokens": CHUNK, "io_threads": 2}
+            "chunk_tokens": CHUNK, "io_threads": 2, "connector_reset": "cpu"}
 
 
 @pytest.fixture(scope="module")

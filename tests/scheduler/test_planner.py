@@ -280,3 +280,21 @@ def test_a_burst_of_disk_hits_is_written_in_bounded_steps(tmp_path):
     sched.plan_step([])
     assert index.num_pending_accesses() == 0
     index.close()
+
+
+def test_a_full_reset_forgets_every_chunk_and_stops_the_shared_tiers(disk_index):
+    """vLLM resets connectors around weight updates (pause_generation(clear_cache=True)):
+    KV computed before must not be served again. Only the CPU tier's unpinned chunks were
+    dropped; the disk kept serving, and a store in flight published its chunk after."""
+    req = store_two_chunks_on_disk(disk_index)
+    sched, blocks = make_scheduler(num_ranks=2, disk_index=disk_index)
+    assert sched.num_matched_tokens(req, 0) == 16  # from disk
+    other = make_request("o", list(range(100, 117)))
+    sched.num_matched_tokens(other, 0)
+    blocks["o"] = [20, 21, 22, 23, 24]
+    (job,) = sched.plan_step([("o", 17)]).stores  # a store in flight across the reset
+    sched.reset_all()
+    sched.on_report(WorkerReport(host_stored={job.job_id: 2}))
+    assert sched.num_matched_tokens(make_request("o2", list(range(100, 117))), 0) == 0
+    assert sched.num_matched_tokens(make_request("again", list(range(17))), 0) == 0
+    assert not sched.disk_enabled and sched.stores.with_remote is False

@@ -255,3 +255,20 @@ def test_a_request_aborted_while_loading_is_not_also_held(harness_factory, monke
     harness.abort("a")
     harness.run(max_steps=40)
     assert harness.check_idle() == []
+
+
+def test_a_full_connector_reset_serves_nothing_computed_before_it(harness_factory):
+    """connector_reset="all" (the default): after vLLM resets the connector (as around a
+    weight update), a prompt stored on disk and in the CPU tier is computed again, and
+    everything ends idle."""
+    harness = harness_factory(num_blocks=64, connector_reset="all")
+    prompt = _doc(48, 0) + [5]
+    harness.add("first", prompt, max_tokens=2)
+    harness.run()
+    assert harness.reset_prefix_cache(reset_connector=True)
+    harness.add("again", prompt, max_tokens=2)
+    harness.run()
+    counters = harness.scheduler_side.counters
+    assert counters.hit_tokens_cpu == counters.hit_tokens_disk == 0
+    assert not harness.scheduler_side.disk_enabled
+    assert harness.check_idle() == []
