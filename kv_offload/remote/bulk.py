@@ -14,6 +14,7 @@ or disconnected: never half-read.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kv_offload.checksum import checksum
@@ -36,11 +37,22 @@ class RespErrorReply(Exception):
 
 
 class _Reader:
-    """Bytes of one reply: a few already received (``pending``), the rest on ``sock``."""
+    """Bytes of one reply: a few already received (``pending``), the rest on ``sock``,
+    all of it by ``deadline`` (monotonic; None: each receive bounded by the socket's
+    own timeout only). A server that trickles a value slower raises TimeoutError."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, deadline: float | None = None) -> None:
         self.sock = sock
         self.pending = b""
+        self.deadline = deadline
+
+    def _recv_into(self, buf: Any, nbytes: int = 0) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the reply did not arrive in time")
+            self.sock.settimeout(left)
+        return int(self.sock.recv_into(buf, nbytes))
 
     def line(self) -> bytes:
         """The first line of the reply, without CRLF. Receives at most 64 bytes at a
@@ -50,7 +62,7 @@ class _Reader:
         while b"\r\n" not in data:
             if len(data) > _LINE_MAX:
                 raise RespProtocolError("reply line too long")
-            n = self.sock.recv_into(small, 64)
+            n = self._recv_into(small, 64)
             if n == 0:
                 raise ConnectionError("the server closed the connection")
             data += small[:n]
@@ -64,7 +76,7 @@ class _Reader:
         out[:have] = self.pending[:have]
         self.pending = self.pending[have:]
         while have < len(out):
-            n = self.sock.recv_into(out[have:])
+            n = self._recv_into(out[have:])
             if n == 0:
                 raise ConnectionError("the server closed the connection")
             have += n
@@ -85,17 +97,22 @@ def read_value_into(conn: Any, name: bytes, out: memoryview, *,
         out = out.cast("B")  # lengths in bytes, whatever the slot's element type
     conn.send_packed_command(pack_command(b"GET", name))
     clean = False
+    sock = conn._sock
+    timeout = sock.gettimeout()  # the tier's remote_timeout_s: for the whole reply
     try:
-        result, clean = _read_reply(_Reader(conn._sock), name, out, verify_checksum)
+        reader = _Reader(sock, None if timeout is None else time.monotonic() + timeout)
+        result, clean = _read_reply(reader, name, out, verify_checksum)
         return result
     except RespErrorReply:
         clean = True
         raise
-    except TimeoutError as exc:  # socket.timeout
-        raise TimeoutError(f"no reply to GET within {conn._sock.gettimeout()}s") from exc
+    except TimeoutError as exc:  # socket.timeout, or the whole reply too slow
+        raise TimeoutError(f"no whole reply to GET within {timeout}s") from exc
     finally:
         if not clean:
             conn.disconnect()
+        elif timeout is not None:
+            sock.settimeout(timeout)  # the connection goes back to its pool as it came
 
 
 def _read_reply(reader: _Reader, name: bytes, out: memoryview, verify_checksum: bool

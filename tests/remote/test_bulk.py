@@ -8,6 +8,8 @@ value); a foreign or misplaced value must not touch the slot.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -30,6 +32,7 @@ class FakeSock:
             return 0
         if self.pieces[0] == b"TIMEOUT":
             raise TimeoutError("timed out")  # what socket.timeout is
+        time.sleep(self.delay_s)
         want = nbytes or len(buf)
         self.recvs.append((want, buf.obj if isinstance(buf, memoryview) else buf))
         piece = self.pieces[0][:want]
@@ -39,8 +42,17 @@ class FakeSock:
             self.pieces.pop(0)
         return len(piece)
 
+    timeout = 0.5
+    delay_s = 0.0  # each receive takes this long (a server trickling the value)
+
     def gettimeout(self) -> float:
-        return 0.5
+        return self.timeout
+
+    def settimeout(self, seconds: float) -> None:
+        if self.delay_s > seconds:
+            time.sleep(seconds)
+            raise TimeoutError("timed out")
+        self.timeout = seconds
 
 
 class FakeConn:
@@ -172,3 +184,20 @@ def test_a_slot_of_wider_elements_is_filled_byte_for_byte():
     conn = FakeConn([bulk(value(data))])
     assert read_value_into(conn, NAME, memoryview(out)) is ValueCheck.OK
     assert out.tobytes() == data
+
+
+def test_a_server_trickling_a_value_is_a_timeout_for_the_whole_reply():
+    """remote_timeout_s bounded each receive only: a server sending the value in pieces,
+    each within the timeout, held the I/O thread and its host slot as long as it liked."""
+    conn = FakeConn(split(bulk(value(payload())), [100, 1000, 1000, 1000, 1000, 1000]))
+    conn._sock.timeout, conn._sock.delay_s = 0.3, 0.1
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        read_value_into(conn, NAME, memoryview(bytearray(SLOT)))
+    assert time.monotonic() - start < 0.5 and conn.disconnected
+
+
+def test_a_connection_goes_back_with_its_own_timeout():
+    conn = FakeConn([bulk(value(payload()))])
+    assert read_value_into(conn, NAME, memoryview(bytearray(SLOT))) is ValueCheck.OK
+    assert conn._sock.timeout == 0.5 and not conn.disconnected
