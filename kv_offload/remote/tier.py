@@ -298,6 +298,14 @@ class RemoteTier:
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
+            # A cluster's node clients do not own their pools: close() alone leaves their
+            # sockets to the garbage collector. Idle ones go now (a read still running
+            # on another thread keeps its connection until it returns it).
+            with contextlib.suppress(Exception):
+                for node in client.get_nodes() if self.target.is_cluster else ():
+                    redis_node = getattr(node, "redis_connection", None)
+                    if redis_node is not None:
+                        redis_node.connection_pool.disconnect(inuse_connections=False)
             with contextlib.suppress(Exception):
                 client.close()
 
