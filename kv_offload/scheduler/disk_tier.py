@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Collection, Iterator, Sequence
+from typing import TypeVar
 
 from kv_offload.disk.errors import StoreError
 from kv_offload.scheduler.tiers import DiskEntryLike, DiskIndexLike
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DiskTier:
@@ -133,21 +135,11 @@ class DiskTier:
 
     def stats(self) -> dict | None:
         """The index's ``stats()``; None while the tier is off (or when it fails now)."""
-        index = self._active()
-        if index is None:
-            return None
-        with self._guard("stats"):
-            return index.stats()
-        return None
+        return self._ask("stats", None)
 
     def num_pending_accesses(self) -> int:
         """Hits not yet written to the index (0 while the tier is off)."""
-        index = self._active()
-        if index is None:
-            return 0
-        with self._guard("num_pending_accesses"):
-            return index.num_pending_accesses()
-        return 0
+        return self._ask("num_pending_accesses", 0)
 
     def close(self) -> None:
         self.flush()
@@ -171,6 +163,14 @@ class DiskTier:
         if self.index is not None:
             with self._guard(what):
                 getattr(self.index, method)(*args)
+
+    def _ask(self, method: str, default: T) -> T:
+        """The index's ``method()`` while the tier is on, else (or when it fails) ``default``."""
+        index = self._active()
+        if index is not None:
+            with self._guard(method):
+                return getattr(index, method)()
+        return default
 
     @contextlib.contextmanager
     def _guard(self, what: str) -> Iterator[None]:
