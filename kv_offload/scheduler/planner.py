@@ -273,13 +273,16 @@ class OffloadScheduler:
             if state is not None:
                 state.loading, state.load_given_up = False, None  # it runs: its load is over
                 stores += self._completed_chunks(req_id, state, computed)
+        # Fence first: a request preempted and resumed in this schedule() (vLLM's reset
+        # with running requests) has copies of its old blocks, which the workers' fence
+        # covers, and may get a store job of its new blocks below, which must be held.
+        fenced = tuple(r for r in preempted if self.holds.is_copying(r))
+        self.holds.forget(fenced)  # the fence protects their freed blocks: never held later
         store_job = self.stores.plan(stores) if stores else None
         if store_job is not None:
             self.holds.copying(store_job.job_id, store_job.req_ids)
         self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
         self._maybe_flush_access()
-        fenced = tuple(r for r in preempted if self.holds.is_copying(r))
-        self.holds.forget(fenced)  # the fence protects their freed blocks: never held later
         loads = self.take_pending_loads()  # last: if anything above raised, the connector
         # hands them out itself (a load never handed out would leave its request waiting)
         return StepPlan(loads, (store_job,) if store_job is not None else (),

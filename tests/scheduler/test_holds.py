@@ -46,3 +46,35 @@ def test_a_request_waiting_for_its_load_is_never_held():
     sched.plan_load(b, [10, 11, 12, 13, 14], 16)
     sched.holds.copying(99, ["b"])  # as if an older copy of its blocks were unreported
     assert sched.request_finished("b") is False
+
+
+def test_a_request_preempted_and_resumed_in_one_step_is_held_for_its_new_copy():
+    """Issue 27: vLLM's reset with running requests preempts a request and resumes it in
+    the same schedule(). Its old copy is fenced, but the store job of its new blocks was
+    planned before the fence and forgotten with it: had it finished before that copy
+    ended, vLLM would have freed blocks under the copy and published wrong bytes."""
+    sched, blocks = make_scheduler()
+    r = make_request("r", list(range(17)))
+    sched.num_matched_tokens(r, 0)
+    blocks["r"] = [0, 1, 2, 3, 4]
+    (old,) = sched.plan_step([("r", 8)]).stores  # chunk 0, still copying
+    blocks["r"] = [5, 6, 7, 8, 9]  # preempted, resumed on new blocks
+    plan = sched.plan_step([("r", 16)], preempted=["r"])
+    (new,) = plan.stores
+    assert plan.preempted == ("r",), "the old copy is fenced"
+    assert [m.block_ids for m in new.chunks] == [(7, 8)]
+    assert sched.holds.is_copying("r"), "the new copy must still protect its blocks"
+    sched.on_report(WorkerReport(host_stored={old.job_id: 1}))
+    assert sched.request_finished("r") is True, "held until the new copy is done"
+    sched.on_report(WorkerReport(host_stored={new.job_id: 1}))
+    assert sched.plan_step([]).held == ("r",)
+
+
+def test_a_preempted_request_without_old_copies_is_not_fenced():
+    sched, blocks = make_scheduler()
+    r = make_request("r", list(range(17)))
+    sched.num_matched_tokens(r, 0)
+    blocks["r"] = [0, 1, 2, 3, 4]
+    plan = sched.plan_step([("r", 8)], preempted=["r"])
+    assert plan.preempted == () and len(plan.stores) == 1
+    assert sched.holds.is_copying("r")

@@ -272,3 +272,35 @@ def test_a_full_connector_reset_serves_nothing_computed_before_it(harness_factor
     assert counters.hit_tokens_cpu == counters.hit_tokens_disk == 0
     assert not harness.scheduler_side.disk_enabled
     assert harness.check_idle() == []
+
+
+@pytest.mark.parametrize("ending", ["finish", "abort"])
+def test_a_request_resumed_by_a_reset_is_held_for_the_copy_planned_with_its_fence(
+        harness_factory, ending):
+    """Issue 27: vLLM's reset with running requests (around weight updates) preempts a
+    request and resumes it in the next schedule(), whose plan fences its old copies and
+    stores a new chunk of its new blocks. That new copy's hold was forgotten with the
+    fence: the request finished (or was aborted) while the copy ran, vLLM gave its blocks
+    to another request, and the copy published that request's KV under this one's key."""
+    def slow_store(fn, args):
+        return 6 if getattr(fn, "__name__", "") == "store" else None
+
+    harness = harness_factory(num_blocks=12, cpu_slots=8, background_stores=True,
+                              delay_rule=slow_store, disk=False, max_num_batched_tokens=32)
+    harness.add("b", _doc(15, 900), max_tokens=1)  # shares step 1: a gets 17 tokens
+    harness.add("a", _doc(40, 0), max_tokens=1 if ending == "finish" else 20)
+    harness.step()  # a: chunk 0 complete, its copy held back
+    assert harness.requests["b"].is_finished()
+    assert harness.reset_prefix_cache(reset_connector=False)  # preempts a
+    harness.step()  # a resumes: 32 tokens, fence of chunk 0's copy, chunk 1 stored
+    assert harness.requests["a"].num_computed_tokens == 32
+    assert harness.scheduler_side.holds.is_copying("a"), "the new copy is not tracked"
+    if ending == "abort":
+        harness.abort("a")
+    else:
+        harness.step()
+        assert harness.requests["a"].is_finished()
+    harness.add("c", _doc(80, 400), max_tokens=1)  # needs a's blocks
+    harness.run()
+    assert harness.requests["c"].is_finished()
+    assert harness.check_idle() == []  # every CPU slot holds its own key's KV
