@@ -11,10 +11,23 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kv_offload.remote.address import (
+    check_cluster_node,
+    check_env_name,
+    check_password_file,
+    check_server_url,
+    has_password,
+    has_user_only,
+    read_password,
+    redact,
+)
 
 CONNECTOR_NAME = "KVOffloadConnector"
 CONNECTOR_MODULE = "kv_offload.connector"
@@ -28,8 +41,14 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 EVICTION_POLICIES = ("lru", "fifo")
 CONNECTOR_RESETS = ("all", "cpu")
-_REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
-_NODE_RE = re.compile(r"^((redis|rediss|valkey|valkeys)://([^@/]*@)?)?[A-Za-z0-9_.\[\]:-]+:\d+/?$")
+MAX_SECONDS = 86400  # one day: the longest time value (a timeout, a budget, a backoff)
+MAX_TTL_S = 10 * 365 * 86400  # ten years; Redis refuses an expiry past its own limit
+# The fields of vLLM's KVTransferConfig: a JSON object holding any of them is the whole
+# --kv-transfer-config, whose kv_connector_extra_config holds kv-offload's options.
+KV_TRANSFER_FIELDS = frozenset({
+    "kv_connector", "kv_connector_module_path", "kv_connector_extra_config", "kv_role",
+    "kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_buffer_device", "kv_buffer_size",
+    "kv_load_failure_policy", "engine_id", "enable_permute_local_kv"})
 
 
 def parse_size(value: Any, *, name: str) -> int:
@@ -108,6 +127,13 @@ class OffloadConfig:
             None (default) turns the remote tier off.
         remote_cluster_nodes: seed nodes of a Redis Cluster ("host:port" or URLs), instead
             of ``remote_url``.
+        remote_password_env: the name of an environment variable that holds the server's
+            password, read when the tier starts (vLLM's engine processes inherit it). The
+            way to keep the password out of the config, which vLLM prints at start-up and
+            ``vllm serve`` shows on its command line; the URL then has no password
+            ("redis://host:6379/0", or "redis://USER@host:6379/0" for an ACL user).
+        remote_password_file: instead, the absolute path of a file that holds the password
+            (a mounted secret); one trailing line break is ignored.
         remote_timeout_s: limit of one remote call (read, write, lookup round trip,
             connect); slower is a failure and the tier backs off. Default 2.
         remote_lookup_budget_ms: how long a request may wait for its remote lookup (which
@@ -143,6 +169,8 @@ class OffloadConfig:
     disk_allow_unsafe_permissions: bool = False
     remote_url: str | None = None
     remote_cluster_nodes: list[str] | None = None
+    remote_password_env: str | None = None
+    remote_password_file: str | None = None
     remote_timeout_s: float = 2.0
     remote_lookup_budget_ms: float = 50.0
     remote_max_value_size: int | str = "256MiB"
@@ -185,9 +213,7 @@ class OffloadConfig:
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         if not isinstance(self.namespace_salt, str):
             raise ValueError(f"namespace_salt: expected a string, got {self.namespace_salt!r}")
-        timeout = self.load_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"load_timeout_s: expected a positive number, got {timeout!r}")
+        _check_seconds(self.load_timeout_s, "load_timeout_s", maximum=MAX_SECONDS)
         self._check_remote()
 
     def _check_remote(self) -> None:
@@ -196,26 +222,23 @@ class OffloadConfig:
              parse_size(self.remote_max_value_size, name="remote_max_value_size"))
         url, nodes = self.remote_url, self.remote_cluster_nodes
         if url is not None:
-            if not isinstance(url, str) or not url.startswith(_REMOTE_SCHEMES):
-                raise ValueError(
-                    f"remote_url: expected a URL starting with one of "
-                    f"{', '.join(_REMOTE_SCHEMES)} (e.g. 'redis://10.0.0.5:6379/0'), got {url!r}")
+            check_server_url(url)
             if nodes:
                 raise ValueError("remote_url and remote_cluster_nodes are both set; use "
                                  "remote_url for one server, remote_cluster_nodes for a cluster")
         if nodes is not None:
             if isinstance(nodes, str):
                 nodes = [n for n in nodes.split(",") if n.strip()]
-            if not isinstance(nodes, (list, tuple)) or not nodes or not all(
-                    isinstance(n, str) and _NODE_RE.match(n.strip()) for n in nodes):
+            if not isinstance(nodes, (list, tuple)) or not nodes:
                 raise ValueError(
                     f"remote_cluster_nodes: expected a list of seed nodes like "
-                    f"['10.0.0.5:7000', '10.0.0.6:7000'], got {self.remote_cluster_nodes!r}")
-            set_(self, "remote_cluster_nodes", [n.strip() for n in nodes])
-        for name in ("remote_timeout_s", "remote_lookup_budget_ms", "remote_max_backoff_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+                    f"['10.0.0.5:7000', '10.0.0.6:7000'], got {_redacted(nodes)!r}")
+            set_(self, "remote_cluster_nodes", [check_cluster_node(n) for n in nodes])
+        self._check_password_source()
+        _check_seconds(self.remote_timeout_s, "remote_timeout_s", maximum=MAX_SECONDS)
+        _check_seconds(self.remote_lookup_budget_ms, "remote_lookup_budget_ms",
+                       maximum=MAX_SECONDS * 1000, unit="milliseconds")
+        _check_seconds(self.remote_max_backoff_s, "remote_max_backoff_s", maximum=MAX_SECONDS)
         if self.remote_max_value_bytes <= 0:
             raise ValueError("remote_max_value_size: must be > 0")
         prefix = self.remote_key_prefix
@@ -224,6 +247,49 @@ class OffloadConfig:
                 f"remote_key_prefix: use 1-64 letters, digits or '_.:-', got {prefix!r}")
         if self.remote_ttl_s is not None:
             _check_int(self.remote_ttl_s, "remote_ttl_s", minimum=1)
+            if self.remote_ttl_s > MAX_TTL_S:
+                raise ValueError(
+                    f"remote_ttl_s: at most {MAX_TTL_S} seconds (ten years), got "
+                    f"{self.remote_ttl_s}; to keep values until the server evicts them, "
+                    f"leave it unset")
+
+    def _check_password_source(self) -> None:
+        """At most one place holds the password: the URL, an environment variable or a
+        file; those two need a server. No message shows a password."""
+        env, path = self.remote_password_env, self.remote_password_file
+        if env is not None:
+            check_env_name(env)
+        if path is not None:
+            object.__setattr__(self, "remote_password_file", check_password_file(path))
+        if env is not None and path is not None:
+            raise ValueError("remote_password_env and remote_password_file are both set; keep "
+                             "one of them")
+        source = ("remote_password_env" if env is not None
+                  else "remote_password_file" if path is not None else None)
+        field, urls = (("remote_url", [self.remote_url]) if self.remote_url is not None
+                       else ("remote_cluster_nodes", self.remote_cluster_nodes or []))
+        if source is not None and not urls:
+            raise ValueError(f"{source}: set, but no remote server is configured; set "
+                             f"remote_url (or remote_cluster_nodes), or remove {source}")
+        if source is not None and any(has_password(u) for u in urls):
+            raise ValueError(
+                f"{field} holds a password and {source} is set; keep one: remove the "
+                f"password from {field} (e.g. 'redis://10.0.0.5:6379/0', or "
+                f"'redis://USER@10.0.0.5:6379/0' for an ACL user)")
+        if source is None and any(has_user_only(u) for u in urls):
+            raise ValueError(
+                f"{field}: names a user but no password, and the server cannot be logged in "
+                f"to with a user alone; give the password with remote_password_env or "
+                f"remote_password_file, or drop the user name (if that name is the "
+                f"password, move it to remote_password_env)")
+
+    def __repr__(self) -> str:
+        """The fields, with any password in ``remote_url`` or ``remote_cluster_nodes``
+        shown as ``***``."""
+        shown = {name: getattr(self, name) for name in self.field_names()}
+        shown["remote_url"] = _redacted(self.remote_url)
+        shown["remote_cluster_nodes"] = _redacted(self.remote_cluster_nodes)
+        return f"OffloadConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     # -- derived values -------------------------------------------------------------------
 
@@ -250,17 +316,53 @@ class OffloadConfig:
     def remote_enabled(self) -> bool:
         return self.remote_url is not None or bool(self.remote_cluster_nodes)
 
-    def resolve_chunk_tokens(self, block_size: int) -> int:
-        """Tokens per chunk for an engine with ``block_size``; ValueError if incompatible."""
+    @property
+    def remote_password_in_config(self) -> bool:
+        """A password is written in ``remote_url`` or ``remote_cluster_nodes``: vLLM prints
+        it with the config (``remote_password_env`` keeps it out)."""
+        urls = [self.remote_url] if self.remote_url else self.remote_cluster_nodes or []
+        return any(has_password(u) for u in urls)
+
+    def resolve_chunk_tokens(self, block_size: int, max_model_len: int | None = None) -> int:
+        """Tokens per chunk for an engine with ``block_size`` and ``max_model_len``.
+
+        ValueError naming ``chunk_tokens`` when it is not a multiple of the block size, or
+        when no request can fill a chunk (a request holds at most ``max_model_len`` tokens
+        and a hit leaves its last one to compute): nothing would be stored or loaded."""
         if self.chunk_tokens is None:
-            return max(1, -(-256 // block_size)) * block_size
-        if self.chunk_tokens % block_size:
+            chunk = max(1, -(-256 // block_size)) * block_size
+        elif self.chunk_tokens % block_size:
             lower = max(block_size, self.chunk_tokens // block_size * block_size)
             raise ValueError(
                 f"chunk_tokens: {self.chunk_tokens} is not a multiple of vLLM's block size "
                 f"{block_size}; use {lower} or {lower + block_size}, or leave it unset"
             )
-        return self.chunk_tokens
+        else:
+            chunk = self.chunk_tokens
+        if max_model_len is not None and chunk >= max_model_len:
+            raise ValueError(self._chunk_too_long(chunk, block_size, max_model_len))
+        return chunk
+
+    def _chunk_too_long(self, chunk: int, block_size: int, max_model_len: int) -> str:
+        if max_model_len <= block_size:
+            return (f"chunk_tokens: max_model_len {max_model_len} is not longer than one "
+                    f"block ({block_size} tokens), so no request fills a chunk: nothing would "
+                    f"be stored or loaded; raise max_model_len (--max-model-len) or run "
+                    f"without the connector")
+        example = max(block_size, max_model_len // 2 // block_size * block_size)
+        default = " (the default)" if self.chunk_tokens is None else ""
+        return (f"chunk_tokens: a chunk of {chunk} tokens{default} is not shorter than "
+                f"max_model_len {max_model_len}, so no request ever fills one: nothing would "
+                f"be stored or loaded. Set chunk_tokens to a multiple of the block size "
+                f"{block_size} below {max_model_len}, e.g. {example}, or raise max_model_len "
+                f"(--max-model-len)")
+
+    def remote_password(self) -> str | None:
+        """The remote server's password from ``remote_password_env`` or
+        ``remote_password_file``, read now (None when neither is set). ValueError names
+        the option and the fix, never the password."""
+        return read_password(env_name=self.remote_password_env,
+                             file_path=self.remote_password_file)
 
     # -- conversions ------------------------------------------------------------------------
 
@@ -269,11 +371,23 @@ class OffloadConfig:
         return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> OffloadConfig:
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> OffloadConfig:
         """Build from vLLM's ``kv_connector_extra_config`` dict; unknown keys are errors."""
-        extra = dict(extra or {})
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            quotes = (" (a JSON object written as a string? remove the quotes around it)"
+                      if isinstance(extra, str) else "")
+            raise ValueError(
+                f'kv_connector_extra_config: expected an object of kv-offload options, e.g. '
+                f'{{"cpu_size": "8GiB"}}, got {_json_kind(extra)}{quotes}')
+        extra = dict(extra)
         valid = cls.field_names()
         for key in extra:
+            if key in KV_TRANSFER_FIELDS:
+                raise ValueError(
+                    f"{key!r} is a field of --kv-transfer-config, not a kv-offload option: "
+                    f"put it next to kv_connector_extra_config, not inside it")
             if key not in valid:
                 close = difflib.get_close_matches(key, valid, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -310,6 +424,29 @@ class OffloadConfig:
         return KVTransferConfig(**self.to_kv_transfer_dict())
 
     @classmethod
+    def from_kv_transfer_dict(cls, data: Mapping[str, Any]) -> OffloadConfig:
+        """Build from a whole ``--kv-transfer-config`` object: its
+        ``kv_connector_extra_config`` holds the options. Refuses one for another connector,
+        and kv-offload options written next to ``kv_connector`` instead of inside."""
+        connector = data.get("kv_connector")
+        if connector is not None and connector != CONNECTOR_NAME:
+            raise ValueError(
+                f"kv_connector: this --kv-transfer-config is for {connector!r}, not kv-offload "
+                f"({CONNECTOR_NAME!r}); pass kv-offload's --kv-transfer-config or only its "
+                f"kv_connector_extra_config object")
+        options = cls.field_names()
+        for key in data:
+            if key in options:
+                raise ValueError(
+                    f"{key}: a kv-offload option belongs inside kv_connector_extra_config, "
+                    f"not next to kv_connector")
+            close = difflib.get_close_matches(key, KV_TRANSFER_FIELDS, n=1, cutoff=0.8)
+            if key not in KV_TRANSFER_FIELDS and close:
+                raise ValueError(f"unknown --kv-transfer-config field {key!r}. Did you mean "
+                                 f"{close[0]!r}?")
+        return cls.from_extra_config(data.get("kv_connector_extra_config"))
+
+    @classmethod
     def from_json(cls, text: str) -> OffloadConfig:
         """Parse a ``--kv-transfer-config`` JSON string or a bare extra-config object."""
         try:
@@ -318,9 +455,34 @@ class OffloadConfig:
             raise ValueError(f"kv-offload config is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError("kv-offload config JSON must be an object")
-        if "kv_connector_extra_config" in data:
-            data = data["kv_connector_extra_config"]
+        if data.keys() & KV_TRANSFER_FIELDS:
+            return cls.from_kv_transfer_dict(data)
         return cls.from_extra_config(data)
+
+
+def _check_seconds(value: Any, name: str, *, maximum: int, unit: str = "seconds") -> None:
+    """A time value: a positive, finite number of ``unit``, at most ``maximum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number of {unit}, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{name}: at most {maximum} {unit}, got {value!r}")
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` (a URL, a list of them, anything) with every password shown as ``***``."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {str: "a string", list: "a list", tuple: "a list", bool: "true or false",
+             int: "a number", float: "a number"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _check_int(value: Any, name: str, *, minimum: int) -> None:

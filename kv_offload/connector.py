@@ -17,12 +17,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_offload.config import OffloadConfig, format_size
-from kv_offload.engine_info import UnsupportedEngineError, layer_names, layout_from_vllm
+from kv_offload.engine_info import (
+    UnsupportedEngineError,
+    aliased_layers,
+    layer_names,
+    layout_from_vllm,
+)
 from kv_offload.jobs import StepPlan, WorkerReport
 from kv_offload.layout import num_cpu_slots
 from kv_offload.metrics import OffloadPromMetrics, OffloadStats, summarize
@@ -80,8 +87,11 @@ def _adopt_vllm_logging() -> None:
     ours.propagate = False
 
 
-class KVOffloadConnector(KVConnectorBase_V1):
-    """Offloads prefix KV to host RAM, local disk and a shared Redis; loads it back asynchronously."""
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads prefix KV to host RAM, local disk and a shared Redis; loads it back asynchronously.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on for sliding-window models
+    (each KV cache group's blocks are stored as ``kv_offload/groups.py`` says)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -100,6 +110,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         self._pending_failed_blocks: set[int] = set()
+        self._pending_failed_reqs: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
             if (self.persistent or self.remote_enabled) and not self.config.verify_checksums:
@@ -108,6 +119,13 @@ class KVOffloadConnector(KVConnectorBase_V1):
                     "that another vLLM instance sharing this disk_path or remote tier "
                     "replaces while this one reads it, is loaded as is and gives wrong "
                     "tokens. Turn it off only for a store no other instance uses.")
+            if self.remote_enabled and self.config.remote_password_in_config:
+                logger.warning(
+                    "kv-offload: the remote server's password is written in remote_url (or "
+                    "remote_cluster_nodes), and vLLM prints kv_connector_extra_config at "
+                    "start-up ('vllm serve' also shows it on its command line to every user "
+                    "of the host). Put it in an environment variable or a file and name that "
+                    "with remote_password_env or remote_password_file (README, remote tier).")
         remote = "off"
         if self.remote_enabled:
             from kv_offload.remote import RemoteTarget
@@ -179,7 +197,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
             tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,
             num_cpu_slots=num_cpu_slots(self.config, self.layout),
             store_generated=self.config.store_generated,
-            eviction_policy=self.config.eviction_policy)
+            eviction_policy=self.config.eviction_policy, groups=self.layout.groups)
         self._scheduler = OffloadScheduler(
             planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
             remote=remote)
@@ -198,11 +216,12 @@ class KVOffloadConnector(KVConnectorBase_V1):
                                f"{self._role.name.lower()} side or after shutdown")
         return self._scheduler
 
-    def _block_ids_of(self, req_id: str) -> list[int]:
+    def _block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block table of every KV cache group."""
         if self._kv_cache_manager is None:
             raise RuntimeError("kv-offload: vLLM has not bound its KV cache manager "
                                "(bind_kv_cache_manager) before scheduling")
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+        return self._kv_cache_manager.get_block_ids(req_id)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -212,7 +231,7 @@ class KVOffloadConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        block_ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
         # Past a failure the request already waits for its load: fail it, never hang.
         self._guard.call("update_state_after_alloc", lambda: self._sched.fail_load(
             request.request_id, block_ids, num_external_tokens),
@@ -270,6 +289,12 @@ class KVOffloadConnector(KVConnectorBase_V1):
         held = self._guard.call("request_finished", lambda: False,
                                 self._sched.request_finished, request.request_id)
         return bool(held), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: vLLM calls this instead of request_finished; the holds are per
+        # request, whatever the groups.
+        return self.request_finished(request, [])
 
     def has_pending_block_frees(self) -> bool:
         # Held blocks come back within a step or two: vLLM waits rather than preempting.
@@ -362,6 +387,16 @@ class KVOffloadConnector(KVConnectorBase_V1):
             raise UnsupportedEngineError(
                 f"kv-offload: KV tensors missing for layers {missing[:3]}...; this "
                 f"engine's KV cache layout is not supported")
+        for aliases in aliased_layers(self._kv_cache_config):  # groups over one tensor
+            first = kv_caches[aliases[0]]
+            for name in aliases[1:]:
+                other = kv_caches.get(name)
+                if other is None or (other.data_ptr(), other.shape, other.stride()) != (
+                        first.data_ptr(), first.shape, first.stride()):
+                    raise UnsupportedEngineError(
+                        f"kv-offload: layer {name}'s KV tensor is not a view of layer "
+                        f"{aliases[0]}'s, as vLLM's hybrid KV cache layout makes it; "
+                        f"its blocks cannot be stored. Run without the connector.")
         self._worker = build_worker(
             tensors=[kv_caches[n] for n in names], layout=self.layout, config=self.config,
             num_blocks=int(self._kv_cache_config.num_blocks), namespace=self.namespace,
@@ -410,10 +445,21 @@ class KVOffloadConnector(KVConnectorBase_V1):
         # the moment they end, instead of spinning through empty steps until then.
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         result = self._worker.poll(idle=isinstance(meta, OffloadConnectorMetadata) and meta.idle)
-        self._pending_failed_blocks |= result.failed_block_ids
+        if self.layout.groups:  # block ids are per group: vLLM recomputes the request
+            self._pending_failed_reqs |= result.failed_req_ids
+        else:
+            self._pending_failed_blocks |= result.failed_block_ids
         return (result.finished_sending or None), (result.finished_req_ids or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._pending_failed_reqs = self._pending_failed_reqs, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # With several KV cache groups vLLM takes failures only as failed_recving.
         failed, self._pending_failed_blocks = self._pending_failed_blocks, set()
         return failed
 

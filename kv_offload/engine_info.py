@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kv_offload.config import OffloadConfig
+from kv_offload.groups import KVGroup
 from kv_offload.layout import KVLayout, page_order
 
 if TYPE_CHECKING:
@@ -24,6 +25,11 @@ SPEC_METHODS_WITHOUT_DRAFT_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
 is the target model's (the one kv-offload stores)."""
 
 
+SPEC_KINDS = {"FullAttentionSpec": "full_attention", "MLAAttentionSpec": "mla_attention",
+              "SlidingWindowSpec": "sliding_window", "SlidingWindowMLASpec": "sliding_window"}
+"""vLLM KV cache specs kv-offload stores, by exact class name, and their ``KVGroup`` kind."""
+
+
 class UnsupportedEngineError(ValueError):
     """The engine's KV cache cannot be offloaded by kv-offload (raised at start-up)."""
 
@@ -33,20 +39,11 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise UnsupportedEngineError(
-            f"kv-offload supports models with one KV cache group (one attention type); "
-            f"this model has {len(groups)} groups ({', '.join(kinds)}). Remove the "
-            f"--kv-transfer-config for this model."
-        )
+    if not groups:
+        raise UnsupportedEngineError("kv-offload: this model keeps no KV cache (attention-"
+                                     "free); remove the --kv-transfer-config for it.")
+    kinds = [group_kind(g.kv_cache_spec) for g in groups]
     spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
-        raise UnsupportedEngineError(
-            f"kv-offload stores full-attention and MLA KV caches; this model uses {kind} "
-            f"(sliding-window or state caches cannot be restored from a prefix)."
-        )
     if getattr(spec, "non_causal", False):
         raise UnsupportedEngineError(
             "kv-offload cannot serve a prefix-LM (non-causal) model: the KV of its prompt "
@@ -54,6 +51,9 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
             "wrong for another (vLLM turns its own prefix caching off for such models). "
             "Remove the --kv-transfer-config for this model.")
     _refuse_unsupported_features(vllm_config)
+    hybrid = len(groups) > 1 or kinds[0] == "sliding_window"
+    if hybrid:
+        _check_groups_share_pages(vllm_config, kv_cache_config)
     parallel = vllm_config.parallel_config
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     model_config = vllm_config.model_config
@@ -66,19 +66,71 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
         model_fingerprint=_model_fingerprint(model_config),
         dtype=str(model_config.dtype).removeprefix("torch."),
         kv_cache_dtype=str(cache_config.cache_dtype),
-        attention="mla_attention" if kind == "MLAAttentionSpec" else "full_attention",
-        num_layers=len(groups[0].layer_names),
+        attention="mla_attention" if "mla" in type(spec).__name__.lower() else "full_attention",
+        num_layers=len(layer_names(kv_cache_config)),
         page_bytes=int(spec.page_size_bytes),
         block_size=int(spec.block_size),
         tokens_per_hash=int(tokens_per_hash),
-        chunk_tokens=config.resolve_chunk_tokens(int(spec.block_size)),
+        chunk_tokens=config.resolve_chunk_tokens(int(spec.block_size),
+                                                 max_model_len=int(model_config.max_model_len)),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
         hash_algo=str(cache_config.prefix_caching_hash_algo),
         salt=config.namespace_salt,
         page_order=_expected_page_order(vllm_config, kv_cache_config, spec),
         kernel_format=_kernel_format(vllm_config, spec),
+        groups=tuple(KVGroup(kind, len(g.layer_names), int(g.kv_cache_spec.block_size),
+                             int(getattr(g.kv_cache_spec, "sliding_window", 0) or 0)
+                             if kind == "sliding_window" else 0)
+                     for kind, g in zip(kinds, groups)) if hybrid else (),
     )
+
+
+def group_kind(spec: Any) -> str:
+    """The ``KVGroup`` kind of a vLLM KV cache spec (by its exact class: subclasses such
+    as sink or hidden-state caches hold other KV); UnsupportedEngineError for specs whose
+    KV a stored prefix cannot restore."""
+    name = type(spec).__name__
+    kind = SPEC_KINDS.get(name)
+    if kind == "sliding_window" and int(getattr(spec, "extra_retained_tokens", 0) or 0):
+        raise UnsupportedEngineError(
+            "kv-offload cannot serve sliding-window layers that keep extra tokens below "
+            "the window (multi-token-prediction speculation); run without speculative "
+            "decoding or without the connector.")
+    if kind is not None:
+        return kind
+    if "Mamba" in name or "ShortConv" in name or "LinearAttention" in name:
+        raise UnsupportedEngineError(
+            f"kv-offload does not serve models with mamba or linear-attention layers "
+            f"({name}) yet: their state at a chunk boundary is not stored, and vLLM "
+            f"0.32's CPU backend cannot run them with prefix caching to test it. Remove "
+            f"the --kv-transfer-config for this model (README, Limits).")
+    raise UnsupportedEngineError(
+        f"kv-offload stores full-attention, MLA and sliding-window KV caches; this model "
+        f"has a {name} KV cache group (chunked-local, encoder, cross-attention, sink "
+        f"and state caches cannot be restored from a stored prefix). Remove the "
+        f"--kv-transfer-config for this model (docs/bad-input.md).")
+
+
+def _check_groups_share_pages(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """UnsupportedEngineError unless every group's blocks have one page size, byte order
+    and kernel format: a slot position of any group is then one page of every KV tensor
+    (vLLM lays the groups over the same tensors, from byte 0)."""
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    first = specs[0]
+    for spec in specs[1:]:
+        same = (int(spec.page_size_bytes) == int(first.page_size_bytes)
+                and int(spec.block_size) == int(first.block_size)
+                and _expected_page_order(vllm_config, kv_cache_config, spec)
+                == _expected_page_order(vllm_config, kv_cache_config, first)
+                and _kernel_format(vllm_config, spec) == _kernel_format(vllm_config, first))
+        if not same:
+            raise UnsupportedEngineError(
+                f"kv-offload serves hybrid models whose KV cache groups share one block "
+                f"size and page layout; this one mixes {type(first).__name__} "
+                f"({first.block_size} tokens, {first.page_size_bytes} bytes a page) with "
+                f"{type(spec).__name__} ({spec.block_size} tokens, {spec.page_size_bytes} "
+                f"bytes). Remove the --kv-transfer-config for this model (README, Limits).")
 
 
 def _kernel_format(vllm_config: VllmConfig, spec: Any) -> str:
@@ -193,8 +245,21 @@ def _expected_page_order(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 
 
 def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
-    """The layers whose KV is offloaded, in a stable order."""
-    return list(kv_cache_config.kv_cache_groups[0].layer_names)
+    """The layers whose KV tensors are offloaded, in a stable order: one per KV tensor.
+
+    vLLM lays every KV cache group over the same tensors from byte 0 (the l-th layer of
+    each group is a view of the l-th tensor; a block id belongs to one group at a time),
+    so the l-th layer of the first group that has one names tensor l."""
+    groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+    return [next(names[i] for names in groups if i < len(names))
+            for i in range(max(map(len, groups), default=0))]
+
+
+def aliased_layers(kv_cache_config: KVCacheConfig) -> list[list[str]]:
+    """Per KV tensor of ``layer_names``, every layer that must be a view of it."""
+    groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+    return [[names[i] for names in groups if i < len(names)]
+            for i in range(max(map(len, groups), default=0))]
 
 
 def _model_fingerprint(model_config: Any) -> str:

@@ -272,7 +272,10 @@ def validate(options: WarmOptions) -> list[WarmPrompt]:
     if options.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {options.batch_size}")
     if options.engine.get("block_size") is not None:
-        options.offload.resolve_chunk_tokens(int(options.engine["block_size"]))
+        max_model_len = options.engine.get("max_model_len")
+        options.offload.resolve_chunk_tokens(
+            int(options.engine["block_size"]),
+            max_model_len=None if max_model_len is None else int(max_model_len))
     return load_prompts(options.prompts)
 
 

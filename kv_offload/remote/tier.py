@@ -17,10 +17,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from kv_offload.remote.address import redact
 from kv_offload.remote.bulk import RespErrorReply, read_value_into
 from kv_offload.remote.cluster import (
     ClusterCounter,
@@ -54,10 +55,13 @@ return hits
 
 @dataclass(frozen=True, slots=True)
 class RemoteTarget:
-    """Where the remote tier lives: one server URL, or the seed nodes of a cluster."""
+    """Where the remote tier lives: one server URL, or the seed nodes of a cluster.
+    ``password``: given apart from the URL (``remote_password_env``/``_file``); never in
+    ``repr`` or ``describe``."""
 
     url: str | None = None
     cluster_nodes: tuple[str, ...] = ()
+    password: str | None = field(default=None, repr=False)
 
     @property
     def is_cluster(self) -> bool:
@@ -66,8 +70,8 @@ class RemoteTarget:
     def describe(self) -> str:
         """For logs: the address without credentials."""
         if self.is_cluster:
-            return "cluster " + ",".join(_without_password(n) for n in self.cluster_nodes)
-        return _without_password(self.url or "")
+            return "cluster " + ",".join(redact(n) for n in self.cluster_nodes)
+        return redact(self.url or "")
 
 
 class RemoteTier:
@@ -322,7 +326,8 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, who: str) -> Re
     """The RemoteTier an ``OffloadConfig`` asks for, for chunks of ``layout``: every call
     bounded by ``remote_timeout_s``, a lookup's wait by ``remote_lookup_budget_ms``.
 
-    Raises ValueError naming ``remote_max_value_size`` when a chunk does not fit."""
+    Raises ValueError naming ``remote_max_value_size`` when a chunk does not fit, and
+    naming ``remote_password_env``/``_file`` when the password cannot be read."""
     from kv_offload.config import format_size
 
     try:
@@ -337,7 +342,8 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, who: str) -> Re
             f"rank ({layout.chunk_tokens} tokens), above the limit of "
             f"{format_size(config.remote_max_value_size)}; raise remote_max_value_size (the "
             f"server's proto-max-bulk-len must allow it) or lower chunk_tokens")
-    target = RemoteTarget(config.remote_url, tuple(config.remote_cluster_nodes or ()))
+    target = RemoteTarget(config.remote_url, tuple(config.remote_cluster_nodes or ()),
+                          password=config.remote_password())
     return RemoteTier(target, namespace=namespace, num_ranks=layout.tp_size,
                       payload_bytes=layout.slot_bytes, timeout_s=config.remote_timeout_s,
                       key_prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s, who=who,
@@ -358,6 +364,8 @@ def connect_redis(target: RemoteTarget, timeout_s: float) -> Any:
     common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
               "retry": Retry(NoBackoff(), 0), "command_packer": RespPacker(),
               "protocol": 2, "driver_info": None}
+    if target.password is not None:  # the URL has none (OffloadConfig checks)
+        common["password"] = target.password
     if not target.is_cluster:
         return redis.Redis.from_url(_redis_scheme(target.url or ""), **common)
     from redis.cluster import ClusterNode, RedisCluster
@@ -390,13 +398,3 @@ def _redis_scheme(url: str) -> str:
         if url.startswith(ours):
             return theirs + url[len(ours):]
     return url
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url if "://" in url else f"redis://{url}")
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username + ':' if parts.username else ':'}***@{host}"
-    netloc += f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=netloc))
