@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kv_offload.config import OffloadConfig, format_size
+from kv_offload.groups import ChunkMap, KVGroup
 
 LAYOUT_VERSION = 3
 """Version of the descriptor below; a new field that changes namespaces bumps it."""
@@ -49,20 +50,38 @@ class KVLayout:
     salt: str = ""
     page_order: str = ""  # byte order inside one block of one layer, see page_order()
     kernel_format: str = ""  # platform, backend, fp8 type, CPU ISA: engine_info._kernel_format
+    groups: tuple[KVGroup, ...] = ()
+    """The KV cache groups of a hybrid engine (vLLM's hybrid KV cache manager on), in
+    vLLM's order; empty for one full-attention or MLA group (the namespace of such an
+    engine is what it was before groups existed). ``num_layers`` then counts the engine's
+    KV tensors, which the layers of all groups share."""
+
+    @property
+    def chunk_map(self) -> ChunkMap:
+        """Which engine blocks of each group make up a stored chunk (``groups.py``)."""
+        groups = self.groups or (KVGroup(self.attention, self.num_layers, self.block_size),)
+        return ChunkMap(groups, self.chunk_tokens)
 
     @property
     def blocks_per_chunk(self) -> int:
-        return self.chunk_tokens // self.block_size
+        """Engine blocks of one chunk in a slot, every group together (a copy engine's
+        ``blocks_per_chunk``)."""
+        if not self.groups:
+            return self.chunk_tokens // self.block_size
+        return self.chunk_map.positions
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one chunk on one rank: every layer's pages of its blocks."""
+        """Bytes of one chunk on one rank: every KV tensor's pages of its blocks."""
         return self.num_layers * self.page_bytes * self.blocks_per_chunk
 
     def descriptor(self) -> dict:
         """Readable JSON-serialisable description (stored with the namespace)."""
+        fields = asdict(self)
+        if not self.groups:
+            del fields["groups"]  # single-group namespaces predate the field
         return {"layout_version": LAYOUT_VERSION, "slot_format": SLOT_FORMAT_VERSION,
-                **asdict(self)}
+                **fields}
 
     def fingerprint(self) -> str:
         """Namespace id: 32 hex chars of sha256 over the canonical descriptor."""

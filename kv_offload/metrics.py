@@ -39,6 +39,9 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "evictions_cpu": ("kv_offload_evictions_total", "Chunks evicted", {"tier": "cpu"}),
     "skipped_stores": ("kv_offload_skipped_stores_total",
                        "Chunks not stored because no CPU slot was free", {}),
+    "stores_without_window": ("kv_offload_stores_without_window_total",
+                              "Chunks not stored because vLLM had already freed a "
+                              "sliding-window block they need", {}),
     "load_errors": ("kv_offload_load_errors_total",
                     "Chunks whose load failed and were recomputed", {}),
     "checksum_failures": ("kv_offload_checksum_failures_total",

@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 import vllm
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
 from kv_offload.connector import KVOffloadConnector
 
@@ -36,13 +36,14 @@ def test_installed_vllm_is_a_tested_version():
 @pytest.mark.parametrize("name", overridden_hooks())
 def test_every_hook_exists_in_vllm_with_a_compatible_signature(name):
     since = NEWER_HOOKS.get(name)
-    if not hasattr(KVConnectorBase_V1, name):
+    base = SupportsHMA if hasattr(SupportsHMA, name) else KVConnectorBase_V1
+    if not hasattr(base, name):
         assert since is not None, f"{name} is not a KVConnectorBase_V1 hook in vLLM {vllm.__version__}"
         assert _version() < tuple(int(p) for p in since.split(".")), (
             f"vLLM {vllm.__version__} should have {name} (added in {since})")
         return
-    ours, theirs = getattr(KVOffloadConnector, name), getattr(KVConnectorBase_V1, name)
-    if isinstance(inspect.getattr_static(KVConnectorBase_V1, name), property):
+    ours, theirs = getattr(KVOffloadConnector, name), getattr(base, name)
+    if isinstance(inspect.getattr_static(base, name), property):
         assert isinstance(inspect.getattr_static(KVOffloadConnector, name), property)
         return
     assert_compatible(name, inspect.signature(ours), inspect.signature(theirs))

@@ -7,14 +7,16 @@ request that finishes (or is aborted) while a copy of its blocks is in flight. S
 request is *held*: ``KVOffloadConnector.request_finished`` tells vLLM to keep its blocks
 until every rank reports it in ``finished_sending``, which a worker does once its own
 copies of that request's blocks are done. Preempted requests are fenced by the workers
-instead (their blocks are freed at once, before this step's forward).
+instead (their blocks are freed at once, before this step's forward), and so are running
+requests whose sliding-window blocks under a copy vLLM freed (it frees blocks that left
+the window while the request runs): ``window_blocks`` names those blocks.
 
 Scheduler thread only. Pure bookkeeping: no I/O, no vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class BlockHolds:
@@ -26,18 +28,33 @@ class BlockHolds:
         self._reqs_of: dict[int, set[str]] = {}  # copying store job -> requests
         self._held: set[str] = set()  # finished, blocks kept until finished_sending
         self._new_held: list[str] = []  # held since the last plan
+        self._window: dict[int, dict[str, frozenset[int]]] = {}  # job -> req -> blocks
 
-    def copying(self, job_id: int, req_ids: Iterable[str]) -> None:
-        """A store job of the blocks of ``req_ids`` was planned (its copy starts now)."""
+    def copying(self, job_id: int, req_ids: Iterable[str],
+                window_blocks: Mapping[str, Iterable[int]] | None = None) -> None:
+        """A store job of the blocks of ``req_ids`` was planned (its copy starts now);
+        ``window_blocks``: per request, the sliding-window blocks it copies."""
         reqs = set(req_ids)
         if not reqs:
             return
         self._reqs_of[job_id] = reqs
         for req in reqs:
             self._jobs_of.setdefault(req, set()).add(job_id)
+        window = {r: frozenset(b) for r, b in (window_blocks or {}).items() if b and r in reqs}
+        if window:
+            self._window[job_id] = window
+
+    def window_blocks(self) -> dict[str, set[int]]:
+        """Per request, the sliding-window blocks that copies in flight read."""
+        out: dict[str, set[int]] = {}
+        for per_req in self._window.values():
+            for req, blocks in per_req.items():
+                out.setdefault(req, set()).update(blocks)
+        return out
 
     def copied(self, job_id: int) -> None:
         """Every rank finished the job's engine -> host copy. Unknown ids are ignored."""
+        self._window.pop(job_id, None)
         for req in self._reqs_of.pop(job_id, ()):
             jobs = self._jobs_of.get(req)
             if jobs is not None:
@@ -73,7 +90,15 @@ class BlockHolds:
         """vLLM freed these requests' blocks (every rank reported them sent)."""
         for req in req_ids:
             self._held.discard(req)
-            self._jobs_of.pop(req, None)
+            for job_id in self._jobs_of.pop(req, ()):
+                self._drop_window(job_id, req)
+
+    def _drop_window(self, job_id: int, req: str) -> None:
+        per_req = self._window.get(job_id)
+        if per_req is not None:
+            per_req.pop(req, None)
+            if not per_req:
+                del self._window[job_id]
 
     def num_held(self) -> int:
         return len(self._held)

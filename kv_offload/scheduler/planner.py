@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kv_offload.jobs import StepPlan, WorkerReport
+from kv_offload.groups import ChunkMap, KVGroup, UnservableChunkError
+from kv_offload.jobs import SKIP_BLOCK, StepPlan, StoreJob, WorkerReport
 from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex
@@ -25,7 +26,7 @@ from kv_offload.scheduler.holds import BlockHolds
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source, loadable_run
-from kv_offload.scheduler.records import RequestState, chunk_blocks
+from kv_offload.scheduler.records import RequestState
 from kv_offload.scheduler.stores import StorePlanner
 from kv_offload.scheduler.tiers import (
     DiskIndexLike,
@@ -35,6 +36,8 @@ from kv_offload.scheduler.tiers import (
 )
 
 logger = logging.getLogger(__name__)
+BlockTables = Sequence[Sequence[int]] | Sequence[int]
+"""A request's engine blocks: one table per KV cache group, or one flat table."""
 ACCESS_FLUSH_INTERVAL_S = 2.0
 ACCESS_FLUSH_MAX_PENDING = 256
 """Disk hits written at the latest with this many pending: each moves an entry in the
@@ -53,6 +56,7 @@ class PlannerConfig:
     num_cpu_slots: int
     store_generated: bool = False
     eviction_policy: str = "lru"
+    groups: tuple[KVGroup, ...] = ()  # a hybrid engine's KV cache groups (KVLayout.groups)
 
 
 class OffloadScheduler:
@@ -60,7 +64,8 @@ class OffloadScheduler:
 
     Scheduler thread only. ``disk_index`` is a ``kv_offload.disk.DiskIndex`` or None
     (disk tier off); ``remote`` a ``kv_offload.remote.RemoteTier`` or None.
-    ``block_ids_of(req_id)`` returns the request's engine block ids.
+    ``block_ids_of(req_id)`` returns the request's engine block ids: one table per KV
+    cache group (vLLM's ``KVCacheBlocks.get_block_ids()``), or a flat list for one group.
     """
 
     def __init__(
@@ -68,7 +73,7 @@ class OffloadScheduler:
         config: PlannerConfig,
         *,
         disk_index: DiskIndexLike | None,
-        block_ids_of: Callable[[str], Sequence[int]],
+        block_ids_of: Callable[[str], BlockTables],
         remote: RemoteTierLike | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -79,7 +84,9 @@ class OffloadScheduler:
                 f"{config.tokens_per_hash}"
             )
         self.config = config
-        self.blocks_per_chunk = config.chunk_tokens // config.block_size
+        self.chunk_map = ChunkMap(
+            config.groups or (KVGroup("full_attention", 1, config.block_size),),
+            config.chunk_tokens)
         self.cpu = CpuIndex(config.num_cpu_slots, policy=config.eviction_policy)
         self.disk = disk_index  # the raw index (stats); the planner goes through disk_tier
         self.disk_tier = DiskTier(disk_index)
@@ -190,7 +197,7 @@ class OffloadScheduler:
 
     # -- loads -----------------------------------------------------------------------------
 
-    def plan_load(self, request: RequestLike, block_ids: Sequence[int],
+    def plan_load(self, request: RequestLike, block_ids: BlockTables,
                   num_external_tokens: int) -> None:
         """Pin sources and queue a LoadJob for ``num_external_tokens`` after the local hit.
 
@@ -216,8 +223,15 @@ class OffloadScheduler:
         keys = self._keys(request, for_load=True)
         # A question asked anew here (the local run changed since) is not waited for.
         run = (self._loadable_run(state, keys, first) or [])[:last - first]
-        blocks = [self._chunk_blocks(block_ids, c, skip_before=num_local)
-                  for c in range(first, last)]
+        tables = block_tables(block_ids)
+        blocks = []
+        for c in range(first, last):
+            try:
+                blocks.append(self.chunk_map.load_blocks(tables, c, skip_before=num_local))
+            except UnservableChunkError as exc:  # never with vLLM 0.32's rules: recompute
+                logger.warning("kv-offload: %s; recomputing from there", exc)
+                run = run[:c - first]  # this chunk and the rest fail (vLLM recomputes)
+                blocks.append(self.chunk_map.store_blocks(tables, c) or (SKIP_BLOCK,))
         tiers = self.loads.plan(request.request_id, keys[first:last], run, blocks)
         state.tier_tokens = {}
         for c, tier in zip(range(first, last), tiers):
@@ -229,7 +243,7 @@ class OffloadScheduler:
             setattr(self.counters, name, getattr(self.counters, name) + tokens)
         state.loading = True
 
-    def fail_load(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int
+    def fail_load(self, req_id: str, block_ids: BlockTables, num_external_tokens: int
                   ) -> None:
         """Queue a load whose every chunk fails, for a request told to wait for
         ``num_external_tokens`` after ``plan_load`` raised: the workers report its last
@@ -241,7 +255,8 @@ class OffloadScheduler:
         state = self._requests.get(req_id)
         if state is not None:
             state.loading, state.lookup = True, None
-        self.loads.fail(req_id, tuple(int(b) for b in block_ids[-num_blocks:]))
+        table = block_tables(block_ids)[0]  # with groups, vLLM recomputes the request
+        self.loads.fail(req_id, tuple(int(b) for b in table[-num_blocks:]))
 
     def take_pending_loads(self) -> tuple:
         """Hand out the queued loads (what ``plan_step`` does first; the fallback plan
@@ -253,11 +268,6 @@ class OffloadScheduler:
         "remote")."""
         state = self._requests.get(req_id)
         return dict(state.tier_tokens) if state else {}
-
-    def _chunk_blocks(self, block_ids: Sequence[int], chunk_index: int, *, skip_before: int
-                      ) -> tuple[int, ...]:
-        return chunk_blocks(block_ids, chunk_index, blocks_per_chunk=self.blocks_per_chunk,
-                            block_size=self.config.block_size, skip_before=skip_before)
 
     # -- stores ----------------------------------------------------------------------------
 
@@ -276,11 +286,14 @@ class OffloadScheduler:
         # Fence first: a request preempted and resumed in this schedule() (vLLM's reset
         # with running requests) has copies of its old blocks, which the workers' fence
         # covers, and may get a store job of its new blocks below, which must be held.
+        preempted = tuple(preempted)
         fenced = tuple(r for r in preempted if self.holds.is_copying(r))
+        fenced += self._window_freed(exclude=preempted)
         self.holds.forget(fenced)  # the fence protects their freed blocks: never held later
         store_job = self.stores.plan(stores) if stores else None
         if store_job is not None:
-            self.holds.copying(store_job.job_id, store_job.req_ids)
+            self.holds.copying(store_job.job_id, store_job.req_ids,
+                               self._window_blocks_of(store_job))
         self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
         self._maybe_flush_access()
         loads = self.take_pending_loads()  # last: if anything above raised, the connector
@@ -301,15 +314,42 @@ class OffloadScheduler:
         if num_done <= state.next_store_chunk:
             return []
         keys = self._keys(request, for_load=False)
-        block_ids = self._block_ids_of(req_id)
+        tables = block_tables(self._block_ids_of(req_id))
         out = []
         for c in range(state.next_store_chunk, num_done):
             if keys[c] in self.cpu:
                 self.cpu.touch([keys[c]])
+            elif (blocks := self.chunk_map.store_blocks(tables, c)) is None:
+                self.counters.stores_without_window += 1  # vLLM freed a block it needs
             else:
-                out.append((keys[c], self._chunk_blocks(block_ids, c, skip_before=0), req_id))
+                out.append((keys[c], blocks, req_id))
         state.next_store_chunk = num_done
         return out
+
+    def _window_blocks_of(self, job: StoreJob) -> dict[str, set[int]]:
+        """Per request, the sliding-window blocks ``job`` copies (empty without such
+        groups)."""
+        positions = self.chunk_map.sliding_positions
+        out: dict[str, set[int]] = {}
+        if positions:
+            for move, req in zip(job.chunks, job.req_ids):
+                out.setdefault(req, set()).update(move.block_ids[p] for p in positions)
+        return out
+
+    def _window_freed(self, *, exclude: Sequence[str]) -> tuple[str, ...]:
+        """Running requests with a copy in flight of a sliding-window block that vLLM has
+        freed since (it left the window): their copies are fenced like a preempted
+        request's, before this step's forward may rewrite the block (invariant 3)."""
+        freed = []
+        for req, copied in self.holds.window_blocks().items():
+            if req in exclude or req not in self._requests:
+                continue  # preempted: fenced anyway; finished: held or released
+            tables = block_tables(self._block_ids_of(req))
+            live = {int(b) for g, table in enumerate(tables)
+                    if self.chunk_map.groups[g].kind == "sliding_window" for b in table}
+            if copied - live:
+                freed.append(req)
+        return tuple(freed)
 
     # -- completions -----------------------------------------------------------------------
 
@@ -404,3 +444,12 @@ class OffloadScheduler:
         if self.remote is not None:
             self.remote.close()
         self.disk_tier.close()
+
+
+def block_tables(block_ids: BlockTables) -> Sequence[Sequence[int]]:
+    """One table per KV cache group, also from a flat table (one group)."""
+    if len(block_ids) and not isinstance(block_ids[0], (list, tuple)):
+        return (block_ids,)  # type: ignore[return-value]
+    if not len(block_ids):
+        return ((),)
+    return block_ids  # type: ignore[return-value]

@@ -72,6 +72,7 @@ class PollResult:
     finished_req_ids: set[str]
     failed_block_ids: set[int]
     finished_sending: set[str] = field(default_factory=set)  # held requests now free
+    failed_req_ids: set[str] = field(default_factory=set)  # loads with a failed block
 
 
 class OffloadWorker:
@@ -297,6 +298,7 @@ class OffloadWorker:
         self._copy_ready()
         finished: set[str] = set()
         failed_blocks: set[int] = set()
+        failed_reqs: set[str] = set()
         now = self._clock()
         with self._lock:
             for job_id, load in list(self._loads.items()):
@@ -307,6 +309,8 @@ class OffloadWorker:
                 if blocks is not None:
                     finished.add(load.job.req_id)
                     failed_blocks.update(blocks)
+                    if blocks:
+                        failed_reqs.add(load.job.req_id)
                 if load.copy_ended():
                     self._report.loaded[job_id] = {self.rank: load.failed_rows()}
                     if load.bad_reads:
@@ -324,7 +328,7 @@ class OffloadWorker:
                     staged.ended = now
             elif now - staged.ended > STAGED_READ_TTL_S:
                 del self._staged[key]
-        return PollResult(finished, failed_blocks, self._copies.take_sent())
+        return PollResult(finished, failed_blocks, self._copies.take_sent(), failed_reqs)
 
     def _wait_for_a_load(self, timeout_s: float) -> None:
         """Block until a load not yet reported to vLLM has ended, there is none, or

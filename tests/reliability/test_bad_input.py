@@ -118,10 +118,11 @@ def fake_engine(spec_kind: str = "FullAttentionSpec", *, groups: int = 1, pp: in
 
 
 @pytest.mark.parametrize(("engine", "message"), [
-    ({"spec_kind": "FullAttentionSpec", "groups": 2},
-     "one KV cache group (one attention type); this model has 2 groups"),
-    ({"spec_kind": "SlidingWindowSpec"}, "this model uses SlidingWindowSpec"),
-    ({"spec_kind": "MambaSpec"}, "this model uses MambaSpec"),
+    ({"spec_kind": "ChunkedLocalAttentionSpec"},
+     "has a ChunkedLocalAttentionSpec KV cache group (chunked-local"),
+    ({"spec_kind": "CrossAttentionSpec"}, "has a CrossAttentionSpec KV cache group"),
+    ({"spec_kind": "SinkFullAttentionSpec"}, "has a SinkFullAttentionSpec KV cache group"),
+    ({"spec_kind": "MambaSpec"}, "with mamba or linear-attention layers (MambaSpec)"),
     ({"spec_kind": "FullAttentionSpec", "pp": 2}, "does not support pipeline parallelism"),
     ({"dcp": 2}, "context parallelism (decode_context_parallel_size=2)"),
     ({"pcp": 2}, "context parallelism (prefill_context_parallel_size=2)"),
@@ -129,7 +130,7 @@ def fake_engine(spec_kind: str = "FullAttentionSpec", *, groups: int = 1, pp: in
     ({"spec_method": "eagle3"}, "speculative decoding with method 'eagle3'"),
     ({"spec_method": "mtp"}, "speculative decoding with method 'mtp'"),
     ({"spec_method": "draft_model"}, "Use a draft-free method (ngram, ngram_gpu, suffix)"),
-], ids=["two-groups", "sliding-window", "mamba", "pipeline-parallel", "decode-cp",
+], ids=["chunked-local", "cross-attention", "sink", "mamba", "pipeline-parallel", "decode-cp",
         "prefill-cp", "sleep-mode", "eagle3", "mtp", "draft-model"])
 def test_unsupported_models_are_refused_at_start_up_with_the_reason(engine, message):
     from kv_offload.engine_info import UnsupportedEngineError, layout_from_vllm
