@@ -171,7 +171,7 @@ class SchedulerHarness:
             if kwargs.get("slab") is not None:
                 kwargs["slab"] = _FaultySlab(kwargs["slab"], self)
             worker = real_worker(**kwargs, clock=lambda: self.now)
-            for pool in ("_io", "_copier"):  # its thread pools: deterministic instead
+            for pool in ("_io", "_io_writes", "_copier"):  # its pools: deterministic instead
                 if not hasattr(worker, pool):
                     raise AttributeError(f"OffloadWorker has no {pool}; update the harness")
                 getattr(worker, pool).shutdown(wait=False)
@@ -180,6 +180,8 @@ class SchedulerHarness:
             if copies._thread is not None:  # background store copies: deterministic too
                 copies._thread.shutdown(wait=False)
                 copies._thread = self.store_executor  # a fence's wait runs the copy
+            copies._waiter.shutdown(wait=False)  # waits for copies that run on after store
+            copies._waiter = self.store_executor
             built.append(worker)
             return worker
 

@@ -12,10 +12,16 @@ because they are never freed under it:
 
 Blocks of running requests are never rewritten, so nothing else waits. vLLM's worker
 thread only (the store thread only runs copies).
+
+What must follow a copy (the tier writes of its host slots) is started by ``when_done``
+once the copy has ended, so that no I/O thread ever waits for a device copy: at once for
+a copy that is done, on the store thread that ends it, else on one waiter thread that
+sleeps on the copies' completion events in issue order (a copy stream completes in order).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -24,9 +30,12 @@ import numpy as np
 
 from kv_offload.copy.base import CopyEngine, CopyHandle
 
+logger = logging.getLogger(__name__)
+
 
 class StoreThread(Protocol):
-    """Where background store copies run: a one-thread pool (or a test's executor)."""
+    """Where background store copies, or waits for copies, run: a one-thread pool (or a
+    test's executor)."""
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future: ...
 
@@ -54,6 +63,11 @@ class HostCopy:
         """Done with an error (the host slots hold no chunk). Never blocks."""
         return self._future.done() and self._future.exception() is not None
 
+    def when_issued(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the copy is issued (or failed to be): at once on the calling
+        thread, or on the store thread that issues it."""
+        self._future.add_done_callback(lambda _: fn())
+
     def wait(self) -> None:
         """Block until the bytes are in the host slots; raises if the copy failed."""
         self._engine.wait(self._future.result())
@@ -71,15 +85,21 @@ class HostCopies:
 
     ``background``: run each copy on a store thread of its own (engines whose copies
     complete inside ``store``, i.e. vLLM's CPU backend), so ``issue`` returns at once;
-    ``initializer`` runs on that thread first (``ThreadPlacement.background``).
+    ``initializer`` runs on that thread, and on the waiter thread, first
+    (``ThreadPlacement.background``). ``waiter``: where ``when_done`` waits for copies
+    that run on after ``store`` returned (CUDA streams); default a thread of its own,
+    started on first use.
     """
 
     def __init__(self, engine: CopyEngine, *, background: bool,
-                 initializer: Callable[[], None] | None = None) -> None:
+                 initializer: Callable[[], None] | None = None,
+                 waiter: StoreThread | None = None) -> None:
         self.engine = engine
         self._thread: StoreThread | None = (
             ThreadPoolExecutor(1, thread_name_prefix="kv-offload-store", initializer=initializer)
             if background else None)
+        self._waiter: StoreThread = waiter or ThreadPoolExecutor(
+            1, thread_name_prefix="kv-offload-store-wait", initializer=initializer)
         self._by_req: dict[str, list[HostCopy]] = {}
         self._held: set[str] = set()
 
@@ -99,6 +119,21 @@ class HostCopies:
         for req in set(req_ids):
             self._by_req.setdefault(req, []).append(copy)
         return copy
+
+    def when_done(self, copy: HostCopy, fn: Callable[[bool], None]) -> None:
+        """Call ``fn(ok)`` once ``copy`` has ended, ``ok`` whether its bytes are in the host
+        slots: at once when it has, else on the store thread that ends it or the waiter
+        thread (never an I/O thread). ``fn`` must be quick and never raise (it is logged)."""
+        def issued() -> None:
+            if copy.done():
+                _call(fn, not copy.failed())
+                return
+            try:
+                self._waiter.submit(_wait_then, copy, fn)
+            except RuntimeError:  # closed (a copy issued during close): wait here
+                _wait_then(copy, fn)
+
+        copy.when_issued(issued)
 
     def fence(self, req_ids: Iterable[str]) -> None:
         """Order the next forward after every copy of these requests' blocks."""
@@ -129,6 +164,26 @@ class HostCopies:
         return len(self._by_req.keys() | self._held)
 
     def close(self) -> None:
-        """Let copies already issued finish; no new ones."""
+        """Let copies already issued finish, and what ``when_done`` queued behind them
+        start; no new ones."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+        self._waiter.shutdown(wait=True)
+
+
+def _wait_then(copy: HostCopy, fn: Callable[[bool], None]) -> None:
+    """Wait for ``copy`` to end, then ``fn(ok)`` (the waiter thread)."""
+    try:
+        copy.wait()
+    except Exception as exc:
+        logger.warning("kv-offload: an engine copy of stored chunks failed: %s", exc)
+        _call(fn, False)
+    else:
+        _call(fn, True)
+
+
+def _call(fn: Callable[[bool], None], ok: bool) -> None:
+    try:
+        fn(ok)
+    except Exception:  # a bug: the chunks are not written, nothing else is affected
+        logger.exception("kv-offload: queueing the writes of stored chunks failed")

@@ -1,14 +1,15 @@
 """OffloadWorker: the worker-side muscle that executes load and store jobs on one rank.
 
 Owns the rank's host slots, copy engine and slab file; makes no policy decisions.
-Disk and remote reads run on a thread pool, so the engine never waits on disk
-(invariant 6). Engine copies of loads run on one copy thread, or, with a synchronous
-engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on vLLM's thread
-once the reads they need are done (in ``start_loads`` or the next ``poll``), so the copy
-is reported in the same step. Store jobs are tracked by ``WorkerStores``
-(``worker/stores.py``). Everything it finished is reported back
-through ``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport``
-for the scheduler side.
+Disk and remote reads run on a thread pool (the read lane), so the engine never waits on
+disk (invariant 6); writes run on a pool of their own (the write lane), so a read for a
+load never queues behind a store. Engine copies of loads run on one copy thread, or, with
+a synchronous engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on
+vLLM's thread once the reads they need are done (in ``start_loads`` or the next
+``poll``), so the copy is reported in the same step. Store jobs are tracked by
+``WorkerStores`` (``worker/stores.py``). Everything it finished is reported back through
+``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport`` for the
+scheduler side.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies
-from kv_offload.worker.loads import WorkerLoad, completed, when_all_done
+from kv_offload.worker.loads import WorkerLoad, completed, succeeded, when_all_done
 from kv_offload.worker.reads import TierReads
 from kv_offload.worker.stores import WorkerStores, all_done, chunk_bytes, results
 from kv_offload.worker.writes import SlabWrites
@@ -109,8 +110,11 @@ class OffloadWorker:
         self.idle_wait_s = IDLE_STEP_WAIT_S
         self._clock = clock
         place = (placement or ThreadPlacement()).background
+        # Two lanes, so that reads for loads (TTFT) never queue behind writes for stores.
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io",
                                       initializer=place)
+        self._io_writes = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-write",
+                                             initializer=place)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-copy",
                                           initializer=place)
         self._copies = HostCopies(engine, background=background_stores, initializer=place)
@@ -131,20 +135,22 @@ class OffloadWorker:
             host=host, slab=slab, disk=self._disk, count=self._count, clock=clock)
         self._stores = WorkerStores(
             rank=rank, host=host, copies=self._copies, writes=self._writes, remote=remote,
-            submit=lambda fn, *args: self._io.submit(fn, *args), count=self._count,
+            submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._count,
             clock=clock)
 
     # -- loads -----------------------------------------------------------------------------
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
-        """Start ``jobs`` in the background: disk and remote reads on the I/O pool (and
-        the disk fills of remote chunks behind them), then the engine copy of each job,
-        once the reads it needs (its own and those of jobs it shares chunks with) are
-        done, so a slow disk never holds up the copies of other jobs. Returns at once,
-        except that a synchronous engine copies a job that needs no read right here."""
-        now, mark = self._clock(), self.engine.compute_mark() if jobs else None
+        """Start ``jobs`` in the background: disk and remote reads on the read lane (the
+        disk fills of remote chunks on the write lane once read), then the engine copy of
+        each job, once the reads it needs (its own and those of jobs it shares chunks
+        with) are done, so a slow disk never holds up the copies of other jobs. Returns at
+        once, except that a synchronous engine copies a job that needs no read right here."""
+        now = self._clock()
         for job in jobs:
-            load = WorkerLoad(job, now, mark)  # its copy waits for the compute before mark
+            # Its copy waits for the compute queued before this mark (one per job: each
+            # load releases its own once its copy is issued).
+            load = WorkerLoad(job, now, self.engine.compute_mark())
             reads: dict[int, Future[bool]] = {}
             needed: list[Future[bool]] = []
             fills: list[Future[int | None] | None] = []
@@ -158,8 +164,7 @@ class OffloadWorker:
                     self._staged[(job.job_id, move.cpu_slot)] = _Staged(fut)
                     needed.append(fut)
                     if move.fill_disk_slot is not None:
-                        # Queued behind its read, so a busy pool cannot deadlock on it.
-                        fills[i] = self._io.submit(self._fill_disk, fut, move)
+                        fills[i] = self._fill_after(fut, move)
                 elif move.after_job is not None:
                     staged = self._staged.get((move.after_job, move.cpu_slot))
                     if staged is not None:
@@ -215,14 +220,31 @@ class OffloadWorker:
     def _load_bytes(self, load: WorkerLoad) -> int:
         return sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
 
-    def _fill_disk(self, read: Future[bool], move: ChunkMove) -> int | None:
-        """Write a chunk fetched from the remote tier to its disk slot once ``read``
-        succeeded (I/O thread); its checksum, or None."""
-        try:
-            ok = read.result()
-        except Exception:
-            ok = False
-        if not ok or self._writes is None or move.cpu_slot is None or move.fill_disk_slot is None:
+    def _fill_after(self, read: Future[bool], move: ChunkMove) -> Future[int | None]:
+        """Write a chunk fetched from the remote tier to its disk slot: queued on the write
+        lane once ``read`` succeeded (no thread waits for the read). Its future: the
+        chunk's checksum, or None when it was not written."""
+        fill: Future[int | None] = Future()
+
+        def written(done: Future[int | None]) -> None:
+            fill.set_result(None if done.cancelled() or done.exception() else done.result())
+
+        def queue(ended: Future[bool]) -> None:
+            if not succeeded(ended):
+                fill.set_result(None)
+                return
+            try:
+                self._io_writes.submit(self._fill_disk, move).add_done_callback(written)
+            except RuntimeError:  # shut down by close()
+                fill.set_result(None)
+
+        read.add_done_callback(queue)
+        return fill
+
+    def _fill_disk(self, move: ChunkMove) -> int | None:
+        """Write a chunk read from the remote tier to its disk slot (write lane); its
+        checksum, or None."""
+        if self._writes is None or move.cpu_slot is None or move.fill_disk_slot is None:
             return None
         return self._writes.write(move.cpu_slot, move.fill_disk_slot)
 
@@ -378,6 +400,7 @@ class OffloadWorker:
             with contextlib.suppress(Exception):
                 w.result(timeout=max(0.0, deadline - self._clock()))
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._io_writes.shutdown(wait=False, cancel_futures=True)
         self._copier.shutdown(wait=False, cancel_futures=True)
         running = [f for f in pending + [s.read for s in self._staged.values()]
                    + [load.future for load in self._loads.values() if load.future is not None]

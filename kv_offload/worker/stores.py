@@ -1,14 +1,17 @@
 """WorkerStores: one rank's store jobs, from the engine copy to the last tier write.
 
 A store job's engine -> host copy is issued through ``HostCopies`` (never waited for in the
-step); its slab writes (``SlabWrites``) and remote writes queue behind that copy on the
-worker's I/O threads. ``collect`` moves what ended into the scheduler's ``WorkerReport``:
-the host copy first (the CPU tier can serve the chunk), then each tier's results once all
-of the job's writes are done. vLLM's worker thread only.
+step); once it has ended (``HostCopies.when_done``), its slab writes (``SlabWrites``) and
+remote writes are queued on the worker's write lane, so that no I/O thread waits for a
+device copy and no read for a load waits behind a store. ``collect`` moves what ended
+into the scheduler's ``WorkerReport``: the host copy first (the CPU tier can serve the
+chunk), then each tier's results once all of the job's writes are done. vLLM's worker
+thread only, except the ``when_done`` callbacks (the store or waiter thread).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -35,13 +38,23 @@ class _Store:
     job: StoreJob
     copy: HostCopy
     writes: list[Future[int | None] | None]  # slab writes: checksum or None
-    remote_writes: list[Future[bool] | None]
+    remote_writes: list[Future[bool | None] | None]  # None: not written
     host_reported: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _WriteTask:
+    """One write-lane task of a store job: ``fn(*args)`` returns one result per future."""
+
+    fn: Callable[..., Sequence[Any]]
+    args: tuple[Any, ...]
+    futures: list[Future[Any]]
+
+
 class WorkerStores:
-    """The store jobs of one rank in flight. ``submit(fn, *args)`` queues I/O work (the
-    worker's I/O pool); ``count(**deltas)`` adds to the worker's counters."""
+    """The store jobs of one rank in flight. ``submit(fn, *args)`` queues write work (the
+    worker's write lane; called from the store or waiter thread too); ``count(**deltas)``
+    adds to the worker's counters."""
 
     def __init__(self, *, rank: int, host: HostSlots, copies: HostCopies,
                  writes: SlabWrites | None, remote: RemoteTier | None,
@@ -61,8 +74,8 @@ class WorkerStores:
         return len(self._stores)
 
     def run(self, jobs: Sequence[StoreJob]) -> None:
-        """Issue each job's engine copy (ordered after this step's compute) and queue its
-        slab and remote writes behind it. Never waits for a copy."""
+        """Issue each job's engine copy (ordered after this step's compute); its slab and
+        remote writes are queued once the copy has ended. Never waits for a copy."""
         for job in jobs:
             slots = np.array([m.cpu_slot for m in job.chunks], dtype=np.int64)
             blocks = np.array([m.block_ids for m in job.chunks], dtype=np.int64)
@@ -71,12 +84,16 @@ class WorkerStores:
             # Issue time (the copy runs in the background, or inline on a sync engine).
             self._count(bytes_store=chunk_bytes(blocks, self.host.slot_bytes),
                         seconds_store=self._clock() - start)
-            writes = self._queue_disk_writes(handle, job.chunks)
-            # Remote writes queue behind the local ones: never in the step's critical path.
-            remote_writes = [None if m.remote_key is None or self.remote is None
-                             else self._submit(self._write_remote, handle, m)
-                             for m in job.chunks]
+            tasks, writes = self._disk_write_tasks(job.chunks)
+            remote_writes: list[Future[bool | None] | None] = [None] * len(job.chunks)
+            for i, move in enumerate(job.chunks):  # queued behind the local ones
+                if move.remote_key is not None and self.remote is not None:
+                    future: Future[bool | None] = Future()
+                    remote_writes[i] = future
+                    tasks.append(_WriteTask(self._write_remote, (move,), [future]))
             self._stores[job.job_id] = _Store(job, handle, writes, remote_writes)
+            if tasks:
+                self._copies.when_done(handle, functools.partial(self._queue_writes, tasks))
 
     def collect(self, report: WorkerReport) -> None:
         """Add what ended since the last call to ``report``: host copies done or failed,
@@ -102,14 +119,15 @@ class WorkerStores:
         return [w for s in list(self._stores.values()) for w in s.writes + s.remote_writes
                 if w is not None]
 
-    def _queue_disk_writes(self, handle: HostCopy, chunks: Sequence[ChunkMove]
-                           ) -> list[Future[int | None] | None]:
-        """Queue the slab writes of a job's chunks behind its engine copy, in tasks of
-        ``SlabWrites.chunks_per_task``; one future per chunk (None: no disk slot), its
-        checksum or None when the write failed."""
+    def _disk_write_tasks(self, chunks: Sequence[ChunkMove]
+                          ) -> tuple[list[_WriteTask], list[Future[int | None] | None]]:
+        """The slab writes of a job's chunks, in tasks of ``SlabWrites.chunks_per_task``,
+        and one future per chunk (None: no disk slot): its checksum, or None when it was
+        not written."""
         writes: list[Future[int | None] | None] = [None] * len(chunks)
+        tasks: list[_WriteTask] = []
         if self._writes is None:
-            return writes
+            return tasks, writes
         rows = [(i, (m.cpu_slot, m.disk_slot)) for i, m in enumerate(chunks)
                 if m.cpu_slot is not None and m.disk_slot is not None]
         per_task = self._writes.chunks_per_task()
@@ -118,25 +136,56 @@ class WorkerStores:
             futures: list[Future[int | None]] = [Future() for _ in task]
             for (i, _), future in zip(task, futures):
                 writes[i] = future
-            self._submit(self._writes.write_after_copy, handle, [p for _, p in task], futures)
-        return writes
+            tasks.append(_WriteTask(self._writes.write_chunks, ([p for _, p in task],),
+                                    list(futures)))
+        return tasks, writes
 
-    def _write_remote(self, handle: HostCopy, move: ChunkMove) -> bool:
-        """Write one chunk to the remote tier (I/O thread); False when it failed or the
-        tier is backing off (a skipped store, counted)."""
-        try:
-            handle.wait()
-        except Exception:
-            return False
+    def _queue_writes(self, tasks: list[_WriteTask], copied: bool) -> None:
+        """Queue ``tasks`` on the write lane now that their copy has ended (vLLM's, the
+        store or the waiter thread); a failed copy, or a lane shut down, writes nothing."""
+        for task in tasks:
+            if not copied:
+                _settle(task.futures, None)
+                continue
+            try:
+                done = self._submit(task.fn, *task.args)
+            except RuntimeError:  # the lane was shut down (close() past its deadline)
+                _settle(task.futures, None)
+                continue
+            done.add_done_callback(functools.partial(_spread, task.futures))
+
+    def _write_remote(self, move: ChunkMove) -> list[bool]:
+        """Write one chunk to the remote tier (write lane, its copy done); [False] when it
+        failed or the tier is backing off (a skipped store, counted)."""
         if self.remote is None or move.cpu_slot is None or move.remote_key is None:
-            return False  # never queued so
+            return [False]  # never queued so
         view = self.host.slot_view(move.cpu_slot)
         start = self._clock()
         if not self.remote.write(move.remote_key, self.rank, view):
             self._count(remote_skipped_stores=1)
-            return False
+            return [False]
         self._count(bytes_remote_write=len(view), seconds_remote_write=self._clock() - start)
-        return True
+        return [True]
+
+
+def _spread(futures: list[Future[Any]], done: Future[Sequence[Any]]) -> None:
+    """Give each of ``futures`` its result of the write-lane task ``done`` (None for all
+    when it raised or was cancelled)."""
+    values: Sequence[Any] = [None] * len(futures)
+    if not done.cancelled():  # cancelled: close() went past its deadline
+        try:
+            values = done.result()
+        except Exception:  # a bug: these chunks are not written, nothing else is affected
+            logger.exception("kv-offload: a write of stored chunks failed")
+    for future, value in zip(futures, values):
+        if not future.done():
+            future.set_result(value)
+
+
+def _settle(futures: list[Future[Any]], value: Any) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(value)
 
 
 def _log_store_failure(job_id: int, copy: HostCopy) -> None:

@@ -1,18 +1,16 @@
 """SlabWrites: one rank's writes of stored chunks from their host slots to its slab file.
 
-Runs on the worker's I/O threads, behind the engine copy that fills the host slots. A
-store job's chunks go out in tasks of up to ``WRITE_TASK_BYTES``, each one
-``SlabFile.write_many``: small chunks in few system calls, a large job still spread over
-the I/O threads. When a task's write fails, each of its chunks is written alone to learn
+Runs on the worker's write lane, queued once the engine copy that fills the host slots
+has ended (``worker/stores.py``). A store job's chunks go out in tasks of up to
+``WRITE_TASK_BYTES``, each one ``SlabFile.write_many``: small chunks in few system calls,
+a large job still spread over the lane's threads. When a task's write fails, each of its chunks is written alone to learn
 which failed (a full disk may still take some). A failed write is a skipped store, never
 an error for vLLM: ``DiskHealth`` accounts it and it is counted.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kv_offload.worker.disk_health import DiskHealth
@@ -20,9 +18,6 @@ from kv_offload.worker.disk_health import DiskHealth
 if TYPE_CHECKING:
     from kv_offload.disk.slab import SlabFile
     from kv_offload.host_buffer import HostSlots
-    from kv_offload.worker.host_copies import HostCopy
-
-logger = logging.getLogger(__name__)
 
 WRITE_TASK_BYTES = 8 << 20
 
@@ -42,22 +37,9 @@ class SlabWrites:
     def chunks_per_task(self) -> int:
         return max(1, WRITE_TASK_BYTES // self.host.slot_bytes)
 
-    def write_after_copy(self, handle: HostCopy, pairs: list[tuple[int, int]],
-                         futures: list[Future[int | None]]) -> None:
-        """Write (host slot, disk slot) ``pairs`` once the engine copy ``handle`` is done;
-        each future gets its chunk's checksum, or None when it was not written."""
-        sums: list[int | None] = [None] * len(pairs)
-        try:
-            handle.wait()
-        except Exception as exc:
-            logger.warning("kv-offload: engine copy of a stored chunk failed: %s", exc)
-        else:
-            sums = self._write_many(pairs)
-        finally:
-            for future, digest in zip(futures, sums):
-                future.set_result(digest)
-
-    def _write_many(self, pairs: list[tuple[int, int]]) -> list[int | None]:
+    def write_chunks(self, pairs: list[tuple[int, int]]) -> list[int | None]:
+        """Write (host slot, disk slot) ``pairs`` whose engine copy has ended; each chunk's
+        checksum, or None when it was not written. Never raises."""
         if len(pairs) == 1:  # a failure would only write it again
             return [self.write(*pairs[0])]
         start = self._clock()

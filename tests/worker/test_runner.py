@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_offload.copy import make_copy_engine
+from kv_offload.copy import Direction, make_copy_engine
 from kv_offload.disk import SlabFile
 from kv_offload.host_buffer import allocate_host_slots
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
@@ -468,3 +468,66 @@ def test_close_leaves_the_slab_open_while_a_write_outlives_its_deadline(planes, 
         release.set()
     wait_until(lambda: os.path.getsize(slab.path) == 6 * SLOT_BYTES)
     slab.close()
+
+
+class HeldStoreEngine:
+    """The CPU engine with its store copies held back until ``release`` is set: on the
+    store thread (``cpu_background_stores``), or as on a CUDA stream, where ``store``
+    returns at once and the handle is done only later."""
+
+    def __init__(self, engine, *, stream: bool) -> None:
+        self.unheld, self.stream, self.release = engine, stream, threading.Event()
+        self.synchronous = not stream  # on CUDA, loads are copied on the copy thread
+
+    def store(self, block_ids, slots, *, after=None):
+        if not self.stream:
+            assert self.release.wait(10), "the test never released the store copies"
+        return self.unheld.store(block_ids, slots)
+
+    def is_done(self, handle) -> bool:
+        held = self.stream and handle.direction is Direction.STORE
+        return not (held and not self.release.is_set()) and self.unheld.is_done(handle)
+
+    def wait(self, handle) -> None:
+        if self.stream and handle.direction is Direction.STORE:
+            assert self.release.wait(10), "the test never released the store copies"
+        self.unheld.wait(handle)
+
+    def __getattr__(self, name):
+        return getattr(self.unheld, name)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["store_thread", "cuda_stream"])
+def test_a_disk_load_finishes_while_many_store_copies_are_held_back(planes, tmp_path, stream):
+    """Issue 27, section 4: a store's slab write waited for its engine copy on an I/O
+    thread, and reads for loads queued behind it in the same pool. Store copies run one
+    or two forwards behind (a CUDA stream, or the CPU backend's store thread), so a long
+    prefill parked every I/O thread and disk hits waited for it: TTFT suffered exactly
+    under load. Now a write is queued only once its copy ended, on a lane of its own."""
+    slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
+    payload = np.arange(SLOT_BYTES, dtype=np.uint64).astype(np.uint8)
+    checksum = slab.write(0, payload)
+    host = allocate_host_slots(8, SLOT_BYTES, pinned=False)
+    engine = HeldStoreEngine(make_copy_engine(planes, host, BPC), stream=stream)
+    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=slab, io_threads=2,
+                           background_stores=not stream)
+    stores = [StoreJob(i, (ChunkMove((i, i + 1), i, 10 + i),)) for i in range(1, 8)]
+    worker.run_stores(stores)
+    try:
+        worker.start_loads([LoadJob(100, "req", (ChunkMove((12, 13), 0, 0, (checksum,)),))])
+        _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f, timeout=3.0)
+        assert not failed
+        assert all(bytes(p[[12, 13]].numpy().tobytes()) == payload[i * 2 * PLANE_BYTES:
+                                                                   (i + 1) * 2 * PLANE_BYTES]
+                   .tobytes() for i, p in enumerate(planes))
+    finally:
+        engine.release.set()
+    reports, _, _ = drain(worker, until=lambda r, f, b: sum(len(x.disk_stored) for x in r) == 7)
+    for job in stores:
+        ((move,),) = [job.chunks]
+        out = np.empty(SLOT_BYTES, np.uint8)
+        (digest,) = next(x for x in reports if job.job_id in x.disk_stored
+                         ).disk_stored[job.job_id][0]
+        assert slab.read(move.disk_slot, out, digest)
+        assert np.array_equal(out, worker.host.slot_view(move.cpu_slot))
+    worker.close()

@@ -2,8 +2,9 @@
 
 The scheduler publishes a chunk in the CPU tier on ``host_stored`` and commits it on disk
 on ``disk_stored``; reporting either too early would serve bytes that are not there yet.
-Here the engine copy runs behind a gate (as a CUDA copy runs behind the step) and the I/O
-tasks run only when the test says so.
+Here the engine copy runs behind a gate (as a CUDA copy runs behind the step), and the
+wait for it and the I/O tasks run only when the test says so. No write is queued before
+its copy ended: an I/O thread waiting for a copy holds up the reads of loads.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SLOT_BYTES = PLANE_BYTES * BPC
 
 
 class ManualIO:
-    """An I/O pool whose tasks run when ``run_all`` is called."""
+    """An I/O pool (or waiter thread) whose tasks run when ``run_all`` is called."""
 
     def __init__(self) -> None:
         self.tasks: list[tuple[Future, object, tuple]] = []
@@ -82,13 +83,13 @@ def parts(tmp_path):
 def make_stores(parts, *, fail: bool = False):
     planes, host, slab = parts
     engine = GatedEngine(make_copy_engine(planes, host, BPC), fail=fail)
-    io = ManualIO()
+    io, waits = ManualIO(), ManualIO()
     writes = SlabWrites(host=host, slab=slab, disk=DiskHealth(0), count=lambda **_: None,
                         clock=lambda: 0.0)
-    stores = WorkerStores(rank=0, host=host, copies=HostCopies(engine, background=False),
-                          writes=writes, remote=None, submit=io.submit,
-                          count=lambda **_: None, clock=lambda: 0.0)
-    return stores, engine, io
+    copies = HostCopies(engine, background=False, waiter=waits)
+    stores = WorkerStores(rank=0, host=host, copies=copies, writes=writes, remote=None,
+                          submit=io.submit, count=lambda **_: None, clock=lambda: 0.0)
+    return stores, engine, io, waits
 
 
 JOB = StoreJob(7, (ChunkMove((1, 2), 0, 3), ChunkMove((5, 4), 1, 6)), req_ids=("r", "r"))
@@ -96,14 +97,17 @@ JOB = StoreJob(7, (ChunkMove((1, 2), 0, 3), ChunkMove((5, 4), 1, 6)), req_ids=("
 
 def test_the_host_copy_is_reported_when_done_and_the_disk_once_every_write_ended(parts):
     planes, host, slab = parts
-    stores, engine, io = make_stores(parts)
+    stores, engine, io, waits = make_stores(parts)
     stores.run([JOB])
     report = WorkerReport()
     stores.collect(report)
     assert not report, "nothing is reported while the copy runs"
     assert len(stores.pending_writes()) == 2
+    assert io.tasks == [], "no write is queued while its copy runs"
 
     engine.gate.set()
+    waits.run_all()  # the waiter thread sees the copy end and queues the writes
+    assert len(io.tasks) == 1  # both chunks in one task
     stores.collect(report)
     assert report.host_stored == {7: 1} and not report.disk_stored, "writes still queued"
 
@@ -119,12 +123,12 @@ def test_the_host_copy_is_reported_when_done_and_the_disk_once_every_write_ended
 
 def test_a_failed_copy_is_reported_and_its_disk_slots_come_back_unwritten(parts):
     slab = parts[2]
-    stores, _, io = make_stores(parts, fail=True)
+    stores, _, io, _ = make_stores(parts, fail=True)
     stores.run([JOB])
     report = WorkerReport()
     stores.collect(report)
     assert report.host_failed == {7: 1} and not report.host_stored
-    io.run_all()  # the writes behind a failed copy write nothing
+    assert io.tasks == [], "nothing is written behind a failed copy"
     stores.collect(report)
     assert report.disk_stored == {7: {0: (None, None)}}
     assert os.path.getsize(slab.path) == 0, "nothing was written"
