@@ -137,6 +137,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             "remote tier %s, namespace %s", role.name.lower(), self.layout.chunk_tokens,
             format_size(self.layout.slot_bytes), format_size(self.config.cpu_bytes),
             self.config.disk_path if self.persistent else "off", remote, self.namespace)
+        if self.layout.groups:
+            logger.info("kv-offload %s: %d KV cache groups (vLLM's hybrid KV cache manager): "
+                        "%s; a chunk holds %d blocks", role.name.lower(),
+                        len(self.layout.groups), ", ".join(
+                            f"{g.kind}{f'({g.window})' if g.window else ''} x{g.num_layers}"
+                            for g in self.layout.groups), self.layout.blocks_per_chunk)
 
     @property
     def requires_kv_delivery(self) -> bool:

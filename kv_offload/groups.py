@@ -3,8 +3,8 @@
 vLLM's hybrid KV cache manager gives a request one block table per KV cache group
 (full attention, MLA, sliding window), all from one block pool: a block id belongs to
 one group at a time, and the layers of different groups are views of the same tensors.
-A stored chunk holds, for every group, the blocks a later request can need (invariant
-10 in docs/architecture.md):
+A stored chunk holds, for every group, the blocks a later request can need
+(docs/architecture.md, "KV cache groups"):
 
 - a full-attention (or MLA) group: every block of the chunk;
 - a sliding-window group of window W: only the chunk's last ``ceil((W - 1) / block)``

@@ -85,8 +85,15 @@ class CopyEngine(abc.ABC):
         """A token for the compute issued so far on the calling thread's stream, to
         order a copy issued later from another thread after that work, and only that
         (``after=`` of ``store``/``load``). None for engines without streams, which
-        ignore ``after``."""
+        ignore ``after``. The caller gives it back with ``release_mark``."""
         return None
+
+    def release_mark(self, mark: object | None) -> None:
+        """Free a ``compute_mark`` token that no copy will be ordered after any more, now
+        and on the calling thread (an engine with streams destroys its event there, on its
+        own device; left to the garbage collector, it would go on whichever thread runs
+        it). The token must not be used afterwards. Engines without streams: nothing to do."""
+        del mark
 
     @abc.abstractmethod
     def close(self) -> None:

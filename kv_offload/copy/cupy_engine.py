@@ -112,6 +112,17 @@ extern "C" __global__ void kvo_copy_tiles(unsigned long long table_addr) {
 _KERNEL_THREADS = 256
 
 
+class _Mark:
+    """A ``compute_mark()`` token: holds the only reference to its event, so that
+    ``release_mark`` destroys the event at once, on the thread that made the engine's
+    device current (a CuPy event is destroyed where its last reference goes)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event: Any = event
+
+
 @dataclass(slots=True)
 class _Pending:
     event: Any  # cupy.cuda.Event recorded after the call's copies
@@ -243,13 +254,21 @@ class CupyCopyEngine(CopyEngine):
             self._cp.cuda.runtime.streamWaitEvent(self._compute_stream(None),
                                                   pending.event.ptr)
 
-    def compute_mark(self) -> Any:
+    def compute_mark(self) -> _Mark:
         """An event recorded now on the calling thread's compute stream (vLLM's thread):
-        pass it as ``after`` from another thread."""
+        pass it as ``after`` from another thread, then give it to ``release_mark``."""
         self._use_device()
-        mark = self._cp.cuda.Event(block=False, disable_timing=True)
-        self._cp.cuda.runtime.eventRecord(mark.ptr, self._compute_stream(None))
-        return mark
+        event = self._cp.cuda.Event(block=False, disable_timing=True)
+        self._cp.cuda.runtime.eventRecord(event.ptr, self._compute_stream(None))
+        return _Mark(event)
+
+    def release_mark(self, mark: object | None) -> None:
+        """Destroy the mark's event now, on the calling thread with the engine's device
+        current (never where the garbage collector happens to run, which could make a
+        context on device 0). Idempotent."""
+        if isinstance(mark, _Mark) and mark.event is not None:
+            self._use_device()
+            mark.event = None  # the last reference: cudaEventDestroy here
 
     def _current_stream(self) -> int:
         """The raw handle of the calling thread's current CUDA stream (or the fixed
@@ -318,8 +337,10 @@ class CupyCopyEngine(CopyEngine):
                 if self._closed:
                     raise CopyEngineClosedError("CupyCopyEngine is closed")
             stream = self._streams[direction]
-            if isinstance(after, cp.cuda.Event):  # a compute_mark(): already recorded
-                ready = after
+            if isinstance(after, _Mark):  # a compute_mark(): already recorded
+                ready = after.event
+                if ready is None:
+                    raise ValueError("a compute mark was used after release_mark")
             else:
                 ready = cp.cuda.Event(block=False, disable_timing=True)
                 cp.cuda.runtime.eventRecord(ready.ptr, self._compute_stream(after))

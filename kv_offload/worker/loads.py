@@ -60,6 +60,11 @@ class WorkerLoad:
                 ok_rows.append(i)
         return ok_rows
 
+    def take_mark(self) -> object | None:
+        """The compute mark, for ``CopyEngine.release_mark`` (None from then on)."""
+        mark, self.mark = self.mark, None
+        return mark
+
     def begin_copy(self) -> bool:
         """READING -> COPYING; False (no change) when the load was cancelled meanwhile."""
         if self.phase is WorkerLoadPhase.CANCELLED:
@@ -118,19 +123,24 @@ def completed() -> Future[None]:
 
 def when_all_done(futures: Sequence[Future], fn: Callable[[], None]) -> None:
     """Call ``fn()`` once every future is done: at once if none is pending, else on the
-    thread that completes the last one."""
+    thread that completes the last one. The futures keep no reference to ``fn`` after
+    it ran: it usually holds them (a load's reads), and such a cycle would leave the load,
+    its compute mark (a CUDA event) included, to the garbage collector."""
     pending = [f for f in futures if not f.done()]
     if not pending:
         fn()
         return
-    left, lock = [len(pending)], threading.Lock()
+    lock = threading.Lock()
+    left: int = len(pending)
+    call: Callable[[], None] | None = fn
 
     def one_done(_: Future) -> None:
+        nonlocal left, call
         with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            fn()
+            left -= 1
+            run, call = (call, None) if left == 0 else (None, call)
+        if run is not None:
+            run()
 
     for future in pending:
         future.add_done_callback(one_done)

@@ -212,6 +212,7 @@ class OffloadWorker:
         try:
             future = self._copier.submit(self._copy_load, load, reads)
         except RuntimeError:  # shut down by close()
+            self._release_mark(load)
             return
         with self._lock:
             load.future = future
@@ -257,6 +258,17 @@ class OffloadWorker:
             logger.exception("kv-offload: load job %d failed", load.job.job_id)
             with self._lock:
                 load.failed.update(range(len(load.job.chunks)))
+        finally:
+            self._release_mark(load)
+
+    def _release_mark(self, load: WorkerLoad) -> None:
+        """Free the load's compute mark now that no copy is ordered after it: here, on a
+        thread of the engine's device, not where the garbage collector runs."""
+        try:
+            self.engine.release_mark(load.take_mark())
+        except Exception:
+            logger.exception("kv-offload: releasing the compute mark of load job %d failed",
+                             load.job.job_id)
 
     def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Copy the chunks of ``load`` whose reads succeeded into the engine."""

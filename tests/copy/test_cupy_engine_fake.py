@@ -7,8 +7,10 @@ CUDA call of every thread runs on, and that waits sleep instead of spinning."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,6 +38,7 @@ class FakeCupy:
         self.fail_memcpy_after: int | None = None  # memcpyAsync calls that succeed
         self.recorded: list[tuple[int, int]] = []  # runtime.eventRecord: (event, stream)
         self.waited: list[int] = []  # the events copy streams were made to wait on
+        self.destroyed: list[tuple[int, str, int]] = []  # cudaEventDestroy: (event, thread, device)
         self._tls = threading.local()
         fake = self
 
@@ -54,6 +57,10 @@ class FakeCupy:
 
             def record(self, stream=None):
                 fake.call("eventRecord")
+
+            def __del__(self):  # CuPy's __dealloc__: cudaEventDestroy on the current device
+                fake.destroyed.append((self.ptr, threading.current_thread().name,
+                                       fake.current()))
 
         class Stream:
             def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
@@ -273,7 +280,8 @@ def test_a_load_waits_for_the_compute_before_its_mark_not_for_work_queued_later(
     engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
                             compute_stream=COMPUTE_STREAM, mode="memcpy")
     mark = engine.compute_mark()  # vLLM's thread
-    assert fake.recorded == [(mark.ptr, COMPUTE_STREAM)]
+    mark_ptr = mark.event.ptr
+    assert fake.recorded == [(mark_ptr, COMPUTE_STREAM)]
 
     def copy_thread():
         engine.wait(engine.load(np.array([0]), np.array([[10, 11]]), after=mark))
@@ -281,8 +289,8 @@ def test_a_load_waits_for_the_compute_before_its_mark_not_for_work_queued_later(
     thread = threading.Thread(target=copy_thread, name="kv-offload-copy")
     thread.start()
     thread.join()
-    assert fake.recorded == [(mark.ptr, COMPUTE_STREAM)]  # nothing new on the compute stream
-    assert fake.waited == [mark.ptr]
+    assert fake.recorded == [(mark_ptr, COMPUTE_STREAM)]  # nothing new on the compute stream
+    assert fake.waited == [mark_ptr]
     engine.wait(engine.load(np.array([1]), np.array([[12, 13]]), after=COMPUTE_STREAM))
     assert fake.recorded[-1][1] == COMPUTE_STREAM and fake.waited[-1] == fake.recorded[-1][0]
     engine.close()
@@ -301,3 +309,71 @@ def test_waits_sleep_instead_of_spinning(fake):
     engine.close()
     assert "eventSynchronize" in fake.calls()
     assert "eventSynchronize(spinning)" not in fake.calls()
+
+
+@pytest.fixture
+def no_gc():
+    """The garbage collector off: what is freed is freed by reference counting, at once."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_release_mark_destroys_its_event_at_once_on_the_engines_device(fake, no_gc):
+    """Issue 27, section 5: compute marks were left to the garbage collector, which
+    destroys a CUDA event on whichever thread it runs (a thread that never chose a device
+    puts a context on GPU 0 for it). ``release_mark`` destroys it on the calling thread,
+    with the engine's device made current first, even where that thread used no CUDA."""
+    _, planes = kv_planes()
+    _, host = padded_host(2, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE, compute_stream=COMPUTE_STREAM)
+    mark = engine.compute_mark()
+    ((ptr, _),) = fake.recorded
+    thread = threading.Thread(target=engine.release_mark, args=(mark,), name="kv-offload-io")
+    thread.start()
+    thread.join()
+    assert fake.destroyed == [(ptr, "kv-offload-io", ENGINE_DEVICE)]
+    engine.release_mark(mark)  # idempotent
+    with pytest.raises(ValueError, match="release_mark"):
+        engine.load(np.array([0]), np.array([[3, 4]]), after=mark)
+    engine.close()
+
+
+class ReadySlab:
+    """A slab whose reads succeed at once."""
+
+    def read(self, slot, buf, expected):
+        np.frombuffer(buf, dtype=np.uint8)[:] = 5
+        return True
+
+    def close(self):
+        pass
+
+
+def test_a_loads_compute_mark_is_destroyed_on_the_copy_thread_once_its_copy_is_issued(
+        fake, no_gc):
+    """Issue 27, section 5: the worker's load marks lived in a reference cycle (read
+    future -> callback -> partial -> reads -> read future) and, with the read kept for
+    later jobs, were destroyed by the garbage collector, on an arbitrary thread and
+    device. Now each load's mark is destroyed once its copy is issued, by the copy
+    thread, on the engine's device; the garbage collector is off here."""
+    from kv_offload.jobs import ChunkMove, LoadJob
+    from kv_offload.worker import OffloadWorker
+
+    _, planes = kv_planes()
+    _, host = padded_host(4, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE, compute_stream=COMPUTE_STREAM)
+    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=ReadySlab(), io_threads=1)
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((10, 11), 0, 3, (0,)),))])
+    ((mark, _),) = fake.recorded
+    deadline = time.monotonic() + 10
+    finished: set[str] = set()
+    while "req" not in finished:
+        assert time.monotonic() < deadline, "the load never finished"
+        finished |= worker.poll().finished_req_ids
+        time.sleep(0.01)
+    assert bool((planes[0][10] == 5).all())
+    assert [d for d in fake.destroyed if d[0] == mark] == [
+        (mark, "kv-offload-copy_0", ENGINE_DEVICE)]
+    worker.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import gc
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -77,3 +80,24 @@ def test_when_all_done_calls_once_after_the_last(num_pending):
         assert calls == []
         future.set_result(True)
     assert calls == [1]
+
+
+def test_when_all_done_keeps_no_reference_to_its_callback_once_called():
+    """Issue 27, section 5: the worker's callback holds the load and its reads, and the
+    reads held the callback: a cycle (read -> callback -> partial -> reads -> read), so a
+    load, its CUDA compute mark included, outlived its use until the garbage collector
+    ran, on whatever thread that was. Reference counting alone frees it now."""
+    class Load:  # stands for a WorkerLoad (slotted, so not weakly referable)
+        pass
+
+    load = Load()
+    freed = weakref.ref(load)
+    read: Future = Future()
+    when_all_done([read], functools.partial(lambda load, reads: None, load, {0: read}))
+    del load
+    gc.disable()
+    try:
+        read.set_result(True)
+        assert freed() is None, "the read still holds the load"
+    finally:
+        gc.enable()

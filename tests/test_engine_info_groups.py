@@ -1,0 +1,87 @@
+"""``layout_from_vllm`` on hybrid KV cache configs (vLLM's own spec classes, no engine).
+
+The namespace must name the groups (a hybrid-on engine never shares chunks with the same
+model's hybrid-off engine), keep single-group namespaces as they were, and refuse groups
+whose blocks do not line up page for page.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from kv_offload.config import OffloadConfig
+from kv_offload.engine_info import (
+    UnsupportedEngineError,
+    aliased_layers,
+    layer_names,
+    layout_from_vllm,
+)
+from kv_offload.groups import KVGroup
+from kv_offload.testing.scheduler_harness import build_vllm_config
+
+BLOCK = 16
+
+
+def _full(block: int = BLOCK, heads: int = 1) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=64,
+                             dtype=torch.float32)
+
+
+def _window(window: int, block: int = BLOCK) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=block, num_kv_heads=1, head_size=64,
+                             dtype=torch.float32, sliding_window=window)
+
+
+def _layers(*indexes: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in indexes]
+
+
+def _config(*groups: KVCacheGroupSpec) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=list(groups))
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    return build_vllm_config(OffloadConfig(chunk_tokens=64), block_size=BLOCK,
+                             max_num_batched_tokens=64, max_num_seqs=4)
+
+
+def test_a_hybrid_engine_names_its_groups_and_sizes_a_chunk_by_them(vllm_config):
+    config = _config(KVCacheGroupSpec(_layers(0, 2, 4), _window(40)),
+                     KVCacheGroupSpec(_layers(1, 3), _full()))
+    layout = layout_from_vllm(vllm_config, config, OffloadConfig(chunk_tokens=64))
+    assert layout.groups == (KVGroup("sliding_window", 3, BLOCK, 40),
+                             KVGroup("full_attention", 2, BLOCK))
+    assert layout.num_layers == 3, "one per KV tensor: the groups overlay the same ones"
+    assert layout.blocks_per_chunk == 3 + 4  # the window's tail, then the whole chunk
+    assert layout.slot_bytes == 3 * layout.page_bytes * 7
+    assert layer_names(config) == _layers(0, 2, 4)
+    assert aliased_layers(config) == [_layers(0, 1), _layers(2, 3), _layers(4)]
+    single = layout_from_vllm(vllm_config, _config(KVCacheGroupSpec(_layers(0, 1), _full())),
+                              OffloadConfig(chunk_tokens=64))
+    assert single.groups == () and "groups" not in single.descriptor()
+    other_window = layout_from_vllm(vllm_config, _config(
+        KVCacheGroupSpec(_layers(0, 2, 4), _window(48)),
+        KVCacheGroupSpec(_layers(1, 3), _full())), OffloadConfig(chunk_tokens=64))
+    assert len({layout.fingerprint(), single.fingerprint(), other_window.fingerprint()}) == 3
+
+
+def test_a_model_with_only_sliding_window_layers_is_served(vllm_config):
+    layout = layout_from_vllm(vllm_config, _config(KVCacheGroupSpec(_layers(0, 1), _window(20))),
+                              OffloadConfig(chunk_tokens=64))
+    assert layout.groups == (KVGroup("sliding_window", 2, BLOCK, 20),)
+    assert layout.blocks_per_chunk == 2
+
+
+@pytest.mark.parametrize("other", [_full(block=32), _full(heads=2)], ids=["block", "page"])
+def test_groups_whose_blocks_differ_are_refused(vllm_config, other):
+    config = _config(KVCacheGroupSpec(_layers(0), _window(40)), KVCacheGroupSpec(_layers(1), other))
+    with pytest.raises(UnsupportedEngineError, match="share one block size and page layout"):
+        layout_from_vllm(vllm_config, config, OffloadConfig(chunk_tokens=64))
