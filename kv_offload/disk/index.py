@@ -24,7 +24,7 @@ from typing import TypeVar
 import lmdb
 
 from kv_offload.disk.env import StoreEnv, acquire_env, release_env
-from kv_offload.disk.namespace import COMMITTED, NamespaceTxn, open_namespace
+from kv_offload.disk.namespace import COMMITTED, RESERVED, NamespaceTxn, open_namespace
 from kv_offload.disk.owners import alive_owner, process_identity
 from kv_offload.disk.records import (
     PERSISTENT_COUNTERS,
@@ -50,6 +50,11 @@ class DiskIndex:
     thread is the intended caller). Across processes LMDB serialises writers and lookups
     never block. Pins are per process: another process may evict a slot pinned here; the
     per-rank checksums turn that into a failed read (a miss), never wrong data.
+
+    Every record is checked before it is trusted: a lookup that meets a malformed
+    entry, or one whose slot lies outside the namespace, answers a miss there and the
+    next write transaction removes the record (counted in ``bad_records``, logged); its
+    slot never reaches the free list.
     """
 
     def __init__(self, env: StoreEnv, *, record: dict, clock: Callable[[], float]) -> None:
@@ -58,6 +63,7 @@ class DiskIndex:
         self._namespace_id = record["namespace_id"]
         self._prefix = namespace_prefix(self._namespace_id)
         self._num_ranks = record["num_ranks"]
+        self._num_slots = record["num_slots"]  # may grow: another process's open()
         self._committed = EntryRecord.committed(self._num_ranks)  # slot, checksums
         self._clock, self._last_tick = clock, 0
         self._token = secrets.randbits(63)
@@ -65,6 +71,7 @@ class DiskIndex:
         self._pins: dict[int, int] = {}
         self._pending: dict[bytes, int] = {}  # key -> tick of its latest unflushed access
         self._counts = {"hits": 0, "misses": 0}  # unflushed
+        self._bad: dict[bytes, bytes] = {}  # key -> malformed record a lookup met
         self._next_reclaim = 0.0  # monotonic time of the next reclaim attempt when full
         self._closed = False
         env.live_tokens.add(self._token)
@@ -114,7 +121,7 @@ class DiskIndex:
         try:
             env.grow_map(map_size or num_slots * MAP_BYTES_PER_SLOT)
             record = env.write(lambda txn: open_namespace(
-                NamespaceTxn(txn, env.dbs, namespace_id), record, create=create,
+                NamespaceTxn(txn, env.dbs, namespace_id, root=env.root), record, create=create,
                 root=env.root, keep=alive_owner(env.live_tokens)))
         except BaseException:
             release_env(env)
@@ -133,25 +140,44 @@ class DiskIndex:
 
         One short read transaction. Records each hit's access in memory (applied to the
         LRU order by the next write: flush_access, allocate, commit...); writes nothing
-        and counts nothing (the planner asks again for the same request).
+        and counts nothing (the planner asks again for the same request). A malformed
+        record, or one whose slot lies outside the namespace, ends the prefix there and
+        is removed by the next write transaction.
         """
         self._check_open()
         found: list[DiskEntry] = []
         prefix, size, unpack = self._prefix, self._committed.size, self._committed.unpack_from
         entries, new = self._dbs["entries"], tuple.__new__  # DiskEntry(...) minus a frame
+        reserved_size, num_slots = EntryRecord.HEAD.size, self._num_slots
         with self._env.read() as txn:
             get = txn.get
             for key in keys:
                 value = get(prefix + key, db=entries)
-                if value is None or len(value) != size:  # absent, or reserved
+                if value is None:
                     break
+                if len(value) != size or value[0] != COMMITTED:
+                    if len(value) != reserved_size or value[0] != RESERVED:
+                        self._bad[key] = value
+                    break  # reserved (being written), or a bad record
                 fields = unpack(value)
+                if fields[0] >= num_slots and not self._slot_grown(txn, fields[0]):
+                    self._bad[key] = value
+                    break
                 found.append(new(DiskEntry, (key, fields[0], fields[1:])))
             tick = self._tick()
             pending = self._pending
             for entry in found:
                 pending[entry.key] = tick
         return found
+
+    def _slot_grown(self, txn: lmdb.Transaction[bytes], slot: int) -> bool:
+        """Whether ``slot`` lies inside the namespace as another process may have grown
+        it (reads the namespace record again)."""
+        op = NamespaceTxn(txn, self._dbs, self._namespace_id, root=self._env.root)
+        record = op.record()
+        if record is not None:
+            self._num_slots = max(self._num_slots, record["num_slots"])
+        return slot < self._num_slots
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is committed. A pure query: records no access."""
@@ -243,7 +269,10 @@ class DiskIndex:
         tried_reclaim = False
         out: list[int | None] = []
         for key in keys:
-            if op.get("entries", key) is not None:
+            value = op.get("entries", key)
+            if value is not None and op.parse_entry(value) is None:
+                op.discard_bad(key, value)  # a bad record is replaced, never kept
+            elif value is not None:
                 out.append(None)
                 continue
             slot = op.take_slot(record["num_slots"], self._pins)
@@ -271,11 +300,29 @@ class DiskIndex:
         return self._write(fn)
 
     def flush_access(self) -> None:
-        """Write the batched access ticks and hit/miss counts in one write transaction
-        (none when nothing is pending). Call periodically; every other write and close()
-        flush them as well."""
-        if self._pending or any(self._counts.values()):
+        """Write the batched access ticks and hit/miss counts, and remove the bad records
+        lookups met, in one write transaction (none when nothing is pending). Call
+        periodically; every other write and close() flush them as well."""
+        if self._pending or self._bad or any(self._counts.values()):
             self._write(lambda op: None)
+
+    def drop_bad_records(self, keys: Sequence[bytes]) -> int:
+        """Remove the entries of ``keys`` that are still bad records (malformed, or a
+        slot outside the namespace: ``kv-offload verify --repair``), then the slot and
+        LRU records they left (``sweep_orphans``, O(records)); return how many entries
+        were removed. One write transaction."""
+
+        def fn(op: NamespaceTxn) -> int:
+            dropped = 0
+            for key in keys:
+                value = op.get("entries", key)
+                if value is not None and op.parse_entry(value) is None:
+                    op.discard_bad(key, value)
+                    dropped += 1
+            op.sweep_orphans()
+            return dropped
+
+        return self._write(fn)
 
     def num_pending_accesses(self) -> int:
         """Hits recorded in memory and not yet written (``flush_access``)."""
@@ -289,7 +336,7 @@ class DiskIndex:
         """Counts of this namespace: persistent counters plus this process's unflushed ones."""
         self._check_open()
         with self._env.read() as txn:
-            op = NamespaceTxn(txn, self._dbs, self._namespace_id)
+            op = NamespaceTxn(txn, self._dbs, self._namespace_id, root=self._env.root)
             n = {name: op.counter(name) for name in ("entries", "reserved", "free", "hwm")}
             counters = {name: op.counter(name) for name in PERSISTENT_COUNTERS}
             num_slots = (op.record() or self._record)["num_slots"]
@@ -307,7 +354,8 @@ class DiskIndex:
         read transaction, O(entries): for tests and `kv-offload inspect`."""
         self._check_open()
         with self._env.read() as txn:
-            return NamespaceTxn(txn, self._dbs, self._namespace_id).check()
+            return NamespaceTxn(txn, self._dbs, self._namespace_id, record=self._record,
+                                root=self._env.root).check()
 
     def close(self) -> None:
         """Flush accesses, release this index's uncommitted reservations, and close the
@@ -338,19 +386,30 @@ class DiskIndex:
         return self._last_tick
 
     def _write(self, fn: Callable[[NamespaceTxn], T]) -> T:
-        """Run ``fn`` in one write transaction after applying the pending accesses, which
-        are cleared once it committed."""
+        """Run ``fn`` in one write transaction after removing the bad records lookups met
+        and applying the pending accesses, which are cleared once it committed."""
         self._check_open()
+        num_bad = 0
 
         def run(txn: lmdb.Transaction[bytes]) -> T:
-            op = NamespaceTxn(txn, self._dbs, self._namespace_id)
+            nonlocal num_bad
+            op = NamespaceTxn(txn, self._dbs, self._namespace_id, record=self._record,
+                              root=self._env.root)
+            for key, value in self._bad.items():
+                if op.get("entries", key) == value:
+                    op.discard_bad(key, value)
             op.apply_accesses(self._pending, self._counts)
             result = fn(op)
+            num_bad = op.deltas.get("bad_records", 0)
             op.finish()
             return result
 
         with self._env.lock:
             result = self._env.write(run)
-            self._pending = {}
+            self._pending, self._bad = {}, {}
             self._counts = dict.fromkeys(self._counts, 0)
+        if num_bad:
+            logger.warning("disk tier: removed %d bad index record(s) of namespace %s (cut "
+                           "short, or naming a slot outside the slab); each was a miss",
+                           num_bad, self._namespace_id)
         return result

@@ -5,6 +5,12 @@ An entry is RESERVED (a slot being written, invisible) or COMMITTED (visible, in
 order); ``slots`` names the key of every reserved or committed slot, ``free`` lists
 released slots below the high-water mark ``hwm``. Counter changes collect in ``deltas``
 until ``finish()``.
+
+Every record read is checked before it is trusted (invariant 9): an entry of the wrong
+size or state, or whose slot lies outside the namespace (``slot_ok``), is treated as
+absent, and a slot outside the namespace never reaches the free list or a reservation.
+Such records are removed where they are met (``discard_bad``, ``take_slot``) and counted
+in ``bad_records``: one bad record costs one miss.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import lmdb
 
-from kv_offload.disk.errors import NamespaceMismatchError, StoreError
+from kv_offload.disk.env import clear_hint
+from kv_offload.disk.errors import NamespaceMismatchError, StoreCorruptError, StoreError
 from kv_offload.disk.records import (
     CounterRecord,
     EntryRecord,
@@ -36,14 +44,21 @@ RESERVED, COMMITTED = EntryState.RESERVED, EntryState.COMMITTED
 
 class NamespaceTxn:
     """The records of one namespace inside one LMDB transaction. Lives as long as its
-    transaction, on its thread; writes only through that transaction."""
+    transaction, on its thread; writes only through that transaction.
 
-    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict, namespace_id: str) -> None:
-        self.txn, self.dbs, self.namespace_id = txn, dbs, namespace_id
+    ``record``: the namespace record as the caller knows it (its rank count and a lower
+    bound of its slot count), saving a read; ``root`` names the store in messages.
+    """
+
+    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict, namespace_id: str, *,
+                 record: dict | None = None, root: object = None) -> None:
+        self.txn, self.dbs, self.namespace_id, self.root = txn, dbs, namespace_id, root
         self.p = namespace_prefix(namespace_id)
         self.deltas: dict[str, int] = defaultdict(int)
         self.hwm: int | None = None  # cached high-water mark (take_slot)
         self.free_exhausted = False  # the free list has no unpinned slot (take_slot)
+        self._num_ranks: int | None = record["num_ranks"] if record else None
+        self._num_slots: int = record["num_slots"] if record else 0
 
     def get(self, db: str, key: bytes) -> bytes | None:
         return self.txn.get(self.p + key, db=self.dbs[db])
@@ -55,8 +70,68 @@ class NamespaceTxn:
         self.txn.delete(self.p + key, db=self.dbs[db])
 
     def record(self) -> dict | None:
-        return NamespaceRecord.unpack(
-            self.txn.get(self.namespace_id.encode(), db=self.dbs["namespaces"]))
+        """The namespace record; None if there is none. StoreCorruptError if damaged."""
+        raw = self.txn.get(self.namespace_id.encode(), db=self.dbs["namespaces"])
+        try:
+            record = NamespaceRecord.unpack(raw)
+        except ValueError as exc:
+            where = f" in {self.root}" if self.root else ""
+            raise StoreCorruptError(
+                f"the index record of namespace {self.namespace_id}{where} is damaged "
+                f"({exc}); " + (clear_hint(self.root) if isinstance(self.root, Path) else
+                                "the store is only a cache: clear it")) from None
+        if record is not None:
+            self._num_ranks, self._num_slots = record["num_ranks"], record["num_slots"]
+        return record
+
+    def slot_ok(self, slot: int) -> bool:
+        """Whether ``slot`` lies inside the namespace. Beyond the slot count known so far
+        the record is read again: another process may have grown the namespace."""
+        if 0 <= slot < self._num_slots:
+            return True
+        record = self.record()
+        return record is not None and 0 <= slot < record["num_slots"]
+
+    def parse_entry(self, value: bytes) -> tuple[EntryState, int, int] | None:
+        """(state, slot, tick) of an ``entries`` value; None when it is malformed or its
+        slot lies outside the namespace (or the namespace has no record)."""
+        if self._num_ranks is None and self.record() is None:
+            return None
+        parsed = EntryRecord.parse(value, self._num_ranks or 0)
+        return parsed if parsed is not None and self.slot_ok(parsed[1]) else None
+
+    def why_bad(self, value: bytes) -> str:
+        """Why ``parse_entry`` refuses an ``entries`` value, for messages."""
+        parsed = EntryRecord.parse(value, self._num_ranks or 0)
+        if parsed is not None:
+            return f"slot {parsed[1]} lies outside the namespace's {self._num_slots} slots"
+        if len(value) < EntryRecord.HEAD.size:
+            return f"cut short: {len(value)} bytes"
+        if value[0] not in (RESERVED, COMMITTED):
+            return f"unknown state {value[0]}"
+        size = EntryRecord.HEAD.size + (8 * (self._num_ranks or 0) if value[0] else 0)
+        return f"{len(value)} bytes where a {EntryState(value[0]).name.lower()} record has {size}"
+
+    def discard_bad(self, key: bytes, value: bytes) -> None:
+        """Remove the malformed entries record ``value`` of ``key`` and the records that
+        name it; count it in ``bad_records``. Its slot goes back to the free list only if
+        it lies inside the namespace and this record alone held it."""
+        self.delete("entries", key)
+        self.deltas["bad_records"] += 1
+        if len(value) < EntryRecord.HEAD.size:
+            return
+        _, slot, tick = EntryRecord.head(value)
+        if self.get("slots", SlotKey.pack(slot)) != key:
+            return
+        self.delete("slots", SlotKey.pack(slot))
+        if self.get("lru", LruKey.pack(tick, slot)) == key:
+            self.delete("lru", LruKey.pack(tick, slot))
+            self.deltas["entries"] -= 1
+        if self.get("reservations", SlotKey.pack(slot)) is not None:
+            self.delete("reservations", SlotKey.pack(slot))
+            self.deltas["reserved"] -= 1
+        if self.slot_ok(slot):
+            self.free(slot)
 
     def put_record(self, record: dict) -> None:
         self.txn.put(self.namespace_id.encode(), NamespaceRecord.pack(record),
@@ -85,9 +160,10 @@ class NamespaceTxn:
         """Move each accessed, still committed entry to its newer tick in the LRU order."""
         for key, tick in pending.items():
             value = self.get("entries", key)
-            if value is None or value[0] != COMMITTED:
+            parsed = None if value is None else self.parse_entry(value)
+            if value is None or parsed is None or parsed[0] != COMMITTED:
                 continue
-            _, slot, old = EntryRecord.head(value)
+            _, slot, old = parsed
             if tick > old:
                 self.delete("lru", LruKey.pack(old, slot))
                 self.put("lru", LruKey.pack(tick, slot), key)
@@ -112,21 +188,82 @@ class NamespaceTxn:
         return self._pop_unpinned("lru", pins)
 
     def _pop_unpinned(self, db: str, pins: dict[int, int]) -> int | None:
+        """The first unpinned slot of the ``free`` list or the ``lru`` order, removed
+        from it. A record that is malformed or names a slot outside the namespace is
+        removed on the way and counted (``bad_records``), never handed out."""
         cursor = self.txn.cursor(db=self.dbs[db])
-        if not cursor.set_range(self.p):
-            return None
-        for key, value in cursor:
+        key_len = len(self.p) + (SlotKey.STRUCT.size if db == "free" else LruKey.STRUCT.size)
+        found = cursor.set_range(self.p)
+        while found:
+            key, value = cursor.key(), cursor.value()
             if not key.startswith(self.p):
                 return None
             slot = SlotKey.unpack(key)
+            if len(key) != key_len or not self.slot_ok(slot):
+                cursor.delete()  # moves to the next record (b"" past the last)
+                self._forget_listed(db, value, slot)
+                found = cursor.key() != b""
+                continue
             if slot not in pins:
                 cursor.delete()
                 if db == "lru":  # an eviction; reserve() overwrites the slots record
-                    self.delete("entries", value)
-                    self.deltas["entries"] -= 1
-                    self.deltas["evictions"] += 1
+                    self._evict_entry(value, slot)
                 return slot
+            found = cursor.next()
         return None
+
+    def _evict_entry(self, key: bytes, slot: int) -> None:
+        """Unpublish the entry an ``lru`` record of ``slot`` named; an entry at another
+        slot (the record was left behind by a bad record) stays."""
+        value = self.get("entries", key)
+        parsed = None if value is None else self.parse_entry(value)
+        if value is not None and (parsed is None or parsed[1] == slot):
+            self.delete("entries", key)
+            if parsed is None:
+                self.deltas["bad_records"] += 1
+        self.deltas["entries"] -= 1
+        self.deltas["evictions"] += 1
+
+    def sweep_orphans(self) -> int:
+        """Remove the ``lru`` and ``slots`` records that name no entry at their slot (a
+        bad record removed, its records found by a damaged head) and free their slots;
+        how many. O(records): for ``kv-offload verify --repair``."""
+        def entry_at(key: bytes) -> tuple[EntryState, int, int] | None:
+            value = self.get("entries", key)
+            return None if value is None else self.parse_entry(value)
+
+        removed = 0
+        for key, value in list(self.scan("lru")):
+            tick, slot = LruKey.STRUCT.unpack(key) if len(key) == 16 else (-1, -1)
+            if entry_at(value) != (COMMITTED, slot, tick):
+                self.delete("lru", key)
+                self.deltas["entries"] -= 1
+                removed += 1
+                slot_key = SlotKey.pack(max(slot, 0))
+                if (self.slot_ok(slot) and self.get("slots", slot_key) is None
+                        and self.get("free", slot_key) is None):
+                    self.free(slot)
+        for key, value in list(self.scan("slots")):
+            slot = SlotKey.unpack(key) if len(key) == 8 else -1
+            entry = entry_at(value)
+            if entry is None or entry[1] != slot:
+                self.delete("slots", key)
+                removed += 1
+                if self.slot_ok(slot) and self.get("free", key) is None:
+                    self.free(slot)
+        return removed
+
+    def _forget_listed(self, db: str, value: bytes, slot: int) -> None:
+        """Counters and cross-records of a bad ``free`` or ``lru`` record just deleted."""
+        self.deltas["bad_records"] += 1
+        self.deltas["free" if db == "free" else "entries"] -= 1
+        if db == "lru":  # value: the key of the entry it listed
+            entry = self.get("entries", value)
+            if entry is not None and (self.parse_entry(entry) is None
+                                      or EntryRecord.head(entry)[1] == slot):
+                self.delete("entries", value)
+            if slot >= 0 and self.get("slots", SlotKey.pack(slot)) == value:
+                self.delete("slots", SlotKey.pack(slot))
 
     def reserve(self, key: bytes, slot: int, owner: Owner, tick: int) -> None:
         self.put("entries", key, EntryRecord.pack(RESERVED, slot, tick))
@@ -139,11 +276,12 @@ class NamespaceTxn:
         return None if raw is None else OwnerRecord.owner(raw)
 
     def _entry_at(self, key: bytes, state: EntryState, slot: int) -> bytes | None:
-        """The entries record of ``key`` if it is in ``state`` at ``slot``, else None."""
+        """The entries record of ``key`` if it is well-formed, in ``state`` at ``slot``."""
         value = self.get("entries", key)
-        if value is None:
+        parsed = None if value is None else self.parse_entry(value)
+        if parsed is None:
             return None
-        now_state, now_slot, _ = EntryRecord.head(value)
+        now_state, now_slot, _ = parsed
         return value if now_state == state and now_slot == slot else None
 
     def publish(self, key: bytes, slot: int, checksums: Sequence[int], tick: int,
@@ -159,9 +297,13 @@ class NamespaceTxn:
         return True
 
     def unreserve(self, slot: int) -> None:
-        """Forget the reservation of ``slot`` and put the slot on the free list."""
+        """Forget the reservation of ``slot`` and put the slot on the free list; a stray
+        reservation record of a committed slot (damage) is only deleted."""
         key = self.get("slots", SlotKey.pack(slot))
         self.delete("reservations", SlotKey.pack(slot))
+        if key is not None and self._entry_at(key, COMMITTED, slot) is not None:
+            self.deltas["bad_records"] += 1
+            return
         self.delete("slots", SlotKey.pack(slot))
         if key is not None and self._entry_at(key, RESERVED, slot) is not None:
             self.delete("entries", key)
@@ -180,26 +322,46 @@ class NamespaceTxn:
         return True
 
     def free(self, slot: int) -> None:
+        """Put ``slot`` on the free list; a slot outside the namespace (from a damaged
+        record) is counted in ``bad_records`` instead."""
+        if not self.slot_ok(slot):
+            self.deltas["bad_records"] += 1
+            return
         self.put("free", SlotKey.pack(slot), b"")
         self.deltas["free"] += 1
         self.free_exhausted = False
 
     def reclaim(self, keep: Callable[[Owner], bool]) -> int:
-        """Unreserve every reservation whose owner ``keep`` rejects; return how many."""
-        doomed = [SlotKey.unpack(slot) for slot, raw in self.scan("reservations")
-                  if not keep(OwnerRecord.owner(raw))]
+        """Unreserve every reservation whose owner ``keep`` rejects, or whose record is
+        malformed; return how many."""
+        doomed, malformed = [], []
+        for key, raw in self.scan("reservations"):
+            owner = OwnerRecord.owner(raw)
+            if len(key) != SlotKey.STRUCT.size:
+                malformed.append(key)
+            elif owner is None or not keep(owner):
+                doomed.append(SlotKey.unpack(key))
+        for key in malformed:
+            self.delete("reservations", key)
+            self.deltas["bad_records"] += 1
         for slot in doomed:
             self.unreserve(slot)
         self.deltas["reclaimed"] += len(doomed)
         return len(doomed)
 
-    def check(self) -> list[str]:
-        """Every cross-reference violation in this namespace (see DiskIndex.check)."""
+    def check(self, *, list_bad_records: bool = True) -> list[str]:
+        """Every cross-reference violation in this namespace (see DiskIndex.check); bad
+        entry records too unless not ``list_bad_records`` (verify lists them itself)."""
         problems: list[str] = []
         holder: dict[int, bytes] = {}
         found = {"entries": 0, "reserved": 0}
         for key, value in self.scan("entries"):
-            state, slot, tick = EntryRecord.head(value)
+            parsed = self.parse_entry(value)
+            if parsed is None:
+                if list_bad_records:
+                    problems.append(f"entry {key.hex()} is a bad record ({self.why_bad(value)})")
+                continue
+            state, slot, tick = parsed
             if slot in holder:
                 problems.append(f"slot {slot} held by {holder[slot].hex()} and {key.hex()}")
             holder[slot] = key
@@ -211,6 +373,8 @@ class NamespaceTxn:
                 problems.append(f"reserved {key.hex()} has no reservation record")
             found["entries" if state == COMMITTED else "reserved"] += 1
         free = {SlotKey.unpack(k) for k, _ in self.scan("free")}
+        problems += [f"free slot {s} lies outside the namespace"
+                     for s in sorted(free) if not self.slot_ok(s)]
         found["free"] = len(free)
         problems += [f"slot {s} is both free and in use" for s in sorted(free & holder.keys())]
         expect = {"slots": len(holder), "lru": found["entries"], "reservations": found["reserved"]}

@@ -1,6 +1,9 @@
 """The on-disk records of the disk-tier index: one codec per LMDB record.
 
-Pure byte packing: no lmdb, no I/O. ``P`` below is ``<namespace_id>/`` in ASCII; ``be64``
+Pure byte packing: no lmdb, no I/O. A record read from disk is checked before anything
+trusts it (invariant 9): the decoders that callers use on stored records (``parse``,
+``owner``, ``unpack``) answer None, 0 or ValueError for a malformed one, never a
+struct.error, and namespace.py also checks each slot against the namespace's size. ``P`` below is ``<namespace_id>/`` in ASCII; ``be64``
 is 8-byte big-endian, so that cursors walk slots and ticks in order.
 
   meta          format_version -> b"1", created -> ISO time, checksum -> b"xxh3_64"
@@ -24,7 +27,8 @@ from typing import Any, NamedTuple, overload
 FORMAT_VERSION = 1
 MAX_KEY_BYTES = 64
 DB_NAMES = ("meta", "namespaces", "entries", "slots", "lru", "free", "reservations", "counters")
-PERSISTENT_COUNTERS = ("hits", "misses", "checksum_failures", "commits", "evictions", "reclaimed")
+PERSISTENT_COUNTERS = ("hits", "misses", "checksum_failures", "commits", "evictions", "reclaimed",
+                       "bad_records")
 
 Owner = tuple[int, int, int]  # pid, process start time (0: unknown), instance token
 
@@ -64,8 +68,22 @@ class EntryRecord:
 
     @classmethod
     def head(cls, value: bytes) -> tuple[int, int, int]:
-        """(state, slot, tick) of a record; compare the state with EntryState."""
+        """(state, slot, tick) of a record this process wrote; stored ones: ``parse``."""
         return cls.HEAD.unpack_from(value)
+
+    @classmethod
+    def parse(cls, value: bytes, num_ranks: int) -> tuple[EntryState, int, int] | None:
+        """(state, slot, tick) of a well-formed record of ``num_ranks`` ranks: the head
+        alone in state RESERVED, or the head and one checksum per rank in state
+        COMMITTED. None for anything else (cut short, too long, an unknown state)."""
+        if len(value) == cls.HEAD.size:
+            expected = EntryState.RESERVED
+        elif len(value) == cls.HEAD.size + 8 * num_ranks:
+            expected = EntryState.COMMITTED
+        else:
+            return None
+        state, slot, tick = cls.HEAD.unpack_from(value)
+        return (expected, slot, tick) if state == expected else None
 
     @classmethod
     def checksums(cls, value: bytes) -> tuple[int, ...]:
@@ -110,7 +128,10 @@ class SlotKey:
 
     @classmethod
     def unpack(cls, key: bytes) -> int:
-        """The slot of a key that ends with it (a ``free`` key, or an ``lru`` key)."""
+        """The slot of a key that ends with it (a ``free`` key, or an ``lru`` key); -1
+        when the key is too short to hold one (a damaged record)."""
+        if len(key) < 8:
+            return -1
         return cls.STRUCT.unpack_from(key, len(key) - 8)[0]
 
 
@@ -124,7 +145,10 @@ class OwnerRecord:
         return cls.STRUCT.pack(*owner, reserved_at)
 
     @classmethod
-    def owner(cls, value: bytes) -> Owner:
+    def owner(cls, value: bytes) -> Owner | None:
+        """The owner; None for a malformed record (its reservation is then reclaimed)."""
+        if len(value) != cls.STRUCT.size:
+            return None
         pid, start, token, _ = cls.STRUCT.unpack(value)
         return pid, start, token
 
@@ -140,12 +164,19 @@ class CounterRecord:
 
     @classmethod
     def unpack(cls, value: bytes | None) -> int:
-        return 0 if value is None else cls.STRUCT.unpack(value)[0]
+        """The value; 0 when absent or malformed (``check`` then reports the drift)."""
+        if value is None or len(value) != cls.STRUCT.size:
+            return 0
+        return cls.STRUCT.unpack(value)[0]
 
 
 class NamespaceRecord:
     """Codec of a ``namespaces`` value: pretty JSON with namespace_id, descriptor,
-    slot_bytes, num_ranks, num_slots and created."""
+    slot_bytes, num_ranks, num_slots and created. ``unpack`` raises ValueError, naming
+    the field, for a record that is not such an object, or whose slots would not fit in
+    a file."""
+
+    SIZES = ("slot_bytes", "num_ranks", "num_slots")
 
     @staticmethod
     def pack(record: dict) -> bytes:
@@ -162,7 +193,24 @@ class NamespaceRecord:
     def unpack(value: bytes | None) -> dict[str, Any] | None: ...
     @staticmethod
     def unpack(value: bytes | None) -> dict[str, Any] | None:
-        return None if value is None else json.loads(value)
+        if value is None:
+            return None
+        try:
+            record = json.loads(value)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        for name in NamespaceRecord.SIZES:
+            n = record.get(name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name} is {n!r}, not a positive integer")
+        if record["num_slots"] * record["slot_bytes"] >= 1 << 63:
+            raise ValueError(f"num_slots {record['num_slots']} x slot_bytes "
+                             f"{record['slot_bytes']} exceeds the largest file")
+        if not isinstance(record.get("descriptor"), dict):
+            raise ValueError("descriptor is not an object")
+        return record
 
 
 def namespace_prefix(namespace_id: str) -> bytes:
