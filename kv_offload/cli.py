@@ -4,27 +4,33 @@ Exit codes: 0 success; 1 the operation failed or found damage (engine failure, w
 not durable, chunks not stored, bad chunks left, inconsistent or corrupt index); 2 a
 usage error (bad arguments, missing or invalid paths, not a store, unknown namespace);
 3 the store is in use by another process (clear without --force). Expected errors print
-one line naming the problem and the fix, never a traceback. See docs/cli.md.
+one line naming the problem and the fix; no path ends in a traceback (an unexpected error
+prints one line that says to report it). inspect and verify without --repair never write
+to a store. See docs/cli.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 from tqdm import tqdm
 
 from kv_offload.config import OffloadConfig, format_size, parse_size
 from kv_offload.disk import StoreError, StorePathError, clear
 from kv_offload.disk.admin import (
+    check_namespace,
     chunk_bytes,
     disk_bytes,
-    is_store,
+    prove_store,
     read_namespaces,
     repair_and_check,
     require_store,
@@ -33,6 +39,7 @@ from kv_offload.disk.admin import (
 )
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_BUSY = 0, 1, 2, 3
+_NAMESPACE_ARG = re.compile(r"[0-9a-fA-F]{1,128}")
 
 
 class CliError(Exception):
@@ -50,33 +57,53 @@ def _err(*parts: Any) -> None:
 # -- store helpers -----------------------------------------------------------------------------
 
 
-@overload
-def open_store(path: str, *, broken_ok: Literal[False] = False) -> tuple[Path, list[dict]]: ...
-@overload
-def open_store(path: str, *, broken_ok: bool) -> tuple[Path, list[dict] | None]: ...
-def open_store(path: str, *, broken_ok: bool = False) -> tuple[Path, list[dict] | None]:
-    """(root, namespaces) of an existing store; CliError naming the problem if it is not
-    one. With ``broken_ok``, a store whose index cannot be read gives (root, None)."""
+def open_store(path: str) -> tuple[Path, list[dict]]:
+    """(root, namespaces) of an existing store, read-only; CliError naming the problem if
+    it is not one or its index cannot be read."""
     root = Path(path).expanduser()
     try:
         require_store(root)
     except StorePathError as exc:
-        if broken_ok and root.is_dir() and is_store(root):
-            return root, None
         raise CliError(str(exc)) from None
     try:
         return root, read_namespaces(root)
+    except StorePathError as exc:  # a link or another program's LMDB environment
+        raise CliError(str(exc)) from None
     except StoreError as exc:
-        if broken_ok:
-            _err(f"warning: clearing a store whose index cannot be read: {exc}")
-            return root, None
         raise CliError(str(exc), EXIT_FAILURE) from None
 
 
+def open_store_to_clear(path: str) -> tuple[Path, list[dict] | None, str]:
+    """(root, namespaces, why) of a directory proven to be a store (``prove_store``;
+    CliError otherwise, nothing deleted). A store whose index cannot be read (or that
+    has none) gives namespaces None and ``why`` says why."""
+    root = Path(path).expanduser()
+    try:
+        prove_store(root)
+    except StorePathError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        require_store(root)
+        return root, read_namespaces(root), ""
+    except StoreError as exc:
+        return root, None, str(exc)
+
+
+def check_namespace_arg(wanted: str) -> None:
+    """CliError unless ``wanted`` can name a namespace: 1-128 hex digits."""
+    if not _NAMESPACE_ARG.fullmatch(wanted):
+        raise CliError(f"--namespace {wanted!r} is not a namespace id: give an id or a unique "
+                       "prefix of one (hex digits, as `kv-offload inspect` lists them); to "
+                       "act on the whole store, leave --namespace out")
+
+
 def resolve_namespaces(namespaces: list[dict], wanted: str | None) -> list[dict]:
-    """All namespaces, or the one whose id is or starts with ``wanted`` (unique prefix)."""
+    """All namespaces, or the one whose id is or starts with ``wanted`` (unique prefix).
+    CliError for an empty or non-hex ``wanted``: an unset shell variable never selects
+    every namespace."""
     if wanted is None:
         return namespaces
+    check_namespace_arg(wanted)
     hits = [n for n in namespaces if n["namespace_id"].startswith(wanted.lower())]
     exact = [n for n in hits if n["namespace_id"] == wanted.lower()]
     if len(exact) == 1 or len(hits) == 1:
@@ -175,7 +202,7 @@ def _inspect_remote(args: argparse.Namespace) -> int:
 # -- verify ------------------------------------------------------------------------------------
 
 
-def _verify_namespace(root: Path, ns: dict) -> tuple[int, list[tuple]]:
+def _verify_namespace(root: Path, ns: dict) -> tuple[int, list[tuple], list[tuple]]:
     """scan_namespace with a progress bar on stderr (a line at the end off a terminal)."""
     nid, total = ns["namespace_id"], ns["counters"]["entries"]
     bar = tqdm(total=total * chunk_bytes(ns), desc=f"verify {nid[:12]}", unit="B",
@@ -187,11 +214,11 @@ def _verify_namespace(root: Path, ns: dict) -> tuple[int, list[tuple]]:
         bar.set_postfix(bad=num_bad, refresh=False)
 
     with bar:
-        done, bad = scan_namespace(root, ns, on_chunk=advance)
+        done, bad, bad_records = scan_namespace(root, ns, on_chunk=advance)
     rate = done * chunk_bytes(ns) / max(time.monotonic() - start, 1e-9)
     _err(f"verify {nid[:12]}: {done}/{total} chunks, {format_size(int(rate))}/s, "
-         f"{len(bad)} bad")
-    return done, bad
+         f"{len(bad)} bad" + (f", {len(bad_records)} bad records" if bad_records else ""))
+    return done, bad, bad_records
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -201,20 +228,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for ns in chosen:
         nid = ns["namespace_id"]
         try:
-            done, bad = _verify_namespace(root, ns)
+            done, bad, bad_records = _verify_namespace(root, ns)
             entries = list({entry.key: entry for entry, _, _ in bad}.values())
-            problems = repair_and_check(root, ns, entries if args.repair else [])
+            problems = (repair_and_check(root, ns, entries, [k for k, _ in bad_records])
+                        if args.repair else check_namespace(root, nid))
         except StoreError as exc:
             raise CliError(str(exc), EXIT_FAILURE) from None
         for entry, rank, reason in bad:
             print(f"bad chunk: namespace {nid[:12]} key {entry.key.hex()[:16]} "
                   f"slot {entry.slot} rank {rank}: {reason}")
+        for key, why in bad_records:
+            print(f"bad record: namespace {nid[:12]} key {key.hex()[:16]}: {why}")
         for problem in problems:
             print(f"index problem: namespace {nid[:12]}: {problem}")
-        num_bad, num_problems = num_bad + len(entries), num_problems + len(problems)
-        action = f", dropped {len(entries)}" if args.repair and entries else ""
-        print(f"namespace {nid}: {done} chunks checked, {len(entries)} bad{action}, "
+        found = len(entries) + len(bad_records)
+        num_bad, num_problems = num_bad + found, num_problems + len(problems)
+        action = f", dropped {found}" if args.repair and found else ""
+        records = f" ({len(bad_records)} bad index records)" if bad_records else ""
+        print(f"namespace {nid}: {done} chunks checked, {found} bad{records}{action}, "
               f"index {'consistent' if not problems else 'INCONSISTENT'}")
+    if num_bad and not args.repair:
+        also = (f" and re-check the {num_problems} index problems" if num_problems else "")
+        print(f"FAILED: {num_bad} bad chunks or records; run `kv-offload verify {args.path} "
+              f"--repair` to drop them{also} (they are only misses until then: loads check "
+              "checksums and records)")
+        return EXIT_FAILURE
     if num_problems:
         print(f"FAILED: {num_problems} index problems; the store is only a cache: run "
               f"`kv-offload clear {args.path} --namespace ID` for the namespaces above")
@@ -222,22 +260,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not num_bad:
         print(f"OK: {_plural(len(chosen), 'namespace')}, no bad chunks")
         return EXIT_OK
-    if args.repair:
-        print(f"repaired: dropped {num_bad} bad chunks; they are recomputed when next needed")
-        return EXIT_OK
-    print(f"FAILED: {num_bad} bad chunks; run `kv-offload verify {args.path} --repair` to "
-          "drop them (they are only misses until then: loads check checksums)")
-    return EXIT_FAILURE
+    print(f"repaired: dropped {num_bad} bad chunks or records; they are recomputed when next "
+          "needed")
+    return EXIT_OK
 
 
 # -- clear -------------------------------------------------------------------------------------
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    # A store with an unreadable index can still be cleared as a whole (its errors say so).
-    root, namespaces = open_store(args.path, broken_ok=args.namespace is None)
+    # A store proven to be ours whose index cannot be read can still be cleared as a
+    # whole: that is the fix its errors name. A namespace needs a readable index.
+    root, namespaces, unreadable = open_store_to_clear(args.path)
+    if namespaces is None and args.namespace is not None:
+        check_namespace_arg(args.namespace)  # a malformed id is a usage error first
+        raise CliError(f"cannot clear one namespace: {unreadable}; clear the whole store "
+                       f"with `kv-offload clear {root}`", EXIT_FAILURE)
+    if namespaces is None:
+        _err(f"warning: clearing a store whose index cannot be read: {unreadable}")
     chosen = resolve_namespaces(namespaces or [], args.namespace)
-    nid = chosen[0]["namespace_id"] if args.namespace else None
+    nid = chosen[0]["namespace_id"] if args.namespace is not None else None
     users = store_users(root, nid)
     if users:
         who = ", ".join(f"pid {pid} ({name})" for pid, name in sorted(users.items()))
@@ -249,12 +291,17 @@ def cmd_clear(args: argparse.Namespace) -> int:
     chunks = sum(n["counters"]["entries"] for n in chosen)
     size = sum(n["counters"]["entries"] * chunk_bytes(n) for n in chosen)
     try:
-        clear(root, nid)
+        left = clear(root, nid)
+    except StorePathError as exc:
+        raise CliError(str(exc)) from None
     except StoreError as exc:
         raise CliError(str(exc), EXIT_FAILURE) from None
     what = f"namespace {nid}" if nid else f"store {root} ({_plural(len(chosen), 'namespace')})"
     print(f"cleared store {root} (its index was unreadable)" if namespaces is None
           else f"cleared {what}: {chunks} chunks, {format_size(size)}")
+    if left:
+        shown = ", ".join(str(p) for p in left[:5]) + (", ..." if len(left) > 5 else "")
+        _err(f"note: left {_plural(len(left), 'path')} kv-offload did not create: {shown}")
     return EXIT_OK
 
 
@@ -429,9 +476,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input: config values, prompt files, model paths
         _err(f"kv-offload {args.command}: error: {exc}")
         return EXIT_USAGE
+    except StoreError as exc:  # a store problem a command did not expect
+        _err(f"kv-offload {args.command}: error: {exc}")
+        return EXIT_USAGE if isinstance(exc, StorePathError) else EXIT_FAILURE
+    except BrokenPipeError:  # `kv-offload inspect | head`: the reader left
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
+    except OSError as exc:  # permissions, a vanished file, a failing disk
+        where = f" {exc.filename}" if exc.filename else ""
+        _err(f"kv-offload {args.command}: error: cannot access{where}: "
+             f"{exc.strerror or exc}; run as the user that owns it, or fix its permissions")
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         _err(f"kv-offload {args.command}: interrupted (whatever was committed is kept)")
         return 130
+    except Exception as exc:  # a bug: one line, not a traceback, and how to report it
+        _err(f"kv-offload {args.command}: internal error: {type(exc).__name__}: {exc}; this is "
+             "a kv-offload bug, please report it with the command you ran")
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Administration of disk stores: list namespaces and entries, verify, repair, clear, and
 find the processes using a store. What `kv-offload inspect/verify/clear` and `warm` do to
 a store, without the printing (cli.py).
+
+Listing and verifying only read (a read-only LMDB environment, slab files opened for
+reading). ``clear`` first proves the directory is a store (``prove_store``), then deletes
+only the files kv-offload names (files.py) and leaves everything else where it is.
 """
 
 from __future__ import annotations
@@ -9,8 +13,8 @@ import contextlib
 import functools
 import itertools
 import os
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -19,8 +23,21 @@ from pathlib import Path
 import lmdb
 import psutil
 
+from kv_offload.checksum import CHECKSUM_ALGORITHM
 from kv_offload.disk.env import clear_hint, existing_env, is_open_here
 from kv_offload.disk.errors import StoreCorruptError, StoreError, StorePathError
+from kv_offload.disk.files import (
+    INDEX_DIR,
+    INDEX_FILES,
+    MARKER_NAME,
+    SLABS_DIR,
+    is_marker_leftover,
+    is_namespace_name,
+    is_slab_name,
+    marker_problem,
+    slab_dir,
+    validate_namespace_id,
+)
 from kv_offload.disk.index import DiskIndex
 from kv_offload.disk.namespace import COMMITTED, NamespaceTxn
 from kv_offload.disk.records import (
@@ -28,10 +45,9 @@ from kv_offload.disk.records import (
     DiskEntry,
     EntryRecord,
     LruKey,
-    NamespaceRecord,
     namespace_prefix,
 )
-from kv_offload.disk.slab import ReadResult, SlabFile, slab_dir, slab_path, validate_namespace_id
+from kv_offload.disk.slab import SlabFile
 
 _SCAN_BATCH = 1024  # entries per short read transaction
 _CLEAR_BATCH = 10_000  # records deleted per write transaction
@@ -45,8 +61,14 @@ def list_namespaces(root: str | os.PathLike) -> list[dict]:
         if env is None:
             return []
         with env.read() as txn:
-            for ns, raw in txn.cursor(db=env.dbs["namespaces"]):
-                op, info = NamespaceTxn(txn, env.dbs, ns.decode()), NamespaceRecord.unpack(raw)
+            for ns in txn.cursor(db=env.dbs["namespaces"]).iternext(values=False):
+                if not is_namespace_name(ns.decode("ascii", "replace")):
+                    raise StoreCorruptError(
+                        f"the disk-tier index {env.root / 'index'} names a namespace {ns!r} "
+                        "that is not a namespace id; " + clear_hint(env.root))
+                op = NamespaceTxn(txn, env.dbs, ns.decode(), root=env.root)
+                info = op.record()
+                assert info is not None  # the cursor just found it
                 names = ("entries", "reserved", "free", *PERSISTENT_COUNTERS)
                 info["counters"] = {name: op.counter(name) for name in names}
                 cursor = txn.cursor(db=env.dbs["lru"])  # "/" + 1 == "0": past the prefix
@@ -59,18 +81,29 @@ def list_namespaces(root: str | os.PathLike) -> list[dict]:
     return out
 
 
-def iter_entries(root: str | os.PathLike, namespace_id: str) -> Iterator[tuple[DiskEntry, float]]:
+def iter_entries(root: str | os.PathLike, namespace_id: str, *,
+                 on_bad: Callable[[bytes, str], None] | None = None
+                 ) -> Iterator[tuple[DiskEntry, float]]:
     """Yield (entry, last access in seconds since the epoch) for every committed entry in
-    key order, reading 1024 entries per short read transaction."""
+    key order, reading 1024 entries per short read transaction. Read-only. A bad record
+    (malformed, or its slot outside the namespace) is skipped; ``on_bad(key, why)`` is
+    called for each."""
     validate_namespace_id(namespace_id)
     with existing_env(root) as env:
         start = b""
         while env is not None:
             with env.read() as txn:
-                scan = NamespaceTxn(txn, env.dbs, namespace_id).scan("entries", start)
-                batch = list(itertools.islice(scan, _SCAN_BATCH + 1))
-            for key, value in batch[:_SCAN_BATCH]:
-                state, slot, tick = EntryRecord.head(value)
+                op = NamespaceTxn(txn, env.dbs, namespace_id, root=env.root)
+                batch = list(itertools.islice(op.scan("entries", start), _SCAN_BATCH + 1))
+                parsed = [(key, value, op.parse_entry(value)) for key, value in
+                          batch[:_SCAN_BATCH]]
+                why = {key: op.why_bad(value) for key, value, p in parsed if p is None}
+            for key, value, fields in parsed:
+                if fields is None:
+                    if on_bad is not None:
+                        on_bad(key, why[key])
+                    continue
+                state, slot, tick = fields
                 if state == COMMITTED:
                     yield DiskEntry(key, slot, EntryRecord.checksums(value)), tick / 1e6
             if len(batch) <= _SCAN_BATCH:
@@ -78,15 +111,65 @@ def iter_entries(root: str | os.PathLike, namespace_id: str) -> Iterator[tuple[D
             start = batch[_SCAN_BATCH][0]
 
 
+def require_dir(root: Path) -> None:
+    """StorePathError naming the problem unless ``root`` is an existing directory."""
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        raise StorePathError(f"no disk store at {root}: the path does not exist") from None
+    except NotADirectoryError:
+        raise StorePathError(f"no disk store at {root}: a part of the path is a file, not a "
+                             "directory") from None
+    except OSError as exc:
+        raise StorePathError(f"cannot access {root}: {exc.strerror}; run as the user that "
+                             "owns the store, or fix its permissions") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StorePathError(f"{root} is a file, not a disk store directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise StorePathError(f"cannot access {root}: Permission denied; run as the user that "
+                             "owns the store, or fix its permissions")
+
+
 def require_store(root: Path) -> None:
     """StorePathError naming the problem unless ``root`` is a store with an index."""
-    if not root.exists():
-        raise StorePathError(f"no disk store at {root}: the path does not exist")
-    if not root.is_dir():
-        raise StorePathError(f"{root} is a file, not a disk store directory")
-    if not (root / "index" / "data.mdb").is_file():
+    require_dir(root)
+    try:
+        data = os.lstat(root / INDEX_DIR / "data.mdb")
+    except (FileNotFoundError, NotADirectoryError):
         raise StorePathError(f"{root} is not a kv-offload disk store (no index/data.mdb); "
-                             "pass the directory given as disk_path")
+                             "pass the directory given as disk_path") from None
+    except OSError as exc:
+        raise StorePathError(f"cannot access the disk store {root}: {exc.strerror}; run as "
+                             "the user that owns it, or fix its permissions") from None
+    if not stat.S_ISREG(data.st_mode):
+        raise StorePathError(f"{root / INDEX_DIR / 'data.mdb'} is not a file; {root} is not "
+                             "a kv-offload disk store kv-offload can read")
+
+
+def prove_store(root: Path) -> str:
+    """How ``root`` is proven to be a kv-offload store before anything in it is deleted:
+    "marker" (its ``kv-offload-store.json``), or "index" for a store made before the
+    marker (its ``index/`` is an LMDB environment with kv-offload's tables and format
+    records). Read-only. StorePathError saying what is missing otherwise."""
+    require_dir(root)
+    problem = marker_problem(root)
+    if problem is None:
+        return "marker"
+    try:
+        with existing_env(root) as env:
+            if env is None:
+                raise StorePathError("no index/data.mdb")
+            with env.read() as txn:
+                algorithm = txn.get(b"checksum", db=env.dbs["meta"])
+            if algorithm != CHECKSUM_ALGORITHM.encode():
+                raise StoreCorruptError(f"its index names the checksum {algorithm!r}")
+        return "index"
+    except StoreError as exc:
+        index_problem = str(exc)
+    raise StorePathError(
+        f"{root} is not a kv-offload disk store, or not one kv-offload can prove is its own: "
+        f"{problem}, and its index does not show it ({index_problem}). Nothing was deleted. "
+        "If it is a store kv-offload made, delete it yourself after checking what is in it")
 
 
 def read_namespaces(root: Path) -> list[dict]:
@@ -103,11 +186,6 @@ def read_namespaces(root: Path) -> list[dict]:
             f"the disk-tier index {root / 'index'} cannot be read (a process reading it was "
             f"killed by {crashed}: is index/data.mdb cut short?); " + clear_hint(root))
     return list_namespaces(root)
-
-
-def is_store(root: Path) -> bool:
-    """Whether ``root`` looks like a store (has index/ or slabs/), readable or not."""
-    return (root / "index").is_dir() or (root / "slabs").is_dir()
 
 
 def _probe_index(root: Path) -> str | None:
@@ -130,33 +208,40 @@ def chunk_bytes(ns: dict) -> int:
 
 
 def disk_bytes(root: Path, namespace_id: str) -> int:
-    """Bytes the namespace's (sparse) slab files occupy on disk."""
-    files = slab_dir(root, namespace_id).glob("*.slab")
-    return sum(f.stat().st_blocks * 512 for f in files if f.is_file())
+    """Bytes the namespace's (sparse) slab files occupy on disk (links not followed)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(slab_dir(root, namespace_id)):
+            if is_slab_name(entry.name) and entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
 
 
 BadChunk = tuple[DiskEntry, int, str]  # entry, rank, reason (a ReadResult value)
+BadRecord = tuple[bytes, str]  # key, why (a malformed record, or a slot outside the slab)
 
 
 def scan_namespace(root: Path, ns: dict, on_chunk: Callable[[int], None] | None = None
-                   ) -> tuple[int, list[BadChunk]]:
-    """Read and check every chunk of every rank; return (chunks checked, bad chunks).
+                   ) -> tuple[int, list[BadChunk], list[BadRecord]]:
+    """Read and check every chunk of every rank; return (chunks checked, bad chunks, bad
+    index records).
 
-    Read-only: a missing slab file is not created (its chunks are bad, "missing").
-    ``on_chunk(num_bad)`` is called after each chunk, for progress.
+    Read-only: slab files are opened for reading and a missing one is not created (its
+    chunks are bad, "missing"). ``on_chunk(num_bad)`` is called after each chunk, for
+    progress. StorePathError when a slab path holds a link, a directory or a special file.
     """
     nid, ranks, slot_bytes = ns["namespace_id"], ns["num_ranks"], ns["slot_bytes"]
-    slabs: list[SlabFile | None] = []
-    for rank in range(ranks):
-        exists = slab_path(root, nid, rank, ranks).is_file()
-        slabs.append(SlabFile(root, namespace_id=nid, rank=rank, num_ranks=ranks,
-                              slot_bytes=slot_bytes) if exists else None)
+    slabs: list[SlabFile] = []
+    bad_records: list[BadRecord] = []
     buf, bad, done = bytearray(slot_bytes), [], 0
     try:
-        for entry, _ in iter_entries(root, nid):
+        for rank in range(ranks):
+            slabs.append(SlabFile(root, namespace_id=nid, rank=rank, num_ranks=ranks,
+                                  slot_bytes=slot_bytes, allow_unsafe_permissions=True,
+                                  readonly=True))
+        for entry, _ in iter_entries(root, nid, on_bad=lambda k, w: bad_records.append((k, w))):
             for rank, slab in enumerate(slabs):
-                result = ReadResult.MISSING if slab is None else slab.read(
-                    entry.slot, buf, entry.checksums[rank])
+                result = slab.read(entry.slot, buf, entry.checksums[rank])
                 if not result:
                     bad.append((entry, rank, result.value))
             done += 1
@@ -164,47 +249,127 @@ def scan_namespace(root: Path, ns: dict, on_chunk: Callable[[int], None] | None 
                 on_chunk(len(bad))
     finally:
         for slab in slabs:
-            if slab is not None:
-                slab.close()
-    return done, bad
+            slab.close()
+    return done, bad, bad_records
 
 
-def repair_and_check(root: Path, ns: dict, drop: list[DiskEntry]) -> list[str]:
-    """Drop ``drop`` from the namespace, then return DiskIndex.check()'s problems.
-    Opening the index reclaims reservations of dead processes."""
+def check_namespace(root: Path, namespace_id: str) -> list[str]:
+    """DiskIndex.check()'s problems of a namespace but its bad records (``iter_entries``
+    lists them), read-only: no reservation of a dead process is reclaimed."""
+    with existing_env(root) as env:
+        if env is None:
+            raise StorePathError(f"no disk store at {root} (missing index/data.mdb)")
+        with env.read() as txn:
+            op = NamespaceTxn(txn, env.dbs, namespace_id, root=env.root)
+            return op.check(list_bad_records=False)
+
+
+def repair_and_check(root: Path, ns: dict, drop: list[DiskEntry], bad_keys: list[bytes]
+                     ) -> list[str]:
+    """Drop the entries ``drop`` and the bad records ``bad_keys`` from the namespace, then
+    return DiskIndex.check()'s problems. Opening the index reclaims reservations of dead
+    processes."""
     with DiskIndex.open(root, namespace_id=ns["namespace_id"], descriptor=ns["descriptor"],
                         slot_bytes=ns["slot_bytes"], num_ranks=ns["num_ranks"], create=False,
                         capacity_bytes=ns["num_slots"] * chunk_bytes(ns)) as index:
         for entry in drop:
             index.drop(entry.key, entry.slot)
+        if bad_keys:
+            index.drop_bad_records(bad_keys)
         return index.check()
 
 
-def clear(root: str | os.PathLike, namespace_id: str | None = None) -> None:
-    """Remove one namespace (index records, then slab files) or, with None, the store.
+def clear(root: str | os.PathLike, namespace_id: str | None = None) -> list[Path]:
+    """Remove one namespace (index records, then slab files) or, with None, the store;
+    return the paths left in place because kv-offload did not make them.
 
-    Removes only what a store consists of (``index/``, ``slabs/``) and refuses a directory
-    that is not a store. Stop the processes using it first; if not, they see misses, never
-    wrong data. Namespace records are deleted in batches of 10k records per transaction.
+    Refuses (StorePathError, nothing deleted) a directory that ``prove_store`` cannot
+    prove is a store. Deletes only what kv-offload names: the marker, ``index/data.mdb``
+    and ``index/lock.mdb``, ``slabs/<namespace id>/rank<r>-of-<n>.slab``, then each of
+    those directories (and the store directory) once empty; never follows a link. Stop
+    the processes using it first; if not, they see misses, never wrong data. Namespace
+    records are deleted in batches of 10k records per transaction.
     """
     root = Path(root)
+    prove_store(root)
+    left: list[Path] = []
     if namespace_id is None:
-        if not is_store(root):
-            raise StorePathError(f"{root} is not a kv-offload disk store (no index/ or slabs/)")
         if is_open_here(root):
             raise StoreError(f"the disk store {root} is open in this process; close it first")
-        shutil.rmtree(root / "index")
-        shutil.rmtree(root / "slabs", ignore_errors=True)
-        with contextlib.suppress(OSError):
-            root.rmdir()
-        return
+        _remove_known(root / SLABS_DIR, lambda name: is_namespace_name(name), left,
+                      inner=lambda name: is_slab_name(name))
+        _remove_known(root / INDEX_DIR, lambda name: name in INDEX_FILES, left)
+        for entry in _scandir(root, left):
+            if is_marker_leftover(entry.name) and entry.is_file(follow_symlinks=False):
+                _unlink(Path(entry.path))
+        _unlink(root / MARKER_NAME)
+        _rmdir_if_empty(root, left=[])
+        return left
     validate_namespace_id(namespace_id)
-    with existing_env(root) as env:
+    with existing_env(root, write=True) as env:
         if env is not None:
             batch = functools.partial(_delete_batch, namespace_id=namespace_id, dbs=env.dbs)
             while not env.write(batch):
                 pass
-    shutil.rmtree(slab_dir(root, namespace_id), ignore_errors=True)
+    if not os.path.islink(root / SLABS_DIR):
+        _remove_known(slab_dir(root, namespace_id), is_slab_name, left)
+    return left
+
+
+def _remove_known(directory: Path, known: Callable[[str], bool], left: list[Path], *,
+                  inner: Callable[[str], bool] | None = None) -> None:
+    """Delete the entries of ``directory`` that ``known`` names (files; directories whose
+    files ``inner`` names, with ``inner``), then ``directory`` if empty. Links and
+    anything else are left and appended to ``left``. A link or file in place of
+    ``directory`` is left too."""
+    try:
+        st = os.lstat(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        raise _delete_failed(directory, exc) from None
+    if not stat.S_ISDIR(st.st_mode):
+        left.append(directory)
+        return
+    for entry in _scandir(directory, left):
+        path = Path(entry.path)
+        if inner is not None and known(entry.name) and entry.is_dir(follow_symlinks=False):
+            _remove_known(path, inner, left)
+        elif inner is None and known(entry.name) and entry.is_file(follow_symlinks=False):
+            _unlink(path)
+        else:
+            left.append(path)
+    _rmdir_if_empty(directory, left)
+
+
+def _scandir(directory: Path, left: list[Path]) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        raise _delete_failed(directory, exc) from None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise _delete_failed(path, exc) from None
+
+
+def _rmdir_if_empty(directory: Path, left: list[Path]) -> None:
+    if any(p.parent == directory or directory in p.parents for p in left):
+        return
+    with contextlib.suppress(OSError):  # not empty (a file appeared meanwhile)
+        os.rmdir(directory)
+
+
+def _delete_failed(path: Path, exc: OSError) -> StorePathError:
+    return StorePathError(f"cannot delete {path}: {exc.strerror}; run as the user that owns "
+                          "the store, or fix its permissions (what was deleted before stays "
+                          "deleted: the store is only a cache)")
 
 
 def _delete_batch(txn: lmdb.Transaction[bytes], *, namespace_id: str,

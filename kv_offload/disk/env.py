@@ -3,7 +3,8 @@
 LMDB forbids opening one environment twice in a process, so every DiskIndex (and every
 administration helper) of a store in this process shares one ``StoreEnv`` from the
 registry (``acquire_env`` / ``release_env``). Every transaction runs under the
-environment's lock, through ``StoreEnv.transaction``.
+environment's lock, through ``StoreEnv.transaction``. Administration helpers that only
+read (kv-offload inspect, verify) open a read-only environment, which writes nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +29,16 @@ from kv_offload.disk.errors import (
     StorePathError,
     StoreVersionError,
 )
+from kv_offload.disk.files import (
+    DIR_MODE,
+    INDEX_FILES,
+    check_dir,
+    check_file,
+    check_private,
+    ensure_marker,
+    make_private_dirs,
+)
 from kv_offload.disk.records import DB_NAMES, FORMAT_VERSION
-from kv_offload.disk.slab import DIR_MODE, check_private, make_private_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +69,27 @@ def lmdb_failure(store_root: Path, exc: Exception) -> StoreError:
         )
     if isinstance(exc, lmdb.ReadonlyError):
         return StorePathError(
-            f"the disk-tier index {index_dir} is not writable ({exc}); fix its permissions "
-            "or choose another disk path"
+            f"the disk-tier index {index_dir} is not accessible ({exc}); fix its permissions "
+            "(or run as the user that owns it) or choose another disk path"
         )
     return StoreError(f"the disk-tier index {index_dir} failed: {exc}")
 
 
-def check_data_file(root: Path) -> None:
+def check_data_file(root: Path, *, strict: bool = False) -> None:
     """Raise StoreCorruptError when ``index/data.mdb`` is shorter than its newest meta page
     says. LMDB maps the file, so reading past its end (a copy cut short, an OS crash with
-    ``sync=False``) would kill the process with SIGBUS instead of raising."""
+    ``sync=False``) would kill the process with SIGBUS instead of raising. ``strict``
+    (a read-only open, which must not initialise it): also when it is too short to hold
+    a meta page, e.g. empty."""
     path = root / "index" / "data.mdb"
     try:
         with open(path, "rb") as f:
             first = f.read(_META_PAGE.size)
             if len(first) < _META_PAGE.size:
+                if strict:
+                    raise StoreCorruptError(
+                        f"the disk-tier index {path} is empty or cut short ({len(first)} "
+                        "bytes); " + clear_hint(root))
                 return  # a new store, or too short to be LMDB (lmdb.open says so)
             page_size = _META_PAGE.unpack(first)[2]
             if _META_PAGE.unpack(first)[0] != _LMDB_MAGIC or not 512 <= page_size <= 1 << 16:
@@ -99,33 +114,67 @@ class StoreEnv:
 
     Every transaction of every DiskIndex on the store in this process runs under
     ``lock``, which also makes resizing the map safe (it needs no live transaction).
-    ``live_tokens`` holds the instance tokens of the open DiskIndex objects.
+    ``live_tokens`` holds the instance tokens of the open DiskIndex objects. A
+    ``readonly`` environment writes nothing, not even a new index's format records
+    (StoreCorruptError for an index that has none); without ``lock.mdb`` it takes no
+    reader slot (no process has the store open then).
     """
 
-    def __init__(self, root: Path, *, map_size: int, sync: bool) -> None:
+    def __init__(self, root: Path, *, map_size: int, sync: bool, readonly: bool = False
+                 ) -> None:
         self.root, self.lock, self.refs = root, threading.RLock(), 0
+        self.readonly = readonly
         self.live_tokens: set[int] = set()
         self._next_reader_check = 0.0
-        check_data_file(root)
+        check_data_file(root, strict=readonly)
+        index = root / "index"
         try:
             self.env = lmdb.open(
-                str(root / "index"), map_size=map_size, subdir=True, max_dbs=len(DB_NAMES),
+                str(index), map_size=map_size, subdir=True, max_dbs=len(DB_NAMES),
                 sync=sync, metasync=sync, readahead=False, meminit=False, mode=DIR_MODE,
-                max_spare_txns=4,
+                max_spare_txns=4, readonly=readonly,
+                lock=not readonly or (index / "lock.mdb").exists(),
             )
         except lmdb.Error as exc:
             raise lmdb_failure(root, exc) from exc
         try:
-            self.clear_stale_readers()
-            self.dbs = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
-            self.write(self._check_format)
+            self._check_tables()
+            if readonly:
+                self.dbs = {name: self.env.open_db(name.encode(), create=False)
+                            for name in DB_NAMES}
+                with self.read() as txn:
+                    self._check_format(txn)
+            else:
+                self.clear_stale_readers()
+                self.dbs = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
+                self.write(self._check_format)
+        except lmdb.Error as exc:
+            self.env.close()
+            raise lmdb_failure(root, exc) from exc
         except BaseException:
             self.env.close()
             raise
 
+    def _check_tables(self) -> None:
+        """StorePathError unless the environment holds only kv-offload's tables (a new,
+        empty one too; read-only: StoreCorruptError if it lacks one), so that another
+        program's LMDB environment at ``index/`` is never written."""
+        with self.read() as txn:
+            names = {key.decode("utf-8", "replace") for key, _ in txn.cursor()}
+        foreign = sorted(names - set(DB_NAMES))
+        if foreign:
+            raise StorePathError(
+                f"{self.root / 'index'} holds an LMDB environment that is not a kv-offload "
+                f"index (it has {', '.join(map(repr, foreign[:4]))}); kv-offload does not "
+                "touch it. Point disk_path at another directory")
+        if self.readonly and names != set(DB_NAMES):
+            raise StoreCorruptError(
+                f"the disk-tier index {self.root / 'index'} lacks kv-offload's tables "
+                f"({', '.join(sorted(set(DB_NAMES) - names))}); " + clear_hint(self.root))
+
     def _check_format(self, txn: lmdb.Transaction[bytes]) -> None:
         raw = txn.get(b"format_version", db=self.dbs["meta"])
-        if raw is None and not txn.stat(self.dbs["namespaces"])["entries"]:
+        if raw is None and not self.readonly and not txn.stat(self.dbs["namespaces"])["entries"]:
             for name, value in ((b"format_version", str(FORMAT_VERSION)),
                                 (b"created", datetime.now(timezone.utc).isoformat()),
                                 (b"checksum", CHECKSUM_ALGORITHM)):
@@ -224,7 +273,7 @@ class StoreEnv:
 
 def check_store_path(root: Path) -> None:
     """StorePathError unless ``root`` is a directory or does not exist yet."""
-    if root.exists() and not root.is_dir():
+    if os.path.exists(root) and not os.path.isdir(root):
         raise StorePathError(
             f"disk_path: {root} is a file, not a directory; point disk_path at a directory "
             "(it is created if missing) or remove the file"
@@ -236,31 +285,51 @@ _ENVS_LOCK = threading.Lock()
 
 
 def acquire_env(root: Path, *, create: bool, map_size: int | None, sync: bool,
-                allow_unsafe_permissions: bool = False) -> StoreEnv:
-    """Open, or share, this process's environment of the store at ``root``. Unless
+                allow_unsafe_permissions: bool = False, readonly: bool = False) -> StoreEnv:
+    """Open, or share, this process's environment of the store at ``root``; a new
+    writable one also writes the store marker (files.py). Unless
     ``allow_unsafe_permissions``, refuses (StorePathError) a store directory or index
-    file owned by another user or writable by group or others. Pair with release_env."""
+    file owned by another user or writable by group or others; always refuses a link, a
+    file or a special file in place of ``index/`` or its files, and another program's
+    LMDB environment there. ``readonly`` (never with ``create``) writes nothing; it
+    shares an environment this process has open already. Pair with release_env."""
+    index = root / "index"
     try:
         check_store_path(root)
-        if not create and not (root / "index" / "data.mdb").exists():
+        if not create and check_file(index / "data.mdb") is None:
             raise StorePathError(f"no disk store at {root} (missing index/data.mdb)")
-        make_private_dirs(root, "index", allow_unsafe_permissions=allow_unsafe_permissions)
-        for name in ("data.mdb", "lock.mdb"):
-            with contextlib.suppress(FileNotFoundError):
-                path = root / "index" / name
-                check_private(path, os.stat(path), allow_unsafe=allow_unsafe_permissions)
-        st = os.stat(root / "index")
+        if readonly:
+            st = check_dir(index)
+            if st is None:
+                raise StorePathError(f"no disk store at {root} (missing index/)")
+        else:
+            make_private_dirs(root, "index", allow_unsafe_permissions=allow_unsafe_permissions)
+            st = os.lstat(index)
+        for name in INDEX_FILES:
+            file_st = check_file(index / name)
+            if file_st is not None:
+                check_private(index / name, file_st, allow_unsafe=allow_unsafe_permissions)
     except PermissionError as exc:
         raise StorePathError(
-            f"cannot access the disk store {root}: {exc.strerror}; fix its permissions or "
-            "choose another disk path"
+            f"cannot access the disk store {root}: {exc.strerror}; fix its permissions (or "
+            "run as the user that owns it) or choose another disk path"
         ) from exc
     ident = (os.getpid(), st.st_dev, st.st_ino)
     with _ENVS_LOCK:
         env = _ENVS.get(ident)
+        if env is not None and env.readonly and not readonly:
+            raise StoreError(f"the disk store {root} is open read-only in this process (an "
+                             "inspect or verify scan); retry once it is done")
         if env is None:
             size = max(map_size or DEFAULT_MAP_SIZE, MIN_MAP_SIZE)
-            env = _ENVS[ident] = StoreEnv(root, map_size=size, sync=sync)
+            env = StoreEnv(root, map_size=size, sync=sync, readonly=readonly)
+            if not readonly:
+                try:
+                    ensure_marker(root)
+                except BaseException:
+                    env.env.close()
+                    raise
+            _ENVS[ident] = env
         env.refs += 1
     return env
 
@@ -288,16 +357,18 @@ def is_open_here(root: Path) -> bool:
 
 
 @contextlib.contextmanager
-def existing_env(root: str | os.PathLike) -> Iterator[StoreEnv | None]:
+def existing_env(root: str | os.PathLike, *, write: bool = False
+                 ) -> Iterator[StoreEnv | None]:
     """The environment of the store at ``root`` for an administration helper, or None
-    when there is no store; never creates one."""
+    when there is no store; never creates one. Read-only (it writes nothing) unless
+    ``write``."""
     root = Path(root)
-    if not (root / "index" / "data.mdb").exists():
+    if not os.path.lexists(root / "index" / "data.mdb"):
         yield None
         return
     # Inspecting or clearing is what an operator does to an unsafe store: no check.
     env = acquire_env(root, create=False, map_size=None, sync=False,
-                      allow_unsafe_permissions=True)
+                      allow_unsafe_permissions=True, readonly=not write)
     try:
         yield env
     finally:

@@ -24,6 +24,7 @@ from typing import TypeVar
 import lmdb
 
 from kv_offload.disk.env import StoreEnv, acquire_env, release_env
+from kv_offload.disk.files import validate_namespace_id
 from kv_offload.disk.namespace import COMMITTED, RESERVED, NamespaceTxn, open_namespace
 from kv_offload.disk.owners import alive_owner, process_identity
 from kv_offload.disk.records import (
@@ -34,7 +35,6 @@ from kv_offload.disk.records import (
     check_key,
     namespace_prefix,
 )
-from kv_offload.disk.slab import validate_namespace_id
 
 logger = logging.getLogger(__name__)
 

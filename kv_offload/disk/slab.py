@@ -3,7 +3,7 @@
 Layout: ``<root>/slabs/<namespace_id>/rank<r>-of-<n>.slab``; slot ``s`` lives at byte
 offset ``s * slot_bytes``. Files are sparse and grow on write. Only the namespace id (hex,
 validated) and the rank go into paths, never a key. No lmdb, torch or vLLM in here; the
-path helpers are shared with the index.
+store's paths, its marker and how its files are opened: files.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import enum
 import errno
 import logging
 import os
-import re
-import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,15 +19,21 @@ from typing import TYPE_CHECKING
 
 from kv_offload.checksum import checksum, new_hasher
 from kv_offload.disk.errors import StorePathError
+from kv_offload.disk.files import (
+    check_dir,
+    check_private,
+    ensure_marker,
+    make_private_dirs,
+    open_file,
+    slab_path,
+    validate_namespace_id,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 logger = logging.getLogger(__name__)
 
-DIR_MODE = 0o700
-FILE_MODE = 0o600
-_NAMESPACE_RE = re.compile(r"[0-9a-f]{1,128}")
 # I/O goes in pieces, each hashed right after it is read (writes: right before it is
 # written). Reads: 128 KiB to 2 MiB pieces, or one preadv of the whole slot then one
 # hash, all ran within noise of each other (0.82-0.90x a raw read, docs/disk-tier.md), so
@@ -40,71 +44,7 @@ _NAMESPACE_RE = re.compile(r"[0-9a-f]{1,128}")
 # runs of consecutive slots smaller than that one pwritev per 2 MiB too.
 _READ_PIECE = 256 << 10
 _WRITE_PIECE = 2 << 20
-
-
-def validate_namespace_id(namespace_id: str) -> str:
-    """Return ``namespace_id`` if it is 1..128 lowercase hex characters, else ValueError."""
-    if not isinstance(namespace_id, str) or not _NAMESPACE_RE.fullmatch(namespace_id):
-        raise ValueError(
-            f"namespace_id must be 1-128 lowercase hex characters, got {namespace_id!r}"
-        )
-    return namespace_id
-
-
-def check_private(path: Path, st: os.stat_result, *, allow_unsafe: bool) -> None:
-    """StorePathError unless ``path`` (with stat ``st``) belongs to this user and is not
-    writable by group or others: whoever can write the store can plant KV (with matching
-    checksums) that this process would serve. ``allow_unsafe`` skips the check."""
-    if allow_unsafe:
-        return
-    problems = []
-    if st.st_uid != os.geteuid():
-        problems.append(f"owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        problems.append(f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
-    if problems:
-        raise StorePathError(
-            f"disk store path {path} is {' and '.join(problems)}: another user could plant KV "
-            "that this server would serve. Make it yours with mode 0700 (files 0600), choose "
-            "another disk path, or, if the store is shared on purpose, set "
-            "disk_allow_unsafe_permissions (allow_unsafe_permissions=True)"
-        )
-
-
-def make_private_dirs(root: Path, *parts: str, allow_unsafe_permissions: bool = False) -> Path:
-    """Create ``root`` and each of ``parts`` below it with mode 0700; return the leaf.
-
-    Existing directories keep their mode. Raises StorePathError when a component is a
-    file or cannot be created (read-only, permissions), or, unless
-    ``allow_unsafe_permissions``, is owned by another user or writable by group or others.
-    """
-    path = Path(root)
-    for part in ("", *parts):
-        path = path / part if part else path
-        try:
-            path.mkdir(mode=DIR_MODE, exist_ok=True)
-            check_private(path, os.stat(path), allow_unsafe=allow_unsafe_permissions)
-        except FileExistsError:
-            raise StorePathError(
-                f"disk store path {path} exists and is not a directory; "
-                "point the disk tier at a directory (or remove the file)"
-            ) from None
-        except OSError as exc:
-            raise StorePathError(
-                f"cannot create disk store directory {path}: {exc.strerror}; "
-                "choose a writable location or fix its permissions"
-            ) from exc
-    return path
-
-
-def slab_dir(root: str | os.PathLike, namespace_id: str) -> Path:
-    """Directory holding a namespace's slab files (not created)."""
-    return Path(root) / "slabs" / validate_namespace_id(namespace_id)
-
-
-def slab_path(root: str | os.PathLike, namespace_id: str, rank: int, num_ranks: int) -> Path:
-    """Path of rank ``rank``'s slab file in a namespace (not created)."""
-    return slab_dir(root, namespace_id) / f"rank{rank}-of-{num_ranks}.slab"
+_MAX_FILE_BYTES = (1 << 63) - 1  # off_t: a slot past it is a damaged record, not a slot
 
 
 class ReadResult(enum.Enum):
@@ -142,10 +82,13 @@ class SlabFile:
     descriptors are retired, not closed, until close(), so a concurrent call never sees
     a reused descriptor number. close() must not race with I/O (join the pool first).
 
-    The constructor creates the directories (0700) and the sparse file (0600); it raises
-    StorePathError if they cannot be created or, unless ``allow_unsafe_permissions``,
-    belong to another user or are writable by group or others; ValueError for bad
-    arguments.
+    The constructor creates the directories (0700), the store marker and the sparse file
+    (0600); it raises StorePathError if they cannot be created, if a link, directory or
+    special file holds a path of them (none is followed), or, unless
+    ``allow_unsafe_permissions``, they belong to another user or are writable by group or
+    others; ValueError for bad arguments. ``readonly`` (kv-offload verify) creates and
+    writes nothing: the file is opened for reading if it exists (else every read is
+    MISSING) and ``write`` raises ValueError.
     """
 
     def __init__(
@@ -158,6 +101,7 @@ class SlabFile:
         slot_bytes: int,
         fsync: bool = False,
         allow_unsafe_permissions: bool = False,
+        readonly: bool = False,
     ) -> None:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks!r}")
@@ -170,13 +114,14 @@ class SlabFile:
         self._slot_bytes = slot_bytes
         self._fsync = fsync
         self._allow_unsafe = allow_unsafe_permissions
+        self._readonly = readonly
         self.path = slab_path(root, namespace_id, rank, num_ranks)
         self._lock = threading.Lock()
         self._retired: list[int] = []
         self._fd = -1
         self._ino: tuple[int, int] = (0, 0)
         with self._lock:
-            self._reopen_locked(create=True)
+            self._reopen_locked(create=not readonly)
 
     @property
     def slot_bytes(self) -> int:
@@ -202,6 +147,8 @@ class SlabFile:
         """
         if len(slots) != len(bufs):
             raise ValueError(f"{len(slots)} slots but {len(bufs)} buffers")
+        if self._readonly:
+            raise ValueError(f"write to read-only SlabFile {self.path}")
         views = [_as_bytes_view(b, self._slot_bytes, writable=False) for b in bufs]
         offsets = [self._offset(slot) for slot in slots]
         fd = self._current_fd(create=True)
@@ -271,7 +218,7 @@ class SlabFile:
                     done += n
                 if hasher is not None:
                     hasher.update(piece)
-        except OSError as exc:
+        except (OSError, StorePathError) as exc:  # StorePathError: a link planted in its place
             logger.warning("disk tier: reading slot %d of %s failed: %s", slot, self.path, exc)
             return ReadResult.IO_ERROR
         if hasher is not None and hasher.intdigest() != expected_checksum:
@@ -296,19 +243,22 @@ class SlabFile:
     def _offset(self, slot: int) -> int:
         if not isinstance(slot, int) or slot < 0:
             raise ValueError(f"slot must be a non-negative int, got {slot!r}")
+        if (slot + 1) * self._slot_bytes > _MAX_FILE_BYTES:
+            raise ValueError(f"slot {slot} lies beyond the largest file offset")
         return slot * self._slot_bytes
 
     def _current_fd(self, *, create: bool) -> int:
         """Descriptor of the file the path names now; -1 if it is gone and not created.
 
-        The path is looked up on every call (``stat``, ~2-3 us). The open file's own link
+        The path is looked up on every call (``lstat``, ~2-3 us: a link planted in its
+        place is a new file, which ``open_file`` refuses). The open file's own link
         count (``fstat``) cannot replace it: a store moved away or a slab file system
         lazily unmounted (``umount -l``) and then deleted leaves the open file linked and
         readable while the path names nothing, and its bytes would still be served."""
         if self._fd == -2:
             raise ValueError(f"I/O on closed SlabFile {self.path}")
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
             if (st.st_dev, st.st_ino) == self._ino:
                 return self._fd
         except FileNotFoundError:
@@ -320,13 +270,18 @@ class SlabFile:
             return self._reopen_locked(create=create)
 
     def _reopen_locked(self, *, create: bool) -> int:
+        create = create and not self._readonly
         if create:
             make_private_dirs(self._root, "slabs", self._namespace_id,
                               allow_unsafe_permissions=self._allow_unsafe)
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+            ensure_marker(self._root)
+        else:  # no link on the way either (make_private_dirs checks that when creating)
+            check_dir(self.path.parent.parent)
+            check_dir(self.path.parent)
         try:
-            fd = os.open(self.path, flags, FILE_MODE)
-        except FileNotFoundError:
+            fd = open_file(self.path, os.O_RDONLY if self._readonly else os.O_RDWR,
+                           create=create)
+        except (FileNotFoundError, NotADirectoryError):
             if create:
                 raise
             return -1

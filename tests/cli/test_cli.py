@@ -15,7 +15,7 @@ import pytest
 
 from kv_offload.cli import EXIT_BUSY, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 from kv_offload.disk import DiskIndex, SlabFile, iter_entries, list_namespaces
-from kv_offload.disk.slab import slab_dir, slab_path
+from kv_offload.disk.files import slab_dir, slab_path
 from kv_offload.warm_prompts import load_prompts
 
 NS_A = "a1" * 16  # two ranks, six chunks

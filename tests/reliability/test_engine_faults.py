@@ -240,8 +240,8 @@ def test_cache_salt_never_shares_chunks(restarted, reference):
     assert again["metrics"]["external_hits"] >= 640  # salt "a" still hits after "b"
 
 
-FIXED_NAMES = [r"index", r"index/(data|lock)\.mdb", r"slabs", r"slabs/[0-9a-f]{32}",
-               r"slabs/[0-9a-f]{32}/rank0-of-1\.slab"]
+FIXED_NAMES = [r"index", r"index/(data|lock)\.mdb", r"kv-offload-store\.json", r"slabs",
+               r"slabs/[0-9a-f]{32}", r"slabs/[0-9a-f]{32}/rank0-of-1\.slab"]
 
 
 def test_store_is_private_and_no_request_data_names_a_file(restarted):
@@ -252,8 +252,9 @@ def test_store_is_private_and_no_request_data_names_a_file(restarted):
     odd = [f["path"] for f in snap if not any(re.fullmatch(r, f["path"]) for r in FIXED_NAMES)]
     assert odd == []
     modes = {f["path"]: f["mode"] for f in snap}
-    assert {m for p, m in modes.items() if p.endswith((".mdb", ".slab"))} == {"0o600"}
-    assert {m for p, m in modes.items() if not p.endswith((".mdb", ".slab"))} == {"0o700"}
+    files = (".mdb", ".slab", ".json")
+    assert {m for p, m in modes.items() if p.endswith(files)} == {"0o600"}
+    assert {m for p, m in modes.items() if not p.endswith(files)} == {"0o700"}
 
 
 # ---- 2. disk full ----------------------------------------------------------------------------

@@ -54,8 +54,8 @@ def test_a_new_store_is_private_even_with_a_permissive_umask(tmp_path):
         os.umask(old)
     root = tmp_path / "store"
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
-        "index", "index/data.mdb", "index/lock.mdb", "slabs", f"slabs/{NS}",
-        f"slabs/{NS}/rank0-of-1.slab"]
+        "index", "index/data.mdb", "index/lock.mdb", "kv-offload-store.json", "slabs",
+        f"slabs/{NS}", f"slabs/{NS}/rank0-of-1.slab"]
     assert loose_modes(root) == {}
 
 
