@@ -11,6 +11,7 @@ from kv_offload.testing.tiny_model import (
     build_tokenizer,
     main,
     make_prompt,
+    make_tiny_hybrid_model,
     make_tiny_model,
 )
 
@@ -126,6 +127,55 @@ def test_cli_prints_path(tmp_path, capsys):
             "--num-heads", "2", "--num-kv-heads", "1", "--vocab-size", "300"]
     main(args)
     assert capsys.readouterr().out.strip() == str(make_tiny_model(cache_dir=tmp_path, **SMALL))
+
+
+def test_hybrid_model_config_has_both_layer_types_and_loads_with_autoconfig(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    small = dict(SMALL, num_layers=2)
+    model = make_tiny_hybrid_model(cache_dir=tmp_path, **small, sliding_window=48)
+    config = AutoConfig.from_pretrained(str(model), local_files_only=True)
+    assert type(config).__name__ == "Gemma3TextConfig" and config.model_type == "gemma3_text"
+    assert config.architectures == ["Gemma3ForCausalLM"] and config.sliding_window == 48
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    assert not config.tie_word_embeddings and config.head_dim == 64
+    assert set(config.rope_parameters) == {"sliding_attention", "full_attention"}
+    with safe_open(str(model / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.1.self_attn.k_norm.weight" in names and "lm_head.weight" in names
+    assert make_tiny_hybrid_model(cache_dir=tmp_path, **small, sliding_window=48) == model
+    assert model != make_tiny_model(cache_dir=tmp_path, **small)
+
+
+def test_hybrid_layer_patterns(tmp_path):
+    import json
+
+    five_to_one = make_tiny_hybrid_model(cache_dir=tmp_path, **dict(SMALL, num_layers=6),
+                                         sliding_window_pattern=6)
+    types = json.loads((five_to_one / "config.json").read_text())["layer_types"]
+    assert types == ["sliding_attention"] * 5 + ["full_attention"]
+    explicit = make_tiny_hybrid_model(cache_dir=tmp_path, **dict(SMALL, num_layers=6),
+                                      layer_types=types)
+    assert explicit == five_to_one  # the same model however the layer types were given
+    for bad in (["full_attention"], ["local", "global"]):
+        with pytest.raises(ValueError, match="layer_types"):
+            make_tiny_hybrid_model(cache_dir=tmp_path, **dict(SMALL, num_layers=2),
+                                   layer_types=bad)
+    with pytest.raises(ValueError, match="head_dim"):
+        make_tiny_hybrid_model(cache_dir=tmp_path, **dict(SMALL, head_dim=16))
+
+
+def test_cli_hybrid(tmp_path, capsys):
+    args = ["--cache-dir", str(tmp_path), "--num-layers", "1", "--hidden-size", "128",
+            "--num-heads", "2", "--num-kv-heads", "1", "--vocab-size", "300"]
+    main([*args, "--hybrid", "--layer-types", "sliding_attention,full_attention",
+          "--num-layers", "2", "--sliding-window", "32"])
+    expected = make_tiny_hybrid_model(cache_dir=tmp_path, **dict(SMALL, num_layers=2),
+                                      sliding_window=32)
+    assert capsys.readouterr().out.strip() == str(expected)
+    with pytest.raises(SystemExit):
+        main([*args, "--sliding-window", "32"])  # hybrid-only option without --hybrid
 
 
 def test_bench_kwargs_are_valid():
