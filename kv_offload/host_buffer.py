@@ -27,6 +27,8 @@ __all__ = [
     "InsufficientHostMemoryError",
     "allocate_host_slots",
     "available_host_memory",
+    "check_local_ranks_fit",
+    "total_host_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,6 +125,48 @@ def available_host_memory() -> int | None:
         return int(psutil.virtual_memory().available)
     except Exception:  # psutil missing, or it cannot read this platform's figures
         return None
+
+
+def total_host_memory() -> int | None:
+    """Bytes of physical memory of this host (psutil), or None where it does not say."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
+
+
+def check_local_ranks_fit(
+    nbytes_per_rank: int, num_local_ranks: int, *,
+    total: Callable[[], int | None] | None = None,
+    available: Callable[[], int | None] | None = None,
+) -> None:
+    """Check that the CPU tiers of all ``num_local_ranks`` ranks on this host fit in it,
+    before this rank allocates its own ``nbytes_per_rank`` (each rank checks only its own
+    buffer against the memory available, so with tensor parallelism cpu_size x ranks could
+    pass every check and exceed the host). Raises InsufficientHostMemoryError, naming
+    cpu_size and the most it may be, when they exceed ``total()`` (the host's RAM); logs
+    a warning when they exceed ``available()`` now (ranks that allocated theirs already
+    took it from there, so this may be a false alarm). ``total``/``available`` default to
+    ``total_host_memory``/``available_host_memory``. Mutates nothing."""
+    if num_local_ranks <= 1:
+        return
+    needed = int(nbytes_per_rank) * int(num_local_ranks)
+    ram = (total or total_host_memory)()
+    if ram is not None and needed > ram:
+        raise InsufficientHostMemoryError(
+            f"the CPU tiers of the {num_local_ranks} tensor-parallel ranks on this host need "
+            f"{num_local_ranks} x {format_size(nbytes_per_rank)} = {format_size(needed)}, "
+            f"more than its {format_size(ram)} of RAM: cpu_size is per rank; lower it to at "
+            f"most {format_size(ram // num_local_ranks)} (less what the engine itself uses)")
+    free = (available or available_host_memory)()
+    if free is not None and needed > free:
+        logger.warning(
+            "kv-offload: the CPU tiers of the %d ranks on this host need %s, but only %s of "
+            "host memory is available now; unless the other ranks have allocated theirs "
+            "already, lower cpu_size (it is per rank)", num_local_ranks, format_size(needed),
+            format_size(free))
 
 
 def allocate_host_slots(

@@ -52,6 +52,19 @@ def tensor_parallel_rank(tp_size: int) -> int:
     return rank
 
 
+def local_tensor_parallel_ranks(tp_size: int) -> int:
+    """How many of the ``tp_size`` tensor-parallel ranks run on this host (each allocates a
+    CPU tier): ``tp_size`` spread over vLLM's node count, all of them when vLLM's
+    distributed state does not say (a single process, or a vLLM without it)."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        nodes = max(1, int(ps.get_node_count()))
+    except Exception:
+        nodes = 1
+    return max(1, -(-int(tp_size) // nodes))
+
+
 def check_page_order(tensors: Sequence[torch.Tensor], layout: KVLayout, num_blocks: int) -> None:
     """UnsupportedEngineError unless every KV tensor stores its blocks in the byte order
     that ``layout`` (and so the namespace) names."""
@@ -100,7 +113,7 @@ def build_worker(
     """Check the engine's tensors against ``layout`` and wire host slots, copy engine
     and slab. Raises UnsupportedEngineError with the observed shapes on a mismatch."""
     from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
-    from kv_offload.host_buffer import allocate_host_slots
+    from kv_offload.host_buffer import allocate_host_slots, check_local_ranks_fit
 
     check_page_order(tensors, layout, num_blocks)
     rank = tensor_parallel_rank(layout.tp_size)
@@ -121,7 +134,9 @@ def build_worker(
                 f"(shape {tuple(tensor.shape)})")
         planes.extend(layer_planes)
     on_cuda = planes[0].device.type == "cuda"
-    host = allocate_host_slots(num_cpu_slots(config, layout), layout.slot_bytes, pinned=on_cuda)
+    num_slots = num_cpu_slots(config, layout)
+    check_local_ranks_fit(num_slots * layout.slot_bytes, local_tensor_parallel_ranks(layout.tp_size))
+    host = allocate_host_slots(num_slots, layout.slot_bytes, pinned=on_cuda)
     placement = ThreadPlacement.for_worker()
     start_populating(host, placement)
     engine = make_copy_engine(planes, host, layout.blocks_per_chunk,

@@ -14,6 +14,7 @@ from kv_offload.host_buffer import (
     InsufficientHostMemoryError,
     allocate_host_slots,
     available_host_memory,
+    check_local_ranks_fit,
 )
 
 
@@ -160,3 +161,27 @@ def test_populate_is_a_no_op_after_close():
     slots = allocate_host_slots(4, 4096, pinned=False)
     slots.close()
     assert slots.populate() is False
+
+
+GIB = 1 << 30
+
+
+def test_the_cpu_tiers_of_all_local_ranks_must_fit_in_the_hosts_ram():
+    """Issue 27, section 5: each rank checked only its own CPU tier against the memory
+    available, so with TP 8 a cpu_size of 30 GiB passed every check on a 128 GiB host and
+    pinned 240 GiB. The error names cpu_size (per rank) and what it may be at most."""
+    with pytest.raises(InsufficientHostMemoryError) as info:
+        check_local_ranks_fit(30 * GIB, 8, total=lambda: 128 * GIB, available=lambda: 120 * GIB)
+    message = str(info.value)
+    assert "8 x 30.0 GiB = 240.0 GiB" in message and "128.0 GiB of RAM" in message
+    assert "cpu_size is per rank; lower it to at most 16.0 GiB" in message
+
+
+def test_local_ranks_that_fit_pass_and_more_than_available_now_warns(caplog):
+    check_local_ranks_fit(30 * GIB, 1, total=lambda: GIB, available=lambda: GIB)  # alone
+    check_local_ranks_fit(15 * GIB, 8, total=lambda: 128 * GIB, available=lambda: 125 * GIB)
+    assert not caplog.records
+    check_local_ranks_fit(15 * GIB, 8, total=lambda: 128 * GIB, available=lambda: 100 * GIB)
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and "lower cpu_size (it is per rank)" in record.message
+    check_local_ranks_fit(15 * GIB, 8, total=lambda: None, available=lambda: None)  # unknown
