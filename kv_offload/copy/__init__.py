@@ -56,10 +56,12 @@ def __getattr__(name: str) -> Any:
 
 
 def make_copy_engine(planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int, *,
-                     thread_initializer: Callable[[], None] | None = None) -> CopyEngine:
+                     thread_initializer: Callable[[], None] | None = None,
+                     copy_mode: str = "auto") -> CopyEngine:
     """Build the engine for the planes' device: ``TorchCopyEngine`` for host memory,
-    ``CupyCopyEngine`` for CUDA. Raises ValueError for no planes or another device, and
-    ``CudaUnavailableError`` for CUDA planes without CuPy. The caller owns the engine
+    ``CupyCopyEngine`` for CUDA, with ``copy_mode`` (``cupy_engine.COPY_MODES``; the CPU
+    engine has one). Raises ValueError for no planes, another device or an unknown mode,
+    and ``CudaUnavailableError`` for CUDA planes without CuPy. The caller owns the engine
     (``close()`` it) and keeps ``planes`` and ``host`` alive as long as it.
     ``thread_initializer`` runs first on each of the CPU engine's helper threads."""
     if not planes:
@@ -78,5 +80,6 @@ def make_copy_engine(planes: list[torch.Tensor], host: HostSlots, blocks_per_chu
             import torch
 
             index = torch.cuda.current_device()
-        return CupyCopyEngine(planes, host, blocks_per_chunk, device=index)
+        return CupyCopyEngine(planes, host, blocks_per_chunk, device=index,
+                              mode=copy_mode)  # type: ignore[arg-type]  # checked there
     raise ValueError(f"no copy engine for planes on {device}")

@@ -95,6 +95,27 @@ class CopyEngine(abc.ABC):
         it). The token must not be used afterwards. Engines without streams: nothing to do."""
         del mark
 
+    def unordered_mark(self) -> object | None:
+        """A token for ``after=`` that orders a copy after no compute at all: for bytes
+        that no compute writes any more (the runtime audit re-reads blocks whose copy has
+        ended). None for engines without streams."""
+        return None
+
+    @property
+    def copy_path(self) -> str:
+        """How copies are issued now (engine-specific name, for logs and the audit)."""
+        return type(self).__name__
+
+    def describe(self) -> str:
+        """One line for the start-up log: how this engine copies, and why."""
+        return f"copy path {self.copy_path}"
+
+    def fall_back_to_plainest(self) -> str | None:
+        """Issue later copies the plainest way this engine has (after the runtime audit
+        found a copy wrong); returns the new ``copy_path``, or None when already there.
+        Copies in flight are unaffected. Thread-safe."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Wait for submitted copies and release the engine's resources (not the

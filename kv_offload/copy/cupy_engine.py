@@ -30,10 +30,14 @@ Ordering (per call, all GPU-side, no host synchronisation):
   GPU 0; and one ``Device`` object keeps a single stack of previous devices for all
   threads, so concurrent calls could leave vLLM's thread on another thread's device.
 
-Copies are issued either as one ``cudaMemcpyAsync`` per coalesced byte range (DMA
-engines, no SMs) or, when ranges are many and small, as one kernel launch that copies
-64 KiB tiles straight between device memory and the mapped pinned host buffer (no
-staging buffer); ``mode`` picks one or lets ``auto`` choose by range count and size.
+Copies are DMA copies by default (``mode`` "auto" or "dma"): the GPU's copy engines move
+the bytes, no SMs, so they never take compute from the forward; ``dma.py`` issues a
+call's ranges as one ``cuMemcpyBatchAsync`` where the driver has it (12.8+), else as few
+``cudaMemcpy2DAsync``/``cudaMemcpyAsync`` calls as the layout allows. ``mode="kernel"``
+(only where chosen) launches one kernel that copies 64 KiB tiles straight between device
+memory and the mapped pinned host buffer: one launch for any number of ranges, but it
+runs on SMs, beside the forward. Both copy streams are created at the device's least
+stream priority. ``describe()`` says what was chosen (the worker logs it at start-up).
 """
 
 from __future__ import annotations
@@ -52,10 +56,10 @@ from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle
 from kv_offload.copy.cuda_runtime import (
     HOST_ALLOC_MAPPED,
     HOST_ALLOC_PORTABLE,
-    MEMCPY_DEFAULT,
     cuda_module,
     device_address,
 )
+from kv_offload.copy.dma import DmaCopier, DriverInfo, load_driver
 from kv_offload.copy.plan import (
     ByteRanges,
     Direction,
@@ -68,19 +72,18 @@ from kv_offload.copy.plan import (
 )
 from kv_offload.copy.planes import describe_planes
 
-__all__ = ["CupyCopyEngine", "CopyMode"]
+__all__ = ["COPY_MODES", "CopyMode", "CupyCopyEngine"]
 
 logger = logging.getLogger(__name__)
 
-CopyMode = Literal["auto", "memcpy", "kernel"]
+CopyMode = Literal["auto", "dma", "kernel"]
+COPY_MODES: tuple[CopyMode, ...] = ("auto", "dma", "kernel")
+"""``auto`` is ``dma``: the tile kernel competes with the forward for SMs and is used
+only where chosen, until ``benchmarks/gpu_check.sh`` (its ``decode_latency`` part)
+shows it better with a forward running."""
 
 KERNEL_TILE_BYTES = 64 << 10
 """Bytes one CUDA thread block copies in ``kernel`` mode."""
-AUTO_MEMCPY_MAX_RANGES = 16
-AUTO_MEMCPY_MIN_MEAN_BYTES = 2 << 20
-"""``auto`` issues one cudaMemcpyAsync per range when there are at most this many
-ranges or they average at least this size; otherwise one kernel launch. Defaults not yet
-measured on a GPU: calibrate with ``benchmarks/gpu_check.sh`` (its ``calibration`` part)."""
 
 _KERNEL_SOURCE = r"""
 extern "C" __global__ void kvo_copy_tiles(unsigned long long table_addr) {
@@ -156,22 +159,15 @@ class _TableArena:
             self._free.setdefault(item[1].nbytes, []).append(item)
 
 
-def _compile_kernel(cp: Any, *, required: bool) -> Any:
-    """The tile-copy kernel, compiled now (NVRTC) so a broken toolchain shows at start-up;
-    None when compilation fails and the kernel is optional (``auto`` then uses memcpy)."""
+def _compile_kernel(cp: Any) -> Any:
+    """The tile-copy kernel, compiled now (NVRTC) so a broken toolchain shows at start-up
+    (raises)."""
     kernel = cp.RawKernel(_KERNEL_SOURCE, "kvo_copy_tiles")
-    try:
-        compile_now = getattr(kernel, "compile", None)
-        if compile_now is not None:
-            compile_now()
-        else:  # older CuPy: compiled on first attribute access
-            _ = kernel.attributes
-    except Exception:
-        if required:
-            raise
-        logger.warning("kv-offload: cannot compile the CUDA copy kernel; using "
-                       "cudaMemcpyAsync per range only", exc_info=True)
-        return None
+    compile_now = getattr(kernel, "compile", None)
+    if compile_now is not None:
+        compile_now()
+    else:  # older CuPy: compiled on first attribute access
+        _ = kernel.attributes
     return kernel
 
 
@@ -195,9 +191,11 @@ class CupyCopyEngine(CopyEngine):
         *,
         compute_stream: int | None = None,
         mode: CopyMode = "auto",
+        driver: DriverInfo | None = None,
     ) -> None:
         """Raises CudaUnavailableError without CuPy/CUDA, ValueError for planes not on
-        ``device``, unpinned host slots, a slot too small for a chunk, or a bad mode."""
+        ``device``, unpinned host slots, a slot too small for a chunk, or a bad mode.
+        ``driver``: what the CUDA driver offers (default ``dma.load_driver()``)."""
         cp = cuda_module()
         geometry = describe_planes(planes)
         if geometry.device.type != "cuda" or (geometry.device.index or 0) != device:
@@ -205,8 +203,8 @@ class CupyCopyEngine(CopyEngine):
         if not getattr(host, "pinned", False):
             raise ValueError("CupyCopyEngine needs pinned host slots "
                              "(allocate_host_slots(..., pinned=True))")
-        if mode not in ("auto", "memcpy", "kernel"):
-            raise ValueError(f"mode must be 'auto', 'memcpy' or 'kernel', got {mode!r}")
+        if mode not in COPY_MODES:
+            raise ValueError(f"mode must be one of {', '.join(COPY_MODES)}, got {mode!r}")
         self.layout = SlotLayout(geometry.plane_bytes, int(blocks_per_chunk), host.slot_bytes)
         self.num_blocks = geometry.num_blocks
         self.num_slots = host.num_slots
@@ -220,15 +218,28 @@ class CupyCopyEngine(CopyEngine):
         self._use_device()
         self._host_dev_ptr = device_address(cp, self._host_ptr)
         self._fixed_stream = None if compute_stream is None else int(compute_stream)
-        self._streams = {d: cp.cuda.Stream(non_blocking=True) for d in Direction}
-        self._kernel = (None if mode == "memcpy"
-                        else _compile_kernel(cp, required=mode == "kernel"))
+        driver = driver or load_driver()
+        # The least priority (the largest number): the forward's kernels go first.
+        self._streams = {d: cp.cuda.Stream(non_blocking=True, priority=driver.least_priority)
+                         for d in Direction}
+        unordered = cp.cuda.Event(block=False, disable_timing=True)
+        unordered.record(self._streams[Direction.LOAD])  # nothing queued yet: done at once
+        self._unordered = _Mark(unordered)
+        self._dma = DmaCopier(cp.cuda.runtime, driver.batch)
+        self._kernel = _compile_kernel(cp) if mode == "kernel" else None
         self._tables = _TableArena(cp)
         self._issue_locks = {d: threading.Lock() for d in Direction}
         self._lock = threading.Lock()  # guards _pending and _closed
         self._pending: dict[int, _Pending] = {}
         self._seq = itertools.count()
         self._closed = False
+        how = {"kernel": "the SM tile-copy kernel (chosen)",
+               "batch": "cuMemcpyBatchAsync, one call per copy",
+               "2d": f"cudaMemcpy2DAsync (no batch copy: {driver.why_no_batch})"}
+        self._description = (
+            f"CUDA copies mode {mode} -> {how[self.copy_path]}; copy streams at priority "
+            f"{driver.least_priority} (device range {driver.least_priority}.."
+            f"{driver.greatest_priority})")
 
     # -- CopyEngine --------------------------------------------------------------------
 
@@ -276,6 +287,27 @@ class CupyCopyEngine(CopyEngine):
         if self._fixed_stream is not None:
             return self._fixed_stream
         return int(torch.cuda.current_stream(self._device_id).cuda_stream)
+
+    def unordered_mark(self) -> _Mark:
+        """A mark recorded on an empty stream (done at once): as ``after``, the copy waits
+        for no compute. The engine's own: never give it to ``release_mark``."""
+        return self._unordered
+
+    def describe(self) -> str:
+        """The mode, the copy path it chose and why, the streams' priority."""
+        return self._description
+
+    @property
+    def copy_path(self) -> str:
+        """"kernel", or the DMA path: "batch", "2d" or "ranges" (``dma.py``)."""
+        return "kernel" if self._kernel is not None else self._dma.path
+
+    def fall_back_to_plainest(self) -> str | None:
+        """One cudaMemcpyAsync per range from now on (no kernel, batch or 2-D copies)."""
+        had_kernel, self._kernel = self._kernel is not None, None
+        if self._dma.fall_back_to_plainest() or had_kernel:
+            return self.copy_path
+        return None
 
     def _compute_stream(self, after: Any) -> int:
         """The raw handle of the stream to order against: ``after`` or the current one.
@@ -348,7 +380,7 @@ class CupyCopyEngine(CopyEngine):
             table = None
             try:
                 if ranges.num_ranges:
-                    if self._use_kernel(ranges):
+                    if self._kernel is not None:
                         table = self._launch_kernel(direction, ranges, stream)
                     else:
                         self._issue_memcpys(direction, ranges, stream)
@@ -372,12 +404,6 @@ class CupyCopyEngine(CopyEngine):
         if runtime.getDevice() != self._device_id:
             runtime.setDevice(self._device_id)
 
-    def _use_kernel(self, ranges: ByteRanges) -> bool:
-        if self._kernel is None or self.mode != "auto":
-            return self._kernel is not None
-        n = ranges.num_ranges
-        return n > AUTO_MEMCPY_MAX_RANGES and ranges.total_bytes < n * AUTO_MEMCPY_MIN_MEAN_BYTES
-
     def _endpoints(self, direction: Direction, ranges: ByteRanges, host_base: int
                    ) -> tuple[np.ndarray, np.ndarray]:
         engine = self._plane_ptrs[ranges.plane] + ranges.engine_offset
@@ -386,13 +412,14 @@ class CupyCopyEngine(CopyEngine):
 
     def _issue_memcpys(self, direction: Direction, ranges: ByteRanges, stream: Any) -> None:
         src, dst = self._endpoints(direction, ranges, self._host_ptr)
-        memcpy_async = self._cp.cuda.runtime.memcpyAsync
-        for s, d, n in zip(src.tolist(), dst.tolist(), ranges.nbytes.tolist()):
-            memcpy_async(d, s, n, MEMCPY_DEFAULT, stream.ptr)
+        self._dma.issue(src, dst, ranges.nbytes, stream.ptr,
+                        host_is_src=direction is Direction.LOAD)
 
     def _launch_kernel(self, direction: Direction, ranges: ByteRanges, stream: Any) -> Any:
-        if self._kernel is None:  # never: _use_kernel is False without a kernel
-            raise RuntimeError("kv-offload: the CUDA copy kernel was not compiled")
+        kernel = self._kernel
+        if kernel is None:  # fell back since the caller looked: copy with DMA instead
+            self._issue_memcpys(direction, ranges, stream)
+            return None
         tiles = split_byte_ranges(ranges, KERNEL_TILE_BYTES)
         src, dst = self._endpoints(direction, tiles, self._host_dev_ptr)
         item = self._tables.take(tiles.num_ranges * 24)
@@ -401,7 +428,7 @@ class CupyCopyEngine(CopyEngine):
         table[:, 1] = dst
         table[:, 2] = tiles.nbytes
         with stream:
-            self._kernel((tiles.num_ranges,), (_KERNEL_THREADS,), (np.uint64(item[2]),))
+            kernel((tiles.num_ranges,), (_KERNEL_THREADS,), (np.uint64(item[2]),))
         return item
 
     def _retire(self, seq: int) -> None:

@@ -41,6 +41,8 @@ __all__ = [
     "plan_segments",
     "runs_to_byte_ranges",
     "split_byte_ranges",
+    "StridedGroups",
+    "strided_groups",
     "validated_chunks",
 ]
 
@@ -355,6 +357,57 @@ def split_byte_ranges(ranges: ByteRanges, max_bytes: int) -> ByteRanges:
         host_offset=ranges.host_offset[rep] + skip,
         nbytes=nbytes.astype(_INT, copy=False),
     )
+
+
+class StridedGroups(NamedTuple):
+    """2-D copies: group g copies ``height[g]`` rows of ``width[g]`` bytes, row r from
+    ``src[g] + r * src_pitch[g]`` to ``dst[g] + r * dst_pitch[g]`` (pitches >= width).
+    int64, same length."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    src_pitch: np.ndarray
+    dst_pitch: np.ndarray
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.width.shape[0])
+
+
+def strided_groups(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, *,
+                   max_pitch: int) -> StridedGroups:
+    """Group consecutive ranges (``nbytes[k]`` bytes from ``src[k]`` to ``dst[k]``, in the
+    order given) into 2-D copies of one row size at a constant pair of pitches, each at
+    least the row size (rows never overlap) and at most ``max_pitch``. A pair of
+    neighbours joins the group of the pair before it only at the same pitches (greedy
+    from the left). Vectorised; pure; new arrays."""
+    src, dst, nbytes = (np.asarray(a, _INT) for a in (src, dst, nbytes))
+    n = int(nbytes.shape[0])
+    if n == 0:
+        empty = np.empty(0, _INT)
+        return StridedGroups(empty, empty, empty, empty, empty, empty)
+    ds, dd, w = np.diff(src), np.diff(dst), nbytes[:-1]
+    link = ((nbytes[1:] == w) & (ds >= w) & (dd >= w) & (ds <= max_pitch)
+            & (dd <= max_pitch))
+    # Greedy from the left: a pair whose pitches differ from those of the pair before it
+    # ends that group when the pair before is used, else it starts a new one; in a row of
+    # such pairs, every other one is used.
+    same_pitch = np.concatenate(([True], (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])))
+    change = link & ~same_pitch & np.concatenate(([False], link[:-1]))
+    first = change & ~np.concatenate(([False], change[:-1]))
+    index = np.arange(change.shape[0])
+    in_row = index - np.maximum.accumulate(np.where(first, index, 0))
+    link &= ~change | (in_row % 2 == 1)
+    starts = np.flatnonzero(np.concatenate(([True], ~link)))
+    height = np.diff(np.concatenate((starts, [n])))
+    rows = height > 1
+    pitch_at = np.minimum(starts, n - 2) if n > 1 else starts
+    src_pitch = np.where(rows, ds[pitch_at] if n > 1 else 0, nbytes[starts])
+    dst_pitch = np.where(rows, dd[pitch_at] if n > 1 else 0, nbytes[starts])
+    return StridedGroups(src[starts], dst[starts], nbytes[starts].copy(), height.astype(_INT),
+                         src_pitch.astype(_INT), dst_pitch.astype(_INT))
 
 
 def plan_segments(bm: BlockMap) -> Segments:

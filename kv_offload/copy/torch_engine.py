@@ -148,6 +148,17 @@ class TorchCopyEngine(CopyEngine):
     def synchronous(self) -> bool:
         return True
 
+    @property
+    def copy_path(self) -> str:
+        return self.strategy
+
+    def fall_back_to_plainest(self) -> str | None:
+        """Copy with numpy from now on (single-threaded, no compiled loop)."""
+        if self.strategy == "numpy":
+            return None
+        self.strategy = "numpy"
+        return self.strategy
+
     def is_done(self, handle: CopyHandle) -> bool:
         return True
 

@@ -10,9 +10,8 @@ and said so). Each part writes into one JSON file:
    async scheduling, the forward on a side stream that runs behind the host, blocks
    reused at once, every loaded and stored byte compared (mismatches must be 0).
 4. ``transfer``: the CuPy engine's store and load GB/s against one large pinned
-   ``cudaMemcpyAsync`` of the same bytes (target >= 0.8x), memcpy and kernel modes.
-5. ``calibration``: memcpy vs kernel mode per range count and size, and the ``auto``
-   thresholds (``AUTO_MEMCPY_MAX_RANGES``, ``AUTO_MEMCPY_MIN_MEAN_BYTES``) they suggest.
+   ``cudaMemcpyAsync`` of the same bytes (target >= 0.8x), DMA and kernel modes.
+5. ``calibration``: DMA vs kernel mode per range count and size.
 
     python -m kv_offload.testing.gpu_check --out gpu-check   # (benchmarks/gpu_check.sh)
 
@@ -95,7 +94,7 @@ def _modes() -> tuple[CopyMode, ...]:
     """The copy modes to measure: without NVRTC, kernel mode cannot be built."""
     from kv_offload.copy.cuda_runtime import nvrtc_version
 
-    return ("memcpy", "kernel", "auto") if nvrtc_version() else ("memcpy", "auto")
+    return ("dma", "kernel", "auto") if nvrtc_version() else ("dma", "auto")
 
 
 def _installed(name: str) -> bool:
@@ -197,7 +196,7 @@ def transfer(reps: int) -> dict[str, Any]:
 
 
 def calibration(reps: int) -> dict[str, Any]:
-    """memcpy vs kernel mode for ranges of one size: which wins, per count and size."""
+    """DMA vs kernel mode for ranges of one size: which wins, per count and size."""
     import numpy as np
     import torch
 
@@ -216,7 +215,7 @@ def calibration(reps: int) -> dict[str, Any]:
             ids = np.random.default_rng(1).permutation(num_blocks)[:count].reshape(count, 1)
             slots = np.arange(count)
             times: dict[str, float] = {}
-            for mode in ("memcpy", "kernel"):
+            for mode in ("dma", "kernel"):
                 engine = CupyCopyEngine([plane], host, 1, device=0, mode=mode)
                 engine.wait(engine.store(ids, slots))
                 best = float("inf")
@@ -227,26 +226,11 @@ def calibration(reps: int) -> dict[str, Any]:
                 times[mode] = best
                 engine.close()
             rows.append({"range_kib": range_kib, "ranges": count,
-                         "memcpy_us": round(times["memcpy"] * 1e6, 1),
+                         "dma_us": round(times["dma"] * 1e6, 1),
                          "kernel_us": round(times["kernel"] * 1e6, 1),
                          "winner": min(times, key=times.__getitem__)})
             del plane, host
-    return {"rows": rows, "suggested": _best_thresholds(rows)}
-
-
-def _best_thresholds(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``auto`` thresholds (memcpy when ranges <= max or mean size >= min) that pick
-    the faster mode in most measured cases."""
-    best: tuple[int, int, int] | None = None
-    for max_ranges in (1, 4, 16, 64, 256):
-        for min_kib in (16, 64, 256, 1024, 4096, 1 << 30):
-            right = sum((r["ranges"] <= max_ranges or r["range_kib"] >= min_kib)
-                        == (r["winner"] == "memcpy") for r in rows)
-            if best is None or right > best[0]:
-                best = (right, max_ranges, min_kib)
-    assert best is not None
-    return {"AUTO_MEMCPY_MAX_RANGES": best[1], "AUTO_MEMCPY_MIN_MEAN_BYTES": best[2] << 10,
-            "cases_right": f"{best[0]}/{len(rows)}"}
+    return {"rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from kv_offload.copy.plan import (
     plan_segments,
     runs_to_byte_ranges,
     split_byte_ranges,
+    strided_groups,
 )
 
 # -- builders and reference ---------------------------------------------------------------
@@ -427,3 +428,90 @@ def test_compiled_request_check_agrees_with_check_block_map(direction):
         assert (expected is None) == (got is None), (ids, slots)
         outcomes.add(expected)
     assert outcomes == {None, True, False}  # accepted, duplicates and ranges all seen
+
+
+# -- 2-D groups -----------------------------------------------------------------------------
+
+
+def replay_groups(groups, memory):
+    """Each group row by row, as cudaMemcpy2DAsync copies it (one flat address space)."""
+    for s, d, w, h, sp, dp in zip(*(a.tolist() for a in groups)):
+        assert w > 0 and h > 0 and sp >= w and dp >= w
+        for r in range(h):
+            memory[d + r * dp:d + r * dp + w] = memory[s + r * sp:s + r * sp + w].copy()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_strided_groups_copy_what_the_ranges_copy(seed):
+    """The 2-D path of the CuPy engine's DMA copies: replaying the groups moves the same
+    bytes as replaying the ranges one by one, for every layout and request."""
+    rng = np.random.default_rng(seed)
+    num_planes = int(rng.integers(1, 5))
+    plane_bytes = [int(rng.choice([8, 16, 24]))] * num_planes
+    row_strides = [pb * int(rng.choice([1, 1, 2])) for pb in plane_bytes]
+    bpc = int(rng.integers(1, 5))
+    layout = SlotLayout(plane_bytes, bpc, bpc * sum(plane_bytes) + int(rng.choice([0, 8])))
+    num_blocks, num_slots = 40, 10
+    ids, slots = random_request(rng, num_blocks=num_blocks, num_slots=num_slots,
+                                n_chunks=int(rng.integers(1, 6)), bpc=bpc,
+                                pattern=("contiguous", "shuffled")[seed % 2])
+    bm = expand_chunks(ids, np.sort(slots), blocks_per_chunk=bpc)
+    runs = plan_runs(bm, blocks_per_chunk=bpc, merge_across_slots=layout.contiguous_across_slots)
+    ranges = runs_to_byte_ranges(runs, layout, row_strides)
+    # planes at random bases of one address space, the host buffer after them
+    bases = np.cumsum([0] + [num_blocks * s + int(rng.integers(0, 64)) for s in row_strides])
+    host_base = int(bases[-1]) + 100
+    size = host_base + num_slots * layout.slot_bytes
+    src = bases[ranges.plane] + ranges.engine_offset
+    dst = host_base + ranges.host_offset
+    memory = rng.integers(0, 256, size, dtype=np.uint8)
+    want = memory.copy()
+    replay_groups(strided_groups(src, dst, ranges.nbytes, max_pitch=1 << 20),
+                  got := memory.copy())
+    for s, d, n in zip(src.tolist(), dst.tolist(), ranges.nbytes.tolist()):
+        want[d:d + n] = want[s:s + n]
+    assert np.array_equal(got, want)
+    groups = strided_groups(src, dst, ranges.nbytes, max_pitch=1 << 20)
+    assert groups.height.tolist() == naive_group_heights(src, dst, ranges.nbytes, 1 << 20)
+
+
+def naive_group_heights(src, dst, nbytes, max_pitch):
+    """Greedy grouping, one range at a time (the spec of ``strided_groups``)."""
+    heights, pitch = [], None
+    for k in range(len(nbytes)):
+        if heights and heights[-1] > 0 and k > 0:
+            ds, dd, w = src[k] - src[k - 1], dst[k] - dst[k - 1], nbytes[k - 1]
+            fits = nbytes[k] == w and w <= ds <= max_pitch and w <= dd <= max_pitch
+            if fits and (heights[-1] == 1 or pitch == (ds, dd)):
+                heights[-1] += 1
+                pitch = (ds, dd)
+                continue
+        heights.append(1)
+        pitch = None
+    return heights
+
+
+def test_strided_groups_make_one_copy_per_plane_and_run_of_padded_rows():
+    """K and V planes interleaved per block (row stride 2 x plane bytes): one range per
+    block and plane, one 2-D copy per plane and run."""
+    layout = SlotLayout.packed([64, 64], 4)
+    runs = plan_runs(expand_chunks([[10, 11, 12, 13], [20, 21, 22, 23]], [0, 1],
+                                   blocks_per_chunk=4), blocks_per_chunk=4,
+                     merge_across_slots=False)
+    ranges = runs_to_byte_ranges(runs, layout, [128, 128])
+    assert ranges.num_ranges == 16
+    src = np.array([0, 64])[ranges.plane] + ranges.engine_offset
+    groups = strided_groups(src, (1 << 20) + ranges.host_offset, ranges.nbytes, max_pitch=1 << 30)
+    assert groups.num_groups == 4
+    assert groups.height.tolist() == [4] * 4 and groups.src_pitch.tolist() == [128] * 4
+    assert strided_groups(src, (1 << 20) + ranges.host_offset, ranges.nbytes,
+                          max_pitch=100).num_groups == 16  # pitch over the limit: one each
+
+
+def test_strided_groups_never_overlap_rows_nor_change_pitch_inside_a_group():
+    src = np.array([0, 100, 200, 250, 300, 1000])
+    dst = np.array([5000, 5100, 5200, 5300, 5400, 5500])
+    groups = strided_groups(src, dst, np.full(6, 50), max_pitch=1 << 20)
+    assert groups.height.tolist() == [3, 2, 1]
+    assert groups.src_pitch.tolist() == [100, 50, 50]
+    assert strided_groups(src[:0], dst[:0], src[:0], max_pitch=1).num_groups == 0

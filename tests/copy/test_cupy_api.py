@@ -45,6 +45,8 @@ def test_cuda_enums_match_cupys():
 @pytest.mark.parametrize(("name", "leading"), [
     # the engine's and gpu_check's calls, positional arguments in the order they pass them
     ("cuda.runtime.memcpyAsync", ["dst", "src", "size", "kind", "stream"]),
+    ("cuda.runtime.memcpy2DAsync",
+     ["dst", "dpitch", "src", "spitch", "width", "height", "kind", "stream"]),
     ("cuda.runtime.pointerGetAttributes", ["ptr"]),
     ("cuda.PinnedMemory", ["size", "flags"]),
     ("cuda.PinnedMemoryPointer", ["mem", "offset"]),
@@ -64,7 +66,7 @@ def test_cupy_calls_take_the_arguments_we_pass(name, leading):
 
 @pytest.mark.parametrize(("name", "keywords"), [
     ("cuda.Event", {"block", "disable_timing"}),
-    ("cuda.Stream", {"non_blocking"}),
+    ("cuda.Stream", {"non_blocking", "priority"}),
 ])
 def test_cupy_constructors_take_the_keywords_we_pass(name, keywords):
     fn: object = cp

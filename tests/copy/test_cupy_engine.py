@@ -3,11 +3,13 @@ against a torch reference and ordering against the compute stream."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from kv_offload.copy import SKIP_BLOCK, CudaUnavailableError, cuda_runtime
+from kv_offload.copy import SKIP_BLOCK, CudaUnavailableError, cuda_runtime, cupy_engine
 from kv_offload.copy.cuda_runtime import cuda_available
 from kv_offload.copy.cupy_engine import CupyCopyEngine
 from kv_offload.copy.plan import SlotLayout
@@ -64,11 +66,23 @@ def slot_rows(layout, host_tensor, slot, plane, pos):
     return host_tensor[slot, off:off + pb]
 
 
-@pytest.fixture(params=["memcpy", "kernel", "auto"])
-def mode(request):
+@pytest.fixture(params=["auto", "dma-2d", "dma-ranges", "kernel"])
+def mode(request, monkeypatch):
+    """The engine's mode; "dma-2d" and "dma-ranges" are DMA copies without the batch
+    copy (a driver before 12.8) and after the audit's fall back (one call per range)."""
     if request.param == "kernel" and cuda_runtime.nvrtc_version() is None:
         pytest.skip("kernel mode needs NVRTC, which CuPy cannot load here")
-    return request.param
+    if request.param == "dma-2d":
+        real = cupy_engine.load_driver
+        monkeypatch.setattr(cupy_engine, "load_driver", lambda: dataclasses.replace(
+            real(), batch=None, why_no_batch="none, as the test asks"))
+    if request.param == "dma-ranges":
+        class Plainest(cupy_engine.DmaCopier):
+            def __init__(self, *args):
+                super().__init__(*args)
+                self.fall_back_to_plainest()
+        monkeypatch.setattr(cupy_engine, "DmaCopier", Plainest)
+    return request.param.split("-")[0]
 
 
 @pytest.mark.cuda

@@ -1,7 +1,9 @@
-"""CupyCopyEngine without a GPU, over a fake CuPy: each cudaMemcpyAsync is a memmove at
-issue and the tile kernel runs its range table on the host, so the engine's own work is
-checked on the CPU before a GPU run finds it: the byte addresses of both modes (planes
-with a row stride, odd sizes, tiles, the uint64 kernel table), the device that every
+"""CupyCopyEngine without a GPU, over a fake CuPy and a fake CUDA driver: each
+cudaMemcpyAsync, cudaMemcpy2DAsync and cuMemcpyBatchAsync is a memmove at issue and the
+tile kernel runs its range table on the host, so the engine's own work is checked on the
+CPU before a GPU run finds it: the byte addresses of every copy path (planes with a row
+stride, odd sizes, tiles, the uint64 kernel table, the batch descriptors), which path each
+mode takes and how many calls it makes, the copy streams' priority, the device that every
 CUDA call of every thread runs on, and that waits sleep instead of spinning."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from kv_offload.copy import SKIP_BLOCK, cupy_engine
 from kv_offload.copy.cupy_engine import KERNEL_TILE_BYTES, CupyCopyEngine
+from kv_offload.copy.dma import SRC_ACCESS_ORDER_STREAM, DriverInfo, MemcpyAttributes
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.copy.planes import PlaneGeometry, describe_planes
 from kv_offload.host_buffer import HostSlots
@@ -39,6 +42,10 @@ class FakeCupy:
         self.recorded: list[tuple[int, int]] = []  # runtime.eventRecord: (event, stream)
         self.waited: list[int] = []  # the events copy streams were made to wait on
         self.destroyed: list[tuple[int, str, int]] = []  # cudaEventDestroy: (event, thread, device)
+        self.priorities: list[int | None] = []  # of each stream created
+        self.batch_attrs: list[tuple[int, int, int]] = []  # (srcAccessOrder, idx, numAttrs)
+        self.fail_batch = 0  # CUresult the batch copy returns (0: success)
+        self.corrupt_batch = False  # the batch copy flips the first byte it writes
         self._tls = threading.local()
         fake = self
 
@@ -65,6 +72,7 @@ class FakeCupy:
         class Stream:
             def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
                 fake.call("streamCreate")
+                fake.priorities.append(priority)
                 self.ptr = id(self)
 
             def __enter__(self):
@@ -130,10 +138,35 @@ class FakeCupy:
                 raise RuntimeError("cudaErrorInvalidValue")
             ctypes.memmove(dst, src, size)
 
+        def memcpy_2d_async(dst, dpitch, src, spitch, width, height, kind, stream):
+            fake.call("memcpy2DAsync")
+            assert width <= min(dpitch, spitch) and height >= 1 and kind == 4
+            for row in range(height):
+                ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+        def batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, fail_idx, stream):
+            """cuMemcpyBatchAsync (CUDA 12.8 ABI) over host memory."""
+            fake.call("memcpyBatchAsync")
+            attr = MemcpyAttributes.from_address(attrs)
+            fake.batch_attrs.append((attr.srcAccessOrder,
+                                     ctypes.c_size_t.from_address(attr_idxs).value, num_attrs))
+            if fake.fail_batch:
+                return fake.fail_batch
+            table = [np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(a))
+                     for a in (dsts, srcs, sizes)]
+            for d, s_, n in zip(*(t.tolist() for t in table)):
+                ctypes.memmove(d, s_, n)
+            if fake.corrupt_batch:
+                first = ctypes.c_uint8.from_address(int(table[0][0]))
+                first.value ^= 0xFF
+            return 0
+
+        self.batch = batch
         runtime = SimpleNamespace(
             CUDARuntimeError=RuntimeError, getDeviceCount=lambda: 2,
             getDevice=self.current, setDevice=self.set_device,
             pointerGetAttributes=pointer_attributes, memcpyAsync=memcpy_async,
+            memcpy2DAsync=memcpy_2d_async,
             eventRecord=lambda event, stream: (fake.call("eventRecord"),
                                                fake.recorded.append((event, stream))),
             streamWaitEvent=lambda stream, event, flags=0: fake.call("streamWaitEvent"))
@@ -157,10 +190,19 @@ class FakeCupy:
         return [name for name, _, _ in self.log]
 
 
-@pytest.fixture
-def fake(monkeypatch):
+LEAST_PRIORITY = 3  # not CUDA's default of 0, so that the test tells them apart
+
+
+@pytest.fixture(params=["batch"])
+def fake(monkeypatch, request):
+    """A fake CuPy, and a fake driver with cuMemcpyBatchAsync (param "batch") or without
+    it (param "no-batch": a driver before CUDA 12.8)."""
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    with_batch = request.param == "batch"
+    monkeypatch.setattr(cupy_engine, "load_driver", lambda: DriverInfo(
+        12080 if with_batch else 12040, fake.batch if with_batch else None,
+        "" if with_batch else "driver 12.4 < 12.8", LEAST_PRIORITY, -2))
 
     def on_engine_device(planes):  # torch without CUDA has no CUDA tensors: say they are
         g = describe_planes(planes)
@@ -190,8 +232,9 @@ def padded_host(num_slots: int, bpc: int) -> tuple[SlotLayout, HostSlots]:
     return layout, host
 
 
-@pytest.mark.parametrize("mode", ["memcpy", "kernel"])
-def test_both_modes_copy_the_right_bytes(fake, mode):
+@pytest.mark.parametrize("fake", ["batch", "no-batch"], indirect=True)
+@pytest.mark.parametrize("mode", ["auto", "dma", "kernel"])
+def test_every_mode_and_path_copies_the_right_bytes(fake, mode):
     kv, planes = kv_planes()
     bpc = 2
     layout, host = padded_host(6, bpc)
@@ -230,7 +273,7 @@ def test_every_cuda_call_runs_on_the_engines_device_whichever_thread_makes_it(fa
     _, planes = kv_planes()
     _, host = padded_host(4, 2)
     engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
-                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+                            compute_stream=COMPUTE_STREAM, mode="dma")
     ids, slots = np.array([[1, 2], [3, 4]]), np.array([0, 1])
     stored = engine.store(ids, slots)  # vLLM's thread (wait_for_save)
 
@@ -260,7 +303,8 @@ def test_a_copy_failing_halfway_lets_the_queued_part_end_before_raising(fake):
     _, planes = kv_planes()
     _, host = padded_host(4, 2)
     engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
-                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+                            compute_stream=COMPUTE_STREAM, mode="dma")
+    assert engine.fall_back_to_plainest() == "ranges"  # one cudaMemcpyAsync per range
     fake.fail_memcpy_after = 2
     with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
         engine.store(np.array([[1, 3], [5, 7]]), np.array([0, 2]))
@@ -278,7 +322,7 @@ def test_a_load_waits_for_the_compute_before_its_mark_not_for_work_queued_later(
     _, planes = kv_planes()
     _, host = padded_host(4, 2)
     engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
-                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+                            compute_stream=COMPUTE_STREAM, mode="dma")
     mark = engine.compute_mark()  # vLLM's thread
     mark_ptr = mark.event.ptr
     assert fake.recorded == [(mark_ptr, COMPUTE_STREAM)]
@@ -303,7 +347,7 @@ def test_waits_sleep_instead_of_spinning(fake):
     _, planes = kv_planes()
     _, host = padded_host(2, 2)
     engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
-                            compute_stream=COMPUTE_STREAM, mode="memcpy")
+                            compute_stream=COMPUTE_STREAM, mode="dma")
     engine.wait(engine.store(np.array([[1, 2]]), np.array([0])))
     engine.wait(engine.load(np.array([0]), np.array([[3, 4]])))
     engine.close()
@@ -377,3 +421,110 @@ def test_a_loads_compute_mark_is_destroyed_on_the_copy_thread_once_its_copy_is_i
     assert [d for d in fake.destroyed if d[0] == mark] == [
         (mark, "kv-offload-copy_0", ENGINE_DEVICE)]
     worker.close()
+
+
+# -- DMA copies: paths, calls, priority ------------------------------------------------------
+
+MANY_BLOCKS = np.array([[9, 3], [40, 7], [22, 50], [13, 31], [2, 60], [18, 44], [5, 27],
+                        [36, 11], [58, 20]])  # 9 chunks of shuffled blocks: 36 ranges
+
+
+def round_trip(engine, planes, host, layout, ids, slots):
+    """Store ``ids`` into ``slots`` and check every byte; then load them back elsewhere."""
+    engine.wait(engine.store(ids, slots))
+    for c, slot in enumerate(slots):
+        for i, block in enumerate(ids[c]):
+            for p, plane in enumerate(planes):
+                start = layout.plane_offsets[p] + i * PLANE_BYTES
+                assert torch.equal(host.tensor[slot, start:start + PLANE_BYTES], plane[block])
+
+
+def test_auto_mode_copies_with_one_dma_batch_call_and_no_kernel(fake):
+    """Regression: ``auto`` launched the SM tile-copy kernel for more than 16 ranges under
+    2 MiB (every real job), on a default-priority stream, as the next forward started.
+    Now it is DMA: one cuMemcpyBatchAsync per copy, sources read in stream order, on copy
+    streams of the device's least priority; the kernel is never even compiled."""
+    _, planes = kv_planes()
+    layout, host = padded_host(12, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM)
+    assert engine.mode == "auto" and engine.copy_path == "batch"
+    round_trip(engine, planes, host, layout, MANY_BLOCKS, np.arange(9))
+    engine.wait(engine.load(np.arange(9), MANY_BLOCKS[::-1].copy()))
+    calls = fake.calls()
+    assert calls.count("memcpyBatchAsync") == 2
+    assert "launch" not in calls and "compile" not in calls and "memcpyAsync" not in calls
+    assert fake.batch_attrs == [(SRC_ACCESS_ORDER_STREAM, 0, 1)] * 2
+    assert fake.priorities == [LEAST_PRIORITY, LEAST_PRIORITY]
+    engine.close()
+
+
+@pytest.mark.parametrize("fake", ["no-batch"], indirect=True)
+def test_without_a_batch_copy_2d_copies_make_far_fewer_calls_than_ranges(fake):
+    """A driver before CUDA 12.8: cudaMemcpy2DAsync covers the ranges of a plane's padded
+    rows (K and V interleaved per block) in one call per plane and run."""
+    _, planes = kv_planes()
+    layout, host = padded_host(4, 4)
+    engine = CupyCopyEngine(planes, host, 4, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM)
+    assert engine.copy_path == "2d"
+    ids = np.array([[10, 11, 12, 13], [30, 31, 32, 33]])
+    round_trip(engine, planes, host, layout, ids, np.array([1, 3]))
+    calls = fake.calls()
+    assert calls.count("memcpy2DAsync") == 4 and calls.count("memcpyAsync") == 0  # 16 ranges
+    engine.close()
+
+
+def test_a_failing_batch_copy_falls_back_to_2d_copies_that_copy_it_again(fake, caplog):
+    _, planes = kv_planes()
+    layout, host = padded_host(12, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM)
+    fake.fail_batch = 801  # CUDA_ERROR_NOT_SUPPORTED
+    round_trip(engine, planes, host, layout, MANY_BLOCKS, np.arange(9))
+    assert engine.copy_path == "2d" and "cuMemcpyBatchAsync failed" in caplog.text
+    assert fake.calls().count("memcpyBatchAsync") == 1  # not tried again
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["auto", "kernel"])
+def test_falling_back_to_the_plainest_path_copies_one_range_per_call(fake, mode):
+    """What the runtime audit does to an engine whose copy it found wrong."""
+    _, planes = kv_planes()
+    layout, host = padded_host(12, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM, mode=mode)
+    assert engine.fall_back_to_plainest() == "ranges"
+    assert engine.fall_back_to_plainest() is None and engine.copy_path == "ranges"
+    before = len(fake.calls())
+    round_trip(engine, planes, host, layout, MANY_BLOCKS, np.arange(9))
+    calls = fake.calls()[before:]
+    assert calls.count("memcpyAsync") == 36 and "launch" not in calls
+    assert "memcpyBatchAsync" not in calls
+    engine.close()
+
+
+@pytest.mark.parametrize("fake", ["batch", "no-batch"], indirect=True)
+def test_the_engine_describes_its_choice_for_the_start_up_log(fake):
+    _, planes = kv_planes()
+    _, host = padded_host(2, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM)
+    line = engine.describe()
+    assert ("mode auto -> cuMemcpyBatchAsync" in line if engine.copy_path == "batch"
+            else "mode auto -> cudaMemcpy2DAsync (no batch copy: driver 12.4 < 12.8)" in line)
+    assert f"priority {LEAST_PRIORITY}" in line
+    engine.close()
+
+
+def test_an_unordered_mark_orders_a_copy_after_no_compute(fake):
+    """The runtime audit re-reads blocks whose copy ended: no event is recorded on the
+    compute stream for it, so it never waits for a forward queued meanwhile."""
+    _, planes = kv_planes()
+    _, host = padded_host(2, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM)
+    engine.wait(engine.store(np.array([[1, 2]]), np.array([0]), after=engine.unordered_mark()))
+    assert all(stream != COMPUTE_STREAM for _, stream in fake.recorded)
+    engine.close()
+
