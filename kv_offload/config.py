@@ -41,6 +41,7 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 EVICTION_POLICIES = ("lru", "fifo")
 CONNECTOR_RESETS = ("all", "cpu")
+COPY_MODES = ("auto", "dma", "kernel")  # kv_offload.copy.cupy_engine.COPY_MODES
 MAX_SECONDS = 86400  # one day: the longest time value (a timeout, a budget, a backoff)
 MAX_TTL_S = 10 * 365 * 86400  # ten years; Redis refuses an expiry past its own limit
 # The fields of vLLM's KVTransferConfig: a JSON object holding any of them is the whole
@@ -152,6 +153,15 @@ class OffloadConfig:
             updates, and those tiers are keyed by the model's config, not its weights.
             "cpu": the CPU tier only (the disk and remote tiers keep serving; for tests
             and benchmarks, or when weights never change in place).
+        copy_mode: how CUDA copies move KV between the GPU and the CPU tier. "dma": the
+            GPU's copy engines (one cuMemcpyBatchAsync per copy on 12.8+ drivers), never
+            the SMs the forward runs on; "kernel": one SM kernel launch per copy (fewer
+            calls, but it competes with the forward); "auto" (default): "dma" for now.
+            Ignored on vLLM's CPU backend.
+        audit_rate: the fraction of stored and loaded chunks whose copy is checked again
+            at run time (the device blocks re-read and compared with the host slot); a
+            mismatch discards the chunk and falls back to the plainest copy path.
+            Default 0.01; 0 turns the audit off.
     """
 
     cpu_size: int | str = "4GiB"
@@ -178,6 +188,8 @@ class OffloadConfig:
     remote_ttl_s: int | None = None
     remote_max_backoff_s: float = 30.0
     connector_reset: str = "all"
+    copy_mode: str = "auto"
+    audit_rate: float = 0.01
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -214,6 +226,13 @@ class OffloadConfig:
         if not isinstance(self.namespace_salt, str):
             raise ValueError(f"namespace_salt: expected a string, got {self.namespace_salt!r}")
         _check_seconds(self.load_timeout_s, "load_timeout_s", maximum=MAX_SECONDS)
+        if self.copy_mode not in COPY_MODES:
+            raise ValueError(f"copy_mode: {self.copy_mode!r} is not supported; choose one of "
+                             f"{', '.join(COPY_MODES)}")
+        rate = self.audit_rate
+        if (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                or not math.isfinite(rate) or not 0 <= rate <= 1):
+            raise ValueError(f"audit_rate: expected a fraction from 0 (off) to 1, got {rate!r}")
         self._check_remote()
 
     def _check_remote(self) -> None:

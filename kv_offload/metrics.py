@@ -64,6 +64,12 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "remote_skipped_stores": ("kv_offload_remote_skipped_stores_total",
                               "Remote writes that failed or were skipped while the server "
                               "was down (per rank)", {}),
+    "audit_chunks": ("kv_offload_audit_chunks_total",
+                     "Chunks whose copy the runtime audit re-read and compared (audit_rate)",
+                     {}),
+    "audit_mismatches": ("kv_offload_audit_mismatches_total",
+                         "Audited chunks whose copy differed from the engine blocks: "
+                         "discarded, and the copy path fell back to the plainest", {}),
     "bytes_load": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
                    {"direction": "load"}),
     "bytes_store": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
@@ -138,7 +144,7 @@ def summarize(data: dict[str, Any]) -> dict[str, int | float]:
         nbytes = data.get(f"bytes_{direction}", 0)
         out[f"{direction}_GBps"] = round(nbytes / seconds / 1e9, 2) if seconds else 0.0
     for name in ("chunks_stored_cpu", "chunks_stored_disk", "chunks_stored_remote",
-                 "load_errors", "skipped_stores", "remote_errors"):
+                 "load_errors", "skipped_stores", "remote_errors", "audit_mismatches"):
         out[name] = data.get(name, 0)
     if data.get("cpu_capacity_bytes"):
         out["cpu_usage"] = round(data.get("cpu_used_bytes", 0) / data["cpu_capacity_bytes"], 3)

@@ -148,3 +148,24 @@ def test_a_chunk_larger_than_the_value_limit_fails_at_start_with_the_fix():
     with pytest.raises(ValueError, match="remote_max_value_size: a chunk of this model is "
                        "1.0 GiB.*raise remote_max_value_size.*or lower chunk_tokens"):
         remote_tier_for(cfg, layout, namespace="ab" * 16, who="test")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"copy_mode": "memcpy"}, "copy_mode: 'memcpy' is not supported; choose one of auto, dma, kernel"),
+    ({"audit_rate": -0.1}, "audit_rate: expected a fraction from 0 \\(off\\) to 1"),
+    ({"audit_rate": 1.5}, "audit_rate"),
+    ({"audit_rate": float("nan")}, "audit_rate"),
+    ({"audit_rate": float("inf")}, "audit_rate"),
+    ({"audit_rate": True}, "audit_rate"),
+    ({"audit_rate": "0.01"}, "audit_rate"),
+])
+def test_copy_options_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig(**kwargs)
+
+
+def test_copy_options_default_to_dma_and_a_small_audit_and_round_trip():
+    config = OffloadConfig()
+    assert (config.copy_mode, config.audit_rate) == ("auto", 0.01)
+    again = OffloadConfig.from_json(OffloadConfig(copy_mode="kernel", audit_rate=0).to_json())
+    assert (again.copy_mode, again.audit_rate) == ("kernel", 0)

@@ -42,26 +42,52 @@ class StoreThread(Protocol):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
 
+class CopyCheck(Protocol):
+    """What else must end before a copy counts as done, and may fail it: the runtime
+    audit's re-read of the copied blocks (``worker/audit.py``, ``StoreCheck``)."""
+
+    def done(self) -> bool: ...
+
+    def failed(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+    def fence(self) -> None: ...
+
+
+class StoreAuditor(Protocol):
+    """Starts a ``CopyCheck`` for some store copies (``worker/audit.py``, ``CopyAudit``)."""
+
+    def check_store(self, wait_copy: Callable[[], None], block_ids: np.ndarray,
+                    slots: np.ndarray) -> CopyCheck | None: ...
+
+
 class HostCopy:
     """One engine -> host copy: the future of an engine handle (done at once when the
-    engine's ``store`` ran on the calling thread). ``wait`` raises what the copy raised."""
+    engine's ``store`` ran on the calling thread), and its ``check`` if it is audited
+    (done, failed, waited for and fenced with it). ``wait`` raises what the copy, or its
+    check, raised."""
 
-    __slots__ = ("_engine", "_future")
+    __slots__ = ("_check", "_engine", "_future")
 
-    def __init__(self, engine: CopyEngine, future: Future[CopyHandle]) -> None:
-        self._engine, self._future = engine, future
+    def __init__(self, engine: CopyEngine, future: Future[CopyHandle],
+                 check: CopyCheck | None = None) -> None:
+        self._engine, self._future, self._check = engine, future, check
 
     def done(self) -> bool:
         """Finished, successfully or not (never blocks)."""
         if not self._future.done():
             return False
-        if self._future.exception() is not None:
-            return True
-        return bool(self._engine.is_done(self._future.result()))
+        if self._future.exception() is None and not self._engine.is_done(self._future.result()):
+            return False
+        return self._check is None or self._check.done()
 
     def failed(self) -> bool:
-        """Done with an error (the host slots hold no chunk). Never blocks."""
-        return self._future.done() and self._future.exception() is not None
+        """Done with an error (the host slots hold no chunk, or not the right one). Never
+        blocks."""
+        if self._future.done() and self._future.exception() is not None:
+            return True
+        return self._check is not None and self._check.failed()
 
     def when_issued(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once the copy is issued (or failed to be): at once on the calling
@@ -71,10 +97,14 @@ class HostCopy:
     def wait(self) -> None:
         """Block until the bytes are in the host slots; raises if the copy failed."""
         self._engine.wait(self._future.result())
+        if self._check is not None:
+            self._check.wait()
 
     def fence(self) -> None:
         """Make later compute on the calling thread's stream start after this copy
-        (GPU-side with streams; a host wait otherwise). Never raises."""
+        (GPU-side with streams; a host wait otherwise), and stop its check. Never raises."""
+        if self._check is not None:
+            self._check.fence()
         if self._future.exception() is not None:  # waits for a background copy
             return  # a failed copy reads no block any more
         self._engine.fence(self._future.result())
@@ -86,15 +116,17 @@ class HostCopies:
     ``background``: run each copy on a store thread of its own (engines whose copies
     complete inside ``store``, i.e. vLLM's CPU backend), so ``issue`` returns at once;
     ``initializer`` runs on that thread, and on the waiter thread, first
-    (``ThreadPlacement.background``). ``waiter``: where ``when_done`` waits for copies
-    that run on after ``store`` returned (CUDA streams); default a thread of its own,
-    started on first use.
+    (``ThreadPlacement.background``). ``audit``: checks a sample of the copies, each
+    part of its copy (a held request waits for it, ``fence`` stops it). ``waiter``:
+    where ``when_done`` waits for copies that run on after ``store`` returned (CUDA
+    streams); default a thread of its own, started on first use.
     """
 
     def __init__(self, engine: CopyEngine, *, background: bool,
                  initializer: Callable[[], None] | None = None,
-                 waiter: StoreThread | None = None) -> None:
+                 waiter: StoreThread | None = None, audit: StoreAuditor | None = None) -> None:
         self.engine = engine
+        self._audit = audit
         self._thread: StoreThread | None = (
             ThreadPoolExecutor(1, thread_name_prefix="kv-offload-store", initializer=initializer)
             if background else None)
@@ -115,7 +147,11 @@ class HostCopies:
                 future.set_exception(exc)
         else:
             future = self._thread.submit(self.engine.store, block_ids, slots)
-        copy = HostCopy(self.engine, future)
+        check = None
+        if self._audit is not None:  # the check re-reads blocks these requests hold
+            check = self._audit.check_store(lambda: self.engine.wait(future.result()),
+                                            block_ids, slots)
+        copy = HostCopy(self.engine, future, check)
         for req in set(req_ids):
             self._by_req.setdefault(req, []).append(copy)
         return copy

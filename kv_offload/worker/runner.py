@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from kv_offload.disk.slab import SlabFile
     from kv_offload.host_buffer import HostSlots
     from kv_offload.remote.tier import RemoteTier
+    from kv_offload.worker.audit import CopyAudit
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class OffloadWorker:
     ``host`` slots. ``slab``: this rank's ``kv_offload.disk.SlabFile`` or None.
     ``remote``: a ``kv_offload.remote.RemoteTier`` or None. ``placement``: which CPUs
     the I/O, copy and store threads run on (``worker.affinity``; default: where they start).
+    ``audit``: the runtime audit of a sample of copies (``worker/audit.py``); the worker
+    closes it.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class OffloadWorker:
         verify_checksums: bool = True,
         background_stores: bool = False,
         placement: ThreadPlacement | None = None,
+        audit: CopyAudit | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank = rank
@@ -117,7 +121,9 @@ class OffloadWorker:
                                              initializer=place)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-copy",
                                           initializer=place)
-        self._copies = HostCopies(engine, background=background_stores, initializer=place)
+        self._audit = audit
+        self._copies = HostCopies(engine, background=background_stores, initializer=place,
+                                  audit=audit)
         self._lock = threading.Lock()
         self._loads: dict[int, WorkerLoad] = {}
         self._staged: dict[tuple[int, int], _Staged] = {}
@@ -285,6 +291,8 @@ class OffloadWorker:
                 self.engine.wait(self.engine.load(slots, blocks, after=load.mark))
                 self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
                             seconds_load=self._clock() - start)
+                if self._audit is not None:  # a mismatch: a load error, vLLM recomputes
+                    load.failed.update(ok_rows[i] for i in self._audit.check_load(blocks, slots))
             except Exception:
                 logger.exception("kv-offload: copying job %d into the engine failed",
                                  load.job.job_id)
@@ -392,6 +400,8 @@ class OffloadWorker:
         """Counter deltas since the last call (names of ``kv_offload.metrics.COUNTERS``)."""
         with self._lock:
             stats, self._stats = self._stats, {}
+        for name, value in (self._audit.take_stats() if self._audit else {}).items():
+            stats[name] = stats.get(name, 0) + value
         return stats
 
     def _count(self, **deltas: float) -> None:
@@ -426,5 +436,7 @@ class OffloadWorker:
             self.slab.close()
         if self.remote is not None:
             self.remote.close()
+        if self._audit is not None:
+            self._audit.close()
         self.engine.close()
 

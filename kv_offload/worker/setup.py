@@ -11,6 +11,7 @@ from kv_offload.config import OffloadConfig
 from kv_offload.engine_info import UnsupportedEngineError
 from kv_offload.layout import KVLayout, num_cpu_slots
 from kv_offload.worker.affinity import ThreadPlacement
+from kv_offload.worker.audit import build_audit
 from kv_offload.worker.runner import OffloadWorker
 
 if TYPE_CHECKING:
@@ -140,7 +141,9 @@ def build_worker(
     placement = ThreadPlacement.for_worker()
     start_populating(host, placement)
     engine = make_copy_engine(planes, host, layout.blocks_per_chunk,
-                              thread_initializer=placement.anywhere)
+                              thread_initializer=placement.anywhere, copy_mode=config.copy_mode)
+    audit = build_audit(planes, host, layout.blocks_per_chunk, engine=engine,
+                        rate=config.audit_rate)
     slab = None
     if persistent and config.disk_path is not None:
         from kv_offload.disk import SlabFile
@@ -154,10 +157,11 @@ def build_worker(
         from kv_offload.remote import remote_tier_for
 
         remote = remote_tier_for(config, layout, namespace=namespace, who=f"worker rank {rank}")
-    logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s, %s",
-                rank, len(planes), host.num_slots, type(engine).__name__, placement.describe())
+    logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s (%s), "
+                "audit rate %g, %s", rank, len(planes), host.num_slots, type(engine).__name__,
+                engine.describe(), config.audit_rate, placement.describe())
     return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
                          io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
                          verify_checksums=config.verify_checksums,
                          background_stores=config.cpu_background_stores and not on_cuda,
-                         placement=placement)
+                         placement=placement, audit=audit)

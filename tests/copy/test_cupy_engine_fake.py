@@ -25,6 +25,8 @@ from kv_offload.copy.dma import SRC_ACCESS_ORDER_STREAM, DriverInfo, MemcpyAttri
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.copy.planes import PlaneGeometry, describe_planes
 from kv_offload.host_buffer import HostSlots
+from kv_offload.worker.audit import AuditMismatchError, build_audit
+from kv_offload.worker.host_copies import HostCopies
 
 ENGINE_DEVICE = 1  # a rank > 0: its threads must never touch device 0
 COMPUTE_STREAM = 7  # the raw handle of vLLM's compute stream on its thread
@@ -528,3 +530,32 @@ def test_an_unordered_mark_orders_a_copy_after_no_compute(fake):
     assert all(stream != COMPUTE_STREAM for _, stream in fake.recorded)
     engine.close()
 
+
+def test_the_audit_catches_a_wrong_dma_copy_and_the_engine_falls_back(fake):
+    """A batch copy that writes a wrong byte (a stream race, a descriptor bug): the
+    runtime audit re-reads the blocks, the store fails, and the engine issues one
+    cudaMemcpyAsync per range from then on, whose copies pass."""
+    _, planes = kv_planes()
+    _, host = padded_host(4, 2)
+    engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM)
+    audit = build_audit(planes, host, 2, engine=engine, rate=1.0)
+    copies = HostCopies(engine, background=False, audit=audit)
+    fake.corrupt_batch = True
+    wrong = copies.issue(np.array([[5, 6]]), np.array([1]), ["r"])
+    with pytest.raises(AuditMismatchError):
+        wrong.wait()
+    assert wrong.failed() and engine.copy_path == "ranges"
+    right = copies.issue(np.array([[5, 6]]), np.array([1]), ["r"])
+    right.wait()
+    assert not right.failed()
+    assert audit.take_stats() == {"audit_chunks": 2, "audit_mismatches": 1}
+    copies.close()
+    audit.close()
+    engine.close()
+
+
+def test_the_config_offers_the_engines_copy_modes():
+    from kv_offload import config
+
+    assert config.COPY_MODES == cupy_engine.COPY_MODES
