@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Verifies kv-offload's CUDA path end to end on one GPU, offline, in a few minutes
 # (kv_offload/testing/gpu_check.py): the CUDA tests of the copy engines (when pytest is
-# there), a step loop in vLLM's order of calls under async scheduling with every byte
-# compared, the CuPy engine against one pinned cudaMemcpyAsync, and the calibration of
-# the engine's `auto` mode. Runs from a plain copy of the repository (no pip install).
-# Needs torch (CUDA) and CuPy only; installs nothing (the GPU machine has no package
-# index); what needs a missing package is skipped and said so in the JSON.
+# there), a step loop in both model runners' orders of calls under async scheduling with
+# every byte compared (and with every copy audited), each copy path against one pinned
+# cudaMemcpyAsync, a decode step's latency while large copies run (DMA vs kernel), DMA vs
+# kernel per range size, and start-up with an unwritable HOME. Runs from a plain copy of
+# the repository (no pip install). Needs torch (CUDA) and CuPy only (without CuPy it
+# fails); installs nothing (the GPU machine has no package index); what needs another
+# missing package is skipped and said so in the JSON.
 # Usage: benchmarks/gpu_check.sh [OUTDIR]   (default $OUT or ./gpu-check; writes gpu_check.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."

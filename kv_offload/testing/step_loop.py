@@ -4,14 +4,23 @@ under async scheduling, on CUDA (the CuPy engine) or on the CPU (the torch engin
 Each step: admit requests (their prompts share prefixes, so loads hit chunks stored by
 earlier requests), plan (``OffloadScheduler.plan_step``), apply the *previous* step's
 outputs (async scheduling: vLLM schedules step N+1 before it sees step N's), then the
-worker in the model runner's order: ``fence`` preempted requests, ``hold`` finished ones,
-the forward (a kernel on the compute stream writes every scheduled token's KV and checks
-the KV of every loaded token), ``start_loads`` (before the forward every other step, as
-vLLM before 0.32 did), ``run_stores``, ``poll``. Freed
-blocks go back LIFO, so the next request reuses them at once; requests are preempted
-now and then. KV is a function of the token prefix, so every byte is checked: loaded
-blocks on the device as the forward reads them, stored chunks in the host slots at the
-end. ``run_step_loop`` returns counts; ``mismatches`` must be 0.
+worker in one model runner's order (``runner``):
+
+- ``"v1"`` (``gpu_model_runner.py``): ``fence`` preempted requests (handle_preemptions),
+  ``hold`` finished ones, the forward and sampling, ``start_loads`` (before the forward
+  every other step, as vLLM before 0.32 did), ``run_stores``, ``poll``;
+- ``"v2"`` (``gpu/model_runner.py``, vLLM 0.32's default on CUDA): ``update_requests``
+  first (with ``zero_new_blocks``, it zeroes the blocks allocated this step, as vLLM
+  does for caches that need it: mamba layers, mixed precisions), then ``pre_forward``'s
+  ``fence`` and ``hold``, the forward and sampling, then ``post_forward``:
+  ``start_loads``, ``run_stores``, ``poll``.
+
+The forward (kernels on the compute stream) writes every scheduled token's KV and checks
+the KV of every loaded token. Freed blocks go back LIFO, so the next request reuses them
+at once; requests are preempted now and then. KV is a function of the token prefix, so
+every byte is checked: loaded blocks on the device as the forward reads them, stored
+chunks in the host slots at the end. ``audit_rate`` turns the runtime audit on
+(``worker/audit.py``). ``run_step_loop`` returns counts; ``mismatches`` must be 0.
 
 Needs torch and numpy only (no vLLM, no lmdb): ``kv_offload.testing.gpu_check``
 (``benchmarks/gpu_check.sh``) runs it on a GPU machine as it is.
@@ -33,9 +42,11 @@ from kv_offload.host_buffer import allocate_host_slots
 from kv_offload.jobs import WorkerReport
 from kv_offload.keys import chunk_keys
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
+from kv_offload.worker.audit import build_audit
 from kv_offload.worker.runner import OffloadWorker, PollResult
 
 BLOCK, BLOCKS_PER_CHUNK, LAYERS, HEADS, CONTENT = 16, 2, 4, 2, 128
+RUNNERS = ("v1", "v2")
 
 
 @dataclass
@@ -75,17 +86,25 @@ class StepLoop:
     """One engine's worth of state; see the module docstring."""
 
     def __init__(self, device: str, *, num_blocks: int = 48, cpu_slots: int = 24, seed: int = 0,
-                 background_stores: bool = False, slow_forward_cycles: int = 0) -> None:
+                 background_stores: bool = False, slow_forward_cycles: int = 0,
+                 runner: str = "v1", zero_new_blocks: bool = False, audit_rate: float = 0.0,
+                 copy_mode: str = "auto") -> None:
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         self.device, self.rng = torch.device(device), random.Random(seed)
         self.num_blocks, self.slow = num_blocks, slow_forward_cycles
+        self.runner, self.zero_new_blocks = runner, zero_new_blocks
         self.kv = [torch.zeros((num_blocks, HEADS, BLOCK, CONTENT), dtype=torch.float32,
                                device=self.device) for _ in range(LAYERS)]
         planes = [p for t in self.kv for p in planes_from_kv_tensor(t, num_blocks, block_dim=0)]
         slot_bytes = LAYERS * BLOCKS_PER_CHUNK * HEADS * BLOCK * CONTENT * 4
         self.host = allocate_host_slots(cpu_slots, slot_bytes, pinned=self.device.type == "cuda")
-        self.engine = make_copy_engine(planes, self.host, BLOCKS_PER_CHUNK)
+        self.engine = make_copy_engine(planes, self.host, BLOCKS_PER_CHUNK, copy_mode=copy_mode)
+        audit = build_audit(planes, self.host, BLOCKS_PER_CHUNK, engine=self.engine,
+                            rate=audit_rate)
         self.worker = OffloadWorker(rank=0, engine=self.engine, host=self.host, slab=None,
-                                    background_stores=background_stores, load_timeout_s=60)
+                                    background_stores=background_stores, load_timeout_s=60,
+                                    audit=audit)
         config = PlannerConfig(chunk_tokens=BLOCK * BLOCKS_PER_CHUNK, block_size=BLOCK,
                                tokens_per_hash=BLOCK, num_ranks=1, num_cpu_slots=cpu_slots)
         self.sched = OffloadScheduler(config, disk_index=None,
@@ -97,8 +116,10 @@ class StepLoop:
         self.held: set[str] = set()
         self.mismatches = torch.zeros((), dtype=torch.int64, device=self.device)
         self.counts = {"steps": 0, "requests": 0, "tokens_loaded": 0, "chunks_stored": 0,
-                       "held": 0, "preempted": 0, "fenced": 0}
+                       "held": 0, "preempted": 0, "fenced": 0, "blocks_zeroed": 0}
+        self.stats: dict[str, float] = {}  # the worker's counters (the audit's among them)
         self._outputs: tuple[PollResult, WorkerReport | None, list[str]] | None = None
+        self._new_blocks: list[int] = []  # allocated this step (V2 zeroes them first)
         self.draining = False  # no new requests, no preemptions: step until idle
         self._prefixes = [[self.rng.randrange(1, 30_000) for _ in range(BLOCK * 6)]
                           for _ in range(5)]
@@ -126,6 +147,7 @@ class StepLoop:
             hit = self.sched.num_matched_tokens(req, 0) or 0
             req.blocks = [self.free.pop() for _ in range(need)]
             self.sched.plan_load(req, req.blocks, hit)
+            self._new_blocks.extend(req.blocks)
             self.waiting.remove(rid)
             self.running.append(rid)
             req.computed = req.loaded = hit
@@ -190,20 +212,25 @@ class StepLoop:
         self._admit(scheduled)
         plan = self.sched.plan_step(scheduled, preempted)
         self._apply_outputs()  # async scheduling: last step's outputs arrive now
+        if self.runner == "v2" and self.zero_new_blocks:  # update_requests, before the fence
+            self._zero(self._new_blocks)
+        self._new_blocks = []
         self.counts["fenced"] += len(plan.preempted)
         self.worker.fence(plan.preempted)
         self.worker.hold(plan.held)
-        # vLLM 0.32 starts asynchronous loads after the forward, older versions before it:
-        # every other step each way.
-        loads_first = self.counts["steps"] % 2 == 1
+        # V1 in vLLM 0.32 starts asynchronous loads after the forward, older versions
+        # before it: every other step each way. V2 starts them in post_forward.
+        loads_first = self.runner == "v1" and self.counts["steps"] % 2 == 1
         if loads_first:
             self.worker.start_loads(plan.loads)
-        finished = self._forward(scheduled)
+        finished = self._forward(scheduled)  # the forward and sampling
         if not loads_first:
             self.worker.start_loads(plan.loads)
         self.worker.run_stores(plan.stores)
         self.counts["chunks_stored"] += sum(len(j.chunks) for j in plan.stores)
         result, report = self.worker.poll(), self.worker.take_report()
+        for name, value in self.worker.take_stats().items():
+            self.stats[name] = self.stats.get(name, 0) + value
         news = (result.finished_req_ids or result.finished_sending or result.failed_block_ids
                 or report or finished)
         self._outputs = (result, report, finished) if news else None
@@ -230,6 +257,15 @@ class StepLoop:
                 self.running.remove(rid)
                 finished.append(rid)
         return finished
+
+    def _zero(self, blocks: list[int]) -> None:
+        """Zero whole blocks on the compute stream (V2's ``update_requests``)."""
+        if not blocks:
+            return
+        index = self._to_device(np.array(blocks, dtype=np.int64))
+        for t in self.kv:
+            t[index] = 0
+        self.counts["blocks_zeroed"] += len(blocks)
 
     def _positions(self, req: _Request, start: int, end: int) -> tuple[torch.Tensor, ...]:
         pos = np.arange(start, end)
@@ -302,6 +338,9 @@ def run_step_loop(device: str, *, steps: int = 300, seed: int = 0, **kwargs: Any
         if loop.device.type == "cuda":
             torch.cuda.synchronize()
         return {**loop.counts, "seconds": round(time.perf_counter() - start, 3),
+                "runner": loop.runner, "copy_path": loop.engine.copy_path,
+                "audit_chunks": int(loop.stats.get("audit_chunks", 0)),
+                "audit_mismatches": int(loop.stats.get("audit_mismatches", 0)),
                 "mismatches": int(loop.mismatches), "stored_mismatches": loop.stored_mismatches()}
     finally:
         loop.close()

@@ -17,14 +17,27 @@ from kv_offload.testing.step_loop import run_step_loop
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("background_stores", [False, True], ids=["inline", "background"])
-def test_step_loop_moves_every_byte_right(background_stores):
+def test_step_loop_moves_every_byte_right(background_stores, runner):
+    """Both model runners' orders of calls: V1's, and V2's (vLLM 0.32's default on CUDA:
+    handle_preemptions in pre_forward, loads, stores and get_finished after sampling)."""
     # Loads finish on real threads, so a run's path depends on timing; at 150 steps a
     # loaded machine saw no held request in one run (about 2 expected), at 500 about 10.
-    out = run_step_loop("cpu", steps=500, seed=3, background_stores=background_stores)
+    out = run_step_loop("cpu", steps=500, seed=3, background_stores=background_stores,
+                        runner=runner)
+    assert out["runner"] == runner
     assert out["mismatches"] == 0 and out["stored_mismatches"] == 0, out
     assert out["tokens_loaded"] > 0 and out["chunks_stored"] > 0, out  # both paths ran
     assert out["held"] > 0 and out["preempted"] > 0, out
+
+
+def test_step_loop_with_every_copy_audited_finds_nothing_wrong():
+    """The runtime audit on every chunk (audit_rate 1): its re-reads run beside held,
+    fenced and reused blocks and never report a right copy as wrong."""
+    out = run_step_loop("cpu", steps=300, seed=5, background_stores=True, audit_rate=1.0)
+    assert out["audit_chunks"] > 0 and out["audit_mismatches"] == 0, out
+    assert out["mismatches"] == 0 and out["stored_mismatches"] == 0, out
 
 
 # Installed as sitecustomize.py: every process started with it on PYTHONPATH sees the
@@ -79,8 +92,25 @@ def test_gpu_check_sh_writes_every_part(without_optional, tmp_path):
     assert result["environment"]["optional"] == dict.fromkeys(
         ("pytest", "lmdb", "xxhash", "numba", "psutil", "vllm"), False), result
     assert result["cuda_tests"] == {"skipped": "pytest is not installed"}, result
-    for part in ("step_loop", "transfer", "calibration"):
+    for part in ("step_loop", "transfer", "decode_latency", "calibration", "startup"):
         assert part in result and part + "_s" in result, result
     if not result["environment"]["cuda_available"]:
         assert proc.returncode != 0 and "error" in result["step_loop"], result
-    assert "gpu_check:" in (out / "gpu_check.log").read_text()
+    # Regression: without CuPy every CUDA test was skipped and that part passed; a GPU
+    # machine without CuPy checks nothing, and says so by failing.
+    assert result["environment"]["ok"] is False and "no CuPy" in result["environment"]["why"]
+    log = (out / "gpu_check.log").read_text()
+    assert "gpu_check: FAILED: environment" in log, log[-2000:]
+
+
+def test_gpu_check_fails_where_every_cuda_test_was_skipped(monkeypatch):
+    """pytest ran, but CuPy or the device was missing, so every test skipped: not ok."""
+    from kv_offload.testing import gpu_check
+
+    class Done:
+        returncode, stdout, stderr = 0, "sss\n3 skipped in 0.1s\n", ""
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: Done())
+    assert gpu_check.cuda_tests(10)["ok"] is False
+    Done.stdout = "..s\n2 passed, 1 skipped in 0.1s\n"
+    assert gpu_check.cuda_tests(10)["ok"] is True
