@@ -298,9 +298,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        # SupportsHMA: vLLM calls this instead of request_finished; the holds are per
-        # request, whatever the groups.
-        return self.request_finished(request, [])
+        # SupportsHMA: vLLM calls this instead of request_finished, after freeing the
+        # request's out-of-window sliding-window blocks (the planner fences copies of those).
+        held = self._guard.call("request_finished", lambda: False,
+                                self._sched.request_finished, request.request_id, block_ids)
+        return bool(held), None
 
     def has_pending_block_frees(self) -> bool:
         # Held blocks come back within a step or two: vLLM waits rather than preempting.

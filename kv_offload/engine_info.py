@@ -51,6 +51,13 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
             "wrong for another (vLLM turns its own prefix caching off for such models). "
             "Remove the --kv-transfer-config for this model.")
     _refuse_unsupported_features(vllm_config)
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        raise UnsupportedEngineError(
+            "kv-offload cannot serve a KV cache whose new blocks vLLM zeroes (mamba layers "
+            "or KV cache groups of mixed precisions): Model Runner V2 zeroes a reused block "
+            "before the connector can order it after a store copy still reading it, which "
+            "would store zeros. Remove the --kv-transfer-config for this model (README, "
+            "Limits).")
     hybrid = len(groups) > 1 or kinds[0] == "sliding_window"
     if hybrid:
         _check_groups_share_pages(vllm_config, kv_cache_config)

@@ -135,14 +135,14 @@ class ChunkMap:
         return tuple(out)
 
     @property
-    def sliding_positions(self) -> tuple[int, ...]:
-        """Positions of a chunk's ``block_ids`` that belong to sliding-window groups:
-        blocks vLLM frees while their request still runs."""
-        out: list[int] = []
+    def sliding_positions(self) -> tuple[tuple[int, int], ...]:
+        """(position in a chunk's ``block_ids``, group) of the positions that belong to
+        sliding-window groups: blocks vLLM frees while their request still runs."""
+        out: list[tuple[int, int]] = []
         start = 0
-        for group, stored in zip(self.groups, self._stored):
+        for g, (group, stored) in enumerate(zip(self.groups, self._stored)):
             if group.kind == "sliding_window":
-                out.extend(range(start, start + stored))
+                out.extend((p, g) for p in range(start, start + stored))
             start += stored
         return tuple(out)
 

@@ -85,3 +85,14 @@ def test_groups_whose_blocks_differ_are_refused(vllm_config, other):
     config = _config(KVCacheGroupSpec(_layers(0), _window(40)), KVCacheGroupSpec(_layers(1), other))
     with pytest.raises(UnsupportedEngineError, match="share one block size and page layout"):
         layout_from_vllm(vllm_config, config, OffloadConfig(chunk_tokens=64))
+
+
+def test_a_kv_cache_whose_new_blocks_vllm_zeroes_is_refused(vllm_config, monkeypatch):
+    """Model Runner V2 zeroes new blocks in update_requests, before handle_preemptions
+    can order the reuse after a store copy that still reads them (the step loop's
+    ``runner="v2", zero_new_blocks=True`` shows the stored zeros)."""
+    config = _config(KVCacheGroupSpec(_layers(0, 1), _full()))
+    assert not config.needs_kv_cache_zeroing  # vLLM's property: mamba or mixed precisions
+    monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: True))
+    with pytest.raises(UnsupportedEngineError, match="zeroes"):
+        layout_from_vllm(vllm_config, config, OffloadConfig(chunk_tokens=64))

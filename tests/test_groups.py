@@ -51,7 +51,7 @@ def test_a_window_group_stores_only_the_chunk_tail(window, stored):
     cmap = ChunkMap((KVGroup("full_attention", 2, BS), _sw(window)), CHUNK)
     full, sliding = list(range(10, 18)), list(range(20, 28))
     assert cmap.store_blocks((full, sliding), 1) == (14, 15, 16, 17, *sliding[8 - stored:])
-    assert cmap.sliding_positions == tuple(range(4, 4 + stored))
+    assert cmap.sliding_positions == tuple((p, 1) for p in range(4, 4 + stored))
 
 
 def test_a_chunk_whose_window_block_was_freed_is_not_stored():

@@ -9,7 +9,9 @@ until every rank reports it in ``finished_sending``, which a worker does once it
 copies of that request's blocks are done. Preempted requests are fenced by the workers
 instead (their blocks are freed at once, before this step's forward), and so are running
 requests whose sliding-window blocks under a copy vLLM freed (it frees blocks that left
-the window while the request runs): ``window_blocks`` names those blocks.
+the window while the request runs): ``window_sources`` names those blocks by (group,
+table index, block id), so that a block freed and given back to the same request at
+another position counts as freed.
 
 Scheduler thread only. Pure bookkeeping: no I/O, no vLLM.
 """
@@ -17,6 +19,9 @@ Scheduler thread only. Pure bookkeeping: no I/O, no vLLM.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+
+WindowSource = tuple[int, int, int]
+"""A sliding-window block a copy reads: (group, index in the request's table, block id)."""
 
 
 class BlockHolds:
@@ -28,25 +33,25 @@ class BlockHolds:
         self._reqs_of: dict[int, set[str]] = {}  # copying store job -> requests
         self._held: set[str] = set()  # finished, blocks kept until finished_sending
         self._new_held: list[str] = []  # held since the last plan
-        self._window: dict[int, dict[str, frozenset[int]]] = {}  # job -> req -> blocks
+        self._window: dict[int, dict[str, frozenset[WindowSource]]] = {}  # job -> req -> ...
 
     def copying(self, job_id: int, req_ids: Iterable[str],
-                window_blocks: Mapping[str, Iterable[int]] | None = None) -> None:
+                window_sources: Mapping[str, Iterable[WindowSource]] | None = None) -> None:
         """A store job of the blocks of ``req_ids`` was planned (its copy starts now);
-        ``window_blocks``: per request, the sliding-window blocks it copies."""
+        ``window_sources``: per request, the sliding-window blocks it copies."""
         reqs = set(req_ids)
         if not reqs:
             return
         self._reqs_of[job_id] = reqs
         for req in reqs:
             self._jobs_of.setdefault(req, set()).add(job_id)
-        window = {r: frozenset(b) for r, b in (window_blocks or {}).items() if b and r in reqs}
+        window = {r: frozenset(b) for r, b in (window_sources or {}).items() if b and r in reqs}
         if window:
             self._window[job_id] = window
 
-    def window_blocks(self) -> dict[str, set[int]]:
+    def window_sources(self) -> dict[str, set[WindowSource]]:
         """Per request, the sliding-window blocks that copies in flight read."""
-        out: dict[str, set[int]] = {}
+        out: dict[str, set[WindowSource]] = {}
         for per_req in self._window.values():
             for req, blocks in per_req.items():
                 out.setdefault(req, set()).update(blocks)
@@ -85,6 +90,7 @@ class BlockHolds:
                 reqs = self._reqs_of.get(job_id)
                 if reqs is not None:
                     reqs.discard(req)
+                self._drop_window(job_id, req)
 
     def released(self, req_ids: Iterable[str]) -> None:
         """vLLM freed these requests' blocks (every rank reported them sent)."""

@@ -22,7 +22,7 @@ from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
-from kv_offload.scheduler.holds import BlockHolds
+from kv_offload.scheduler.holds import BlockHolds, WindowSource
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source, loadable_run
@@ -106,6 +106,7 @@ class OffloadScheduler:
         self._block_ids_of = block_ids_of
         self._clock = clock
         self._requests: dict[str, RequestState] = {}
+        self._fence_next: set[str] = set()  # finished requests whose copies need a fence
         self._last_access_flush = clock()
 
     @property
@@ -289,11 +290,13 @@ class OffloadScheduler:
         preempted = tuple(preempted)
         fenced = tuple(r for r in preempted if self.holds.is_copying(r))
         fenced += self._window_freed(exclude=preempted)
+        fenced += tuple(sorted(self._fence_next - set(fenced)))  # finished, see request_finished
+        self._fence_next.clear()
         self.holds.forget(fenced)  # the fence protects their freed blocks: never held later
         store_job = self.stores.plan(stores) if stores else None
         if store_job is not None:
             self.holds.copying(store_job.job_id, store_job.req_ids,
-                               self._window_blocks_of(store_job))
+                               self._window_sources_of(store_job))
         self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
         self._maybe_flush_access()
         loads = self.take_pending_loads()  # last: if anything above raised, the connector
@@ -326,28 +329,41 @@ class OffloadScheduler:
         state.next_store_chunk = num_done
         return out
 
-    def _window_blocks_of(self, job: StoreJob) -> dict[str, set[int]]:
-        """Per request, the sliding-window blocks ``job`` copies (empty without such
-        groups)."""
+    def _sources_freed(self, req_id: str, tables: Sequence[Sequence[int]]) -> bool:
+        """Whether a copy in flight reads a sliding-window block of ``req_id`` that is
+        no longer at its place in ``tables`` (vLLM freed it)."""
+        sources = self.holds.window_sources().get(req_id, ())
+        return any(g >= len(tables) or index >= len(tables[g])
+                   or int(tables[g][index]) != block for g, index, block in sources)
+
+    def _window_sources_of(self, job: StoreJob) -> dict[str, set[WindowSource]]:
+        """Per request, the sliding-window blocks ``job`` copies, by (group, table index,
+        block id) in the request's tables now (empty without such groups)."""
         positions = self.chunk_map.sliding_positions
-        out: dict[str, set[int]] = {}
-        if positions:
-            for move, req in zip(job.chunks, job.req_ids):
-                out.setdefault(req, set()).update(move.block_ids[p] for p in positions)
+        out: dict[str, set[WindowSource]] = {}
+        if not positions:
+            return out
+        tables_of: dict[str, Sequence[Sequence[int]]] = {}
+        for move, req in zip(job.chunks, job.req_ids):
+            if req not in tables_of:
+                tables_of[req] = block_tables(self._block_ids_of(req))
+            tables = tables_of[req]
+            for position, group in positions:
+                block = move.block_ids[position]
+                index = list(tables[group]).index(block)  # once in a table: vLLM's own
+                out.setdefault(req, set()).add((group, index, block))
         return out
 
     def _window_freed(self, *, exclude: Sequence[str]) -> tuple[str, ...]:
         """Running requests with a copy in flight of a sliding-window block that vLLM has
-        freed since (it left the window): their copies are fenced like a preempted
-        request's, before this step's forward may rewrite the block (invariant 3)."""
+        freed since (it left the window; it may even be back in the same table at a later
+        position): their copies are fenced like a preempted request's, before this step's
+        forward may rewrite the block (invariant 3)."""
         freed = []
-        for req, copied in self.holds.window_blocks().items():
+        for req in self.holds.window_sources():
             if req in exclude or req not in self._requests:
-                continue  # preempted: fenced anyway; finished: held or released
-            tables = block_tables(self._block_ids_of(req))
-            live = {int(b) for g, table in enumerate(tables)
-                    if self.chunk_map.groups[g].kind == "sliding_window" for b in table}
-            if copied - live:
+                continue  # preempted: fenced anyway; finished: held or fenced
+            if self._sources_freed(req, block_tables(self._block_ids_of(req))):
                 freed.append(req)
         return tuple(freed)
 
@@ -383,16 +399,25 @@ class OffloadScheduler:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def request_finished(self, req_id: str) -> bool:
+    def request_finished(self, req_id: str, block_ids: BlockTables | None = None) -> bool:
         """Forget a finished request. Its jobs keep their pins until they complete.
         True when vLLM must keep its blocks until the workers report it sent (a copy
         of them may still be running: ``BlockHolds``). Never for a request waiting for
         its load: vLLM keeps those blocks until ``finished_recving`` by itself, and no
-        store copies them (a hold too would free the request twice: vLLM asserts)."""
+        store copies them (a hold too would free the request twice: vLLM asserts).
+
+        ``block_ids``: the tables vLLM hands over (``request_finished_all_groups``).
+        vLLM frees a finishing request's out-of-window sliding-window blocks before it
+        asks, so a hold cannot keep those: when a copy in flight reads one, the request's
+        copies are fenced before the next step's forward instead (and it is not held)."""
         state = self._requests.pop(req_id, None)
         if self._remote_lookups is not None:
             self._remote_lookups.forget(req_id)
         if state is not None and state.loading:
+            return False
+        if block_ids is not None and self._sources_freed(req_id, block_tables(block_ids)):
+            self.holds.forget([req_id])
+            self._fence_next.add(req_id)
             return False
         return self.holds.finish(req_id)
 

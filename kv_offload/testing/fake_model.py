@@ -10,6 +10,11 @@ and samples a token that depends on every token before it.
 
 KV of position p on layer l: 8 float32 values derived from a hash of tokens[0..p], in a
 CPU-backend KV tensor of shape [num_blocks, 1 head, block_size, 8] per layer.
+
+KV cache groups (``FakeGroup``) play vLLM's hybrid KV cache manager: each group has its
+own block table and its own layers, and the layers of every group are views of the same
+tensors (a block id belongs to one group at a time). A sliding-window group's forward
+reads, and so checks, only the window: positions from p - window + 1 on.
 """
 
 from __future__ import annotations
@@ -58,11 +63,20 @@ def make_kv_tensors(num_layers: int, num_blocks: int, block_size: int) -> list[t
             for _ in range(num_layers)]
 
 
+@dataclass(frozen=True, slots=True)
+class FakeGroup:
+    """One KV cache group: the KV index of its layers (``kv_rows``' ``layer``; one per
+    tensor, in tensor order) and its sliding window (0: full attention)."""
+
+    layers: tuple[int, ...]
+    window: int = 0
+
+
 @dataclass(slots=True)
 class _RequestState:
     prompt: list[int]
     output: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # one table per group
     hashes: list[int] = field(default_factory=list)
 
     def tokens(self) -> list[int]:
@@ -77,9 +91,11 @@ class FakeModelRunner:
     """
 
     def __init__(self, connector: Any, kv: list[torch.Tensor], block_size: int, *,
-                 async_scheduling: bool, on_background: Callable[[], None]) -> None:
+                 async_scheduling: bool, on_background: Callable[[], None],
+                 groups: tuple[FakeGroup, ...] | None = None) -> None:
         self.connector = connector
         self.kv = kv
+        self.groups = groups or (FakeGroup(tuple(range(len(kv)))),)
         self.block_size = block_size
         self.async_scheduling = async_scheduling
         self.on_background = on_background
@@ -102,9 +118,11 @@ class FakeModelRunner:
             conn.start_load_kv(None)
         conn.wait_for_save()
         self.on_background()
-        sending, recving = conn.get_finished(so.finished_req_ids)
+        results = conn.get_transfer_results(so.finished_req_ids)
         out = KVConnectorOutput(
-            finished_sending=sending, finished_recving=recving,
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
             invalid_block_ids=conn.get_block_ids_with_load_errors(),
             kv_connector_stats=conn.get_kv_connector_stats(),
             kv_connector_worker_meta=pickle.loads(pickle.dumps(
@@ -127,19 +145,20 @@ class FakeModelRunner:
             for layer in self.kv:
                 layer[copy.dst_block_id].copy_(layer[copy.src_block_id])
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = _RequestState(list(new.prompt_token_ids),
-                                                      block_ids=list(new.block_ids[0]))
+            self.requests[new.req_id] = _RequestState(
+                list(new.prompt_token_ids), block_ids=[list(t) for t in new.block_ids])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             num_output = cached.num_output_tokens[i]
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0])
+                state.block_ids = [list(t) for t in new_blocks]
                 if self.async_scheduling and num_output > 0:
                     state.output = list(cached.all_token_ids[req_id][-num_output:])
             elif new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
+                for table, added in zip(state.block_ids, new_blocks):
+                    table.extend(added)
             if num_output < len(state.output):
                 del state.output[num_output:]
             del state.hashes[len(state.prompt) + len(state.output):]
@@ -170,31 +189,37 @@ class FakeModelRunner:
                 state.output.append(sampled[req_id][0])
         return sampled
 
-    def _positions(self, state: _RequestState, start: int, end: int
+    def _positions(self, state: _RequestState, group: int, start: int, end: int
                    ) -> tuple[np.ndarray, np.ndarray]:
         pos = np.arange(start, end)
-        table = np.asarray(state.block_ids, dtype=np.int64)
+        table = np.asarray(state.block_ids[group], dtype=np.int64)
         return table[pos // self.block_size], pos % self.block_size
 
     def _check(self, req_id: str, state: _RequestState, hashes: list[int], end: int) -> None:
-        if end == 0:
-            return
-        blocks, offsets = self._positions(state, 0, end)
-        for layer_index, layer in enumerate(self.kv):
-            actual = layer.numpy()[blocks, 0, offsets, :]
-            expected = kv_rows(hashes[:end], layer_index)
-            bad = np.flatnonzero((actual != expected).any(axis=1))
-            if bad.size:
-                p = int(bad[0])
-                raise KVMismatchError(
-                    f"{req_id}: the KV of position {p} (block {int(blocks[p])}, layer "
-                    f"{layer_index}) is not the KV of its tokens; {bad.size} of {end} "
-                    f"positions are wrong")
-        self.num_checked_tokens += end
+        for g, group in enumerate(self.groups):
+            start = max(0, end - group.window + 1) if group.window else 0
+            if end <= start:
+                continue
+            blocks, offsets = self._positions(state, g, start, end)
+            for tensor, layer_index in zip(self.kv, group.layers):
+                actual = tensor.numpy()[blocks, 0, offsets, :]
+                expected = kv_rows(hashes[start:end], layer_index)
+                bad = np.flatnonzero((actual != expected).any(axis=1) | (blocks == 0))
+                if bad.size:
+                    p = int(bad[0])
+                    raise KVMismatchError(
+                        f"{req_id}: the KV of position {start + p} (group {g}, block "
+                        f"{int(blocks[p])}, layer {layer_index}) is not the KV of its "
+                        f"tokens; {bad.size} of {end - start} positions are wrong")
+            self.num_checked_tokens += end - start
 
     def _write(self, state: _RequestState, hashes: list[int], start: int, end: int) -> None:
         if end <= start:
             return
-        blocks, offsets = self._positions(state, start, end)
-        for layer_index, layer in enumerate(self.kv):
-            layer.numpy()[blocks, 0, offsets, :] = kv_rows(hashes[start:end], layer_index)
+        for g, group in enumerate(self.groups):
+            blocks, offsets = self._positions(state, g, start, end)
+            if (blocks == 0).any():
+                raise KVMismatchError(f"group {g} has no block for a position it computes")
+            for tensor, layer_index in zip(self.kv, group.layers):
+                tensor.numpy()[blocks, 0, offsets, :] = kv_rows(hashes[start:end],
+                                                                 layer_index)

@@ -11,8 +11,9 @@ and said so; CuPy missing is a failure). Each part writes into one JSON file:
 3. ``step_loop``: ``kv_offload.testing.step_loop`` on CUDA with a forward of
    ``--forward-ms`` on a side stream that runs behind the host, blocks reused at once,
    every loaded and stored byte compared (mismatches must be 0), in both model runners'
-   orders (``v1``, ``v2``), V2 with new blocks zeroed before the fence (``v2_zeroing``,
-   as vLLM does for mamba or mixed-precision caches), and V1 with every copy audited
+   orders (``v1``, ``v2``; engines whose new blocks V2 zeroes before the fence, mamba or
+   mixed precisions, are refused at start-up, so that order is not run), and V1 with
+   every copy audited
    (``audit``: no audit mismatch either).
 4. ``transfer``: the CuPy engine's store and load GB/s against one large pinned
    ``cudaMemcpyAsync`` of the same bytes (target >= 0.8x), per copy path: DMA batch,
@@ -177,9 +178,8 @@ def cuda_tests(timeout_s: int) -> dict[str, Any]:
 STEP_LOOP_CASES: dict[str, dict[str, Any]] = {
     "v1": {"runner": "v1"},
     "v2": {"runner": "v2"},
-    # vLLM zeroes new blocks (mamba, mixed precisions) in V2's update_requests, before
-    # handle_preemptions fences the copies of a preempted request's freed blocks
-    "v2_zeroing": {"runner": "v2", "zero_new_blocks": True},
+    # (V2 with new blocks zeroed before the fence races the copies: such engines, mamba
+    # or mixed precisions, are refused at start-up, engine_info.layout_from_vllm)
     "audit": {"runner": "v1", "audit_rate": 1.0},
 }
 

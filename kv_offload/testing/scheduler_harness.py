@@ -28,8 +28,15 @@ from unittest import mock
 import numpy as np
 
 from kv_offload.config import OffloadConfig
+from kv_offload.groups import KVGroup
 from kv_offload.keys import chunk_keys
-from kv_offload.testing.fake_model import FakeModelRunner, kv_rows, make_kv_tensors, prefix_hashes
+from kv_offload.testing.fake_model import (
+    FakeGroup,
+    FakeModelRunner,
+    kv_rows,
+    make_kv_tensors,
+    prefix_hashes,
+)
 from kv_offload.testing.step_executor import StepExecutor
 
 NUM_LAYERS = 2
@@ -107,11 +114,14 @@ class SchedulerHarness:
                  max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
                  delay_rule: Callable[[Callable, tuple], int | None] | None = None,
                  background_stores: bool = False, copy_thread: bool = True,
-                 connector_reset: str = "cpu") -> None:
+                 connector_reset: str = "cpu", windows: tuple[int, ...] = ()) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
         with the CPU backend's synchronous engine. ``connector_reset``: the option of that
-        name; "cpu" (not the default "all") lets a reset leave the disk tier answering."""
+        name; "cpu" (not the default "all") lets a reset leave the disk tier answering.
+        ``windows``: a hybrid engine, with a sliding-window KV cache group of each of
+        these windows (tokens) after the full-attention group, all over the same tensors
+        (vLLM's hybrid KV cache manager)."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
@@ -121,7 +131,13 @@ class SchedulerHarness:
         self.now = 0.0
         self.step_index = 0
         tmp_path.mkdir(parents=True, exist_ok=True)
-        slot_bytes = NUM_LAYERS * 2 * block_size * 2 * 4 * 4  # layers x blocks x page
+        self.groups = (FakeGroup(tuple(range(NUM_LAYERS))),) + tuple(
+            FakeGroup(tuple(range(NUM_LAYERS * (i + 1), NUM_LAYERS * (i + 2))), w)
+            for i, w in enumerate(windows))
+        self.windows = tuple(windows)
+        positions = 2 + sum(KVGroup("sliding_window", 1, block_size, w).stored_blocks(
+            self.chunk_tokens) for w in windows)
+        slot_bytes = NUM_LAYERS * positions * block_size * 2 * 4 * 4  # layers x blocks x page
         self.offload = OffloadConfig(
             cpu_size=cpu_slots * slot_bytes, chunk_tokens=self.chunk_tokens,
             disk_path=str(tmp_path / "store") if disk else None, disk_size=256 * slot_bytes,
@@ -131,7 +147,7 @@ class SchedulerHarness:
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling  # as on GPUs
-        self.kv_cache_config = build_kv_cache_config(num_blocks, block_size)
+        self.kv_cache_config = build_kv_cache_config(num_blocks, block_size, self.windows)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = self._build_scheduler()
         self.executor = StepExecutor(self._delay)
@@ -140,7 +156,7 @@ class SchedulerHarness:
         self.worker_connector, self.worker = self._build_worker()
         self.runner = FakeModelRunner(self.worker_connector, self.kv, block_size,
                                       async_scheduling=async_scheduling,
-                                      on_background=self._background)
+                                      on_background=self._background, groups=self.groups)
         self.requests: dict[str, Any] = {}  # every request ever added, by id
         self._queue: deque = deque()  # async: (scheduler output, runner output)
 
@@ -186,9 +202,11 @@ class SchedulerHarness:
             return worker
 
         conn = KVOffloadConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        names = list(self.kv_cache_config.kv_cache_groups[0].layer_names)
+        tensors: dict[str, Any] = {}  # every group's layers are views of the same tensors
+        for group in self.kv_cache_config.kv_cache_groups:
+            tensors.update(zip(group.layer_names, self.kv))
         with mock.patch.object(setup, "OffloadWorker", make_worker):
-            conn.register_kv_caches(dict(zip(names, self.kv)))
+            conn.register_kv_caches(tensors)
         return conn, built[0]
 
     # -- faults and time -------------------------------------------------------------------
@@ -365,16 +383,25 @@ class SchedulerHarness:
         return chunks
 
     def _slot_holds(self, slot: int, hashes: list[int], end: int) -> bool:
-        blocks_per_chunk = self.chunk_tokens // self.block_size
-        scratch = np.arange(1, 1 + blocks_per_chunk, dtype=np.int64)
+        """Whether host slot ``slot`` holds, for every group, the KV of the blocks of the
+        chunk ending at ``end`` that it stores (a sliding-window group: the tail)."""
+        chunk_map = self.worker_connector.layout.chunk_map
+        scratch = np.arange(1, 1 + chunk_map.positions, dtype=np.int64)
         saved = [layer[scratch].clone() for layer in self.kv]  # free blocks stay cached
         engine = self.worker.engine.unfaulty
         engine.wait(engine.load(np.array([slot], dtype=np.int64), scratch[None, :]))
-        start = end - self.chunk_tokens
         try:
-            return all(np.array_equal(layer.numpy()[scratch].reshape(self.chunk_tokens, -1),
-                                      kv_rows(hashes[start:end], i))
-                       for i, layer in enumerate(self.kv))
+            first = 0
+            for group, kv_group in zip(self.groups, chunk_map.groups):
+                stored = kv_group.stored_blocks(self.chunk_tokens)
+                blocks = scratch[first:first + stored]
+                first += stored
+                start = end - stored * self.block_size
+                for tensor, layer_index in zip(self.kv, group.layers):
+                    rows = tensor.numpy()[blocks].reshape(stored * self.block_size, -1)
+                    if not np.array_equal(rows, kv_rows(hashes[start:end], layer_index)):
+                        return False
+            return True
         finally:
             for layer, old in zip(self.kv, saved):
                 layer[scratch] = old
@@ -400,13 +427,26 @@ def build_vllm_config(offload: OffloadConfig, *, block_size: int, max_num_batche
     return config
 
 
-def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
-    """One full-attention group of NUM_LAYERS layers, one KV head of size 4."""
+def build_kv_cache_config(num_blocks: int, block_size: int, windows: tuple[int, ...] = ()
+                          ) -> Any:
+    """One full-attention group of NUM_LAYERS layers, one KV head of size 4; then a
+    sliding-window group of NUM_LAYERS layers for each of ``windows``."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4,
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4,
                              dtype=torch.float32)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)],
+                               full)]
+    for g, window in enumerate(windows, start=1):
+        names = [f"model.layers.{i}.self_attn.attn"
+                 for i in range(g * NUM_LAYERS, (g + 1) * NUM_LAYERS)]
+        groups.append(KVCacheGroupSpec(names, SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float32,
+            sliding_window=window)))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)

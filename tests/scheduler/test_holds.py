@@ -78,3 +78,59 @@ def test_a_preempted_request_without_old_copies_is_not_fenced():
     plan = sched.plan_step([("r", 8)], preempted=["r"])
     assert plan.preempted == () and len(plan.stores) == 1
     assert sched.holds.is_copying("r")
+
+
+def _hybrid_scheduler():
+    """A full-attention group and a sliding-window group of window 5 (tail: 1 block of
+    the 2-block chunk), blocks of 4 tokens."""
+    from kv_offload.groups import KVGroup
+    from kv_offload.scheduler import OffloadScheduler, PlannerConfig
+
+    tables: dict = {}
+    config = PlannerConfig(chunk_tokens=8, block_size=4, tokens_per_hash=4, num_ranks=1,
+                           num_cpu_slots=16, groups=(KVGroup("full_attention", 1, 4),
+                                                     KVGroup("sliding_window", 1, 4, 5)))
+    return OffloadScheduler(config, disk_index=None, block_ids_of=lambda r: tables[r]), tables
+
+
+def test_a_running_request_whose_window_block_was_freed_under_a_copy_is_fenced():
+    """vLLM frees sliding-window blocks that left the window while the request runs and
+    may give them to another request in the same schedule(): a copy still reading one
+    must be fenced before that step's forward, like a preempted request's."""
+    sched, tables = _hybrid_scheduler()
+    r = make_request("r", list(range(17)))
+    sched.num_matched_tokens(r, 0)
+    tables["r"] = ([1, 2, 3], [11, 12, 13])
+    (job,) = sched.plan_step([("r", 8)]).stores
+    assert job.chunks[0].block_ids == (1, 2, 12), "the full chunk, then the window's tail"
+    tables["r"] = ([1, 2, 3], [11, 12, 13])
+    assert sched.plan_step([("r", 9)]).preempted == (), "nothing freed: no fence"
+    tables["r"] = ([1, 2, 3], [0, 0, 13])  # the window moved on: 12 went back to the pool
+    assert sched.plan_step([("r", 12)]).preempted == ("r",)
+    assert not sched.holds.is_copying("r")
+    assert sched.plan_step([("r", 13)]).preempted == (), "fenced once"
+
+
+def test_a_window_block_freed_and_given_back_to_the_same_request_counts_as_freed():
+    sched, tables = _hybrid_scheduler()
+    r = make_request("r", list(range(17)))
+    sched.num_matched_tokens(r, 0)
+    tables["r"] = ([1, 2, 3], [11, 12, 13])
+    sched.plan_step([("r", 8)])
+    tables["r"] = ([1, 2, 3, 4], [0, 0, 13, 12])  # 12 now holds a later position
+    assert sched.plan_step([("r", 13)]).preempted == ("r",)
+
+
+def test_a_finishing_request_whose_window_block_vllm_freed_is_fenced_not_held():
+    """vLLM frees a finishing request's out-of-window blocks before it calls
+    request_finished_all_groups, so holding the request cannot keep them."""
+    sched, tables = _hybrid_scheduler()
+    for name, first in (("a", 0), ("b", 100)):
+        req = make_request(name, list(range(first, first + 9)))
+        sched.num_matched_tokens(req, 0)
+    tables["a"], tables["b"] = ([1, 2, 3], [11, 12, 13]), ([4, 5, 6], [14, 15, 16])
+    sched.plan_step([("a", 8), ("b", 8)])
+    assert sched.request_finished("a", ([1, 2, 3], [0, 0, 13])) is False
+    assert sched.request_finished("b", ([4, 5, 6], [14, 15, 16])) is True, "nothing freed"
+    plan = sched.plan_step([])
+    assert plan.preempted == ("a",) and plan.held == ("b",)

@@ -304,3 +304,29 @@ def test_a_request_resumed_by_a_reset_is_held_for_the_copy_planned_with_its_fenc
     harness.run()
     assert harness.requests["c"].is_finished()
     assert harness.check_idle() == []  # every CPU slot holds its own key's KV
+
+
+WINDOWS = [(5,), (17,), (40,), (9, 30)]  # chunk 16 tokens, blocks of 8: a tail of 1 block,
+# the whole chunk (window - 1 = chunk), longer than a chunk; two sliding-window groups
+
+
+@pytest.mark.parametrize("background_stores", [False, True], ids=["stores_inline", "stores_behind"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("windows", WINDOWS, ids=lambda w: "w" + "-".join(map(str, w)))
+@pytest.mark.parametrize("seed", _seeds()[:int(os.environ.get("KV_OFFLOAD_HYBRID_SEEDS", "5"))])
+def test_hybrid_random_workload_ends_idle_with_every_token_on_the_right_kv(
+        harness_factory, seed, windows, async_scheduling, background_stores):
+    """vLLM's hybrid KV cache manager: a full-attention group and sliding-window groups
+    over the same tensors (each group's KV differs, so a block copied through another
+    group's layers shows). Sliding-window blocks are freed while requests run and when
+    they finish; copies of them behind the forward are fenced before reuse; loads write
+    only the blocks vLLM allocates; failed loads go through failed_recving."""
+    faults = (Faults(seed=seed, **FAULTS) if seed % 2 and not background_stores
+              else Faults(seed=seed, delay=0.5))
+    harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
+                              faults=faults, windows=windows,
+                              background_stores=background_stores)
+    stats = run_workload(harness, seed, num_requests=40, p_abort=0.05, max_tokens=12,
+                         p_reset=0.1 if async_scheduling else 0.05)
+    assert harness.check_idle() == [], f"seed {seed}: {stats}"
+    assert harness.runner.num_checked_tokens > 0
