@@ -440,7 +440,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.run_stores(plan.stores)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # Called first in every step, before the forward, with this step's plan.
+        # Before this step's forward and before it starts loads, on both model runners
+        # (V1: first in execute_model; V2: first in pre_forward, after update_requests,
+        # which writes blocks only for engines kv-offload refuses). docs/architecture.md,
+        # "Hook order on both model runners".
         plan = getattr(kv_connector_metadata, "plan", None)
         if self._worker is not None and isinstance(plan, StepPlan):
             self._worker.fence(plan.preempted)  # their freed blocks may be rewritten now
