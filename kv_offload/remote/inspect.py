@@ -12,9 +12,9 @@ import json
 import re
 from typing import Any
 
-from kv_offload.config import format_size
 from kv_offload.remote.tier import RemoteTarget, connect_redis
 from kv_offload.remote.values import meta_key, namespace_pattern
+from kv_offload.sizes import format_size
 
 _KEY_RE = re.compile(rb"^.*:\{(?P<ns>[0-9a-f]{32}):(?P<chunk>[0-9a-f]+)\}:r(?P<rank>\d+)of(?P<n>\d+)$")
 _SERVER_FIELDS = ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys",

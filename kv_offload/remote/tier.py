@@ -328,7 +328,7 @@ def remote_tier_for(config: Any, layout: Any, *, namespace: str, who: str) -> Re
 
     Raises ValueError naming ``remote_max_value_size`` when a chunk does not fit, and
     naming ``remote_password_env``/``_file`` when the password cannot be read."""
-    from kv_offload.config import format_size
+    from kv_offload.sizes import format_size
 
     try:
         import redis  # noqa: F401
