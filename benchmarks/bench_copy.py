@@ -24,10 +24,10 @@ from _common import BenchParser, best_interleaved, finish, new_result, span
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
 from kv_offload.copy import cpu_kernel
+from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.copy.planes import planes_from_kv_tensor
 from kv_offload.copy.torch_engine import TorchCopyEngine
-from kv_offload.host_buffer import allocate_host_slots
 
 CPU_TARGET, CPU_TARGET_LARGE = 0.6, 0.8
 

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     import torch
 
     from kv_offload.copy.cupy_engine import CupyCopyEngine
+    from kv_offload.copy.host_buffer import HostSlots
     from kv_offload.copy.planes import planes_from_kv_tensor
     from kv_offload.copy.torch_engine import TorchCopyEngine
-    from kv_offload.host_buffer import HostSlots
 
 __all__ = [
     "SKIP_BLOCK",

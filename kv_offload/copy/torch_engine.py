@@ -33,6 +33,7 @@ import torch
 
 from kv_offload.copy import cpu_kernel
 from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle
+from kv_offload.copy.host_buffer import HostSlots
 from kv_offload.copy.plan import (
     BlockMap,
     Direction,
@@ -43,7 +44,6 @@ from kv_offload.copy.plan import (
     validated_chunks,
 )
 from kv_offload.copy.planes import describe_planes
-from kv_offload.host_buffer import HostSlots
 
 __all__ = ["PARALLEL_MIN_BYTES", "STREAM_MIN_BYTES", "STRATEGIES", "TorchCopyEngine"]
 

@@ -234,8 +234,8 @@ def _flash_attention_job(num_blocks: int, bpc: int, layers: int, num_chunks: int
     import numpy as np
     import torch
 
+    from kv_offload.copy.host_buffer import allocate_host_slots
     from kv_offload.copy.planes import planes_from_kv_tensor
-    from kv_offload.host_buffer import allocate_host_slots
 
     tensors = [torch.randint(0, 256, (2, num_blocks, 16, 8, 128), dtype=torch.uint8,
                              device="cuda").view(torch.bfloat16) for _ in range(layers)]
@@ -356,7 +356,7 @@ def calibration(reps: int) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from kv_offload.host_buffer import allocate_host_slots
+    from kv_offload.copy.host_buffer import allocate_host_slots
 
     if "kernel" not in _paths():
         return {"skipped": "no NVRTC: kernel mode cannot be built"}
@@ -400,7 +400,7 @@ STARTUP_CODE = """
 import numpy as np, torch
 from kv_offload.copy.cupy_engine import CupyCopyEngine
 from kv_offload.copy.cuda_runtime import nvrtc_version
-from kv_offload.host_buffer import allocate_host_slots
+from kv_offload.copy.host_buffer import allocate_host_slots
 plane = torch.randint(0, 256, (8, 4096), dtype=torch.uint8, device="cuda")
 host = allocate_host_slots(2, 8192, pinned=True)
 for mode in ("dma", "kernel") if nvrtc_version() else ("dma",):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
-from kv_offload.host_buffer import allocate_host_slots
+from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.jobs import WorkerReport
 from kv_offload.keys import chunk_keys
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kv_offload.copy.base import CopyEngine, CopyHandle
+from kv_offload.copy.host_buffer import HostSlots
 from kv_offload.copy.plan import SKIP_BLOCK, SlotLayout
-from kv_offload.host_buffer import HostSlots
 
 if TYPE_CHECKING:
     import torch
@@ -264,8 +264,8 @@ def build_audit(planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: i
     if rate <= 0:
         return None
     from kv_offload.copy import make_copy_engine
+    from kv_offload.copy.host_buffer import allocate_host_slots
     from kv_offload.copy.planes import describe_planes
-    from kv_offload.host_buffer import allocate_host_slots
 
     layout = SlotLayout(describe_planes(planes).plane_bytes, blocks_per_chunk, host.slot_bytes)
     scratch = allocate_host_slots(AUDIT_SCRATCH_SLOTS, host.slot_bytes, pinned=host.pinned)

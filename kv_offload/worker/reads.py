@@ -17,8 +17,8 @@ from kv_offload.remote.values import ValueCheck
 from kv_offload.worker.disk_health import DiskHealth
 
 if TYPE_CHECKING:
+    from kv_offload.copy.host_buffer import HostSlots
     from kv_offload.disk.slab import ReadResult, SlabFile
-    from kv_offload.host_buffer import HostSlots
     from kv_offload.remote.tier import RemoteTier
 
 logger = logging.getLogger(__name__)

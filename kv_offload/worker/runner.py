@@ -38,8 +38,8 @@ from kv_offload.worker.writes import SlabWrites
 
 if TYPE_CHECKING:
     from kv_offload.copy.base import CopyEngine
+    from kv_offload.copy.host_buffer import HostSlots
     from kv_offload.disk.slab import SlabFile
-    from kv_offload.host_buffer import HostSlots
     from kv_offload.remote.tier import RemoteTier
     from kv_offload.worker.audit import CopyAudit
 

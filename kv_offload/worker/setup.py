@@ -17,7 +17,7 @@ from kv_offload.worker.runner import OffloadWorker
 if TYPE_CHECKING:
     import torch
 
-    from kv_offload.host_buffer import HostSlots
+    from kv_offload.copy.host_buffer import HostSlots
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def build_worker(
     """Check the engine's tensors against ``layout`` and wire host slots, copy engine
     and slab. Raises UnsupportedEngineError with the observed shapes on a mismatch."""
     from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
-    from kv_offload.host_buffer import allocate_host_slots, check_local_ranks_fit
+    from kv_offload.copy.host_buffer import allocate_host_slots, check_local_ranks_fit
 
     check_page_order(tensors, layout, num_blocks)
     rank = tensor_parallel_rank(layout.tp_size)

@@ -23,7 +23,7 @@ import numpy as np
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, StoreJob, WorkerReport
 
 if TYPE_CHECKING:
-    from kv_offload.host_buffer import HostSlots
+    from kv_offload.copy.host_buffer import HostSlots
     from kv_offload.remote.tier import RemoteTier
     from kv_offload.worker.host_copies import HostCopies, HostCopy
     from kv_offload.worker.writes import SlabWrites

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from kv_offload.worker.disk_health import DiskHealth
 
 if TYPE_CHECKING:
+    from kv_offload.copy.host_buffer import HostSlots
     from kv_offload.disk.slab import SlabFile
-    from kv_offload.host_buffer import HostSlots
 
 WRITE_TASK_BYTES = 8 << 20
 

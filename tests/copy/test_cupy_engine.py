@@ -12,8 +12,8 @@ import torch
 from kv_offload.copy import SKIP_BLOCK, CudaUnavailableError, cuda_runtime, cupy_engine
 from kv_offload.copy.cuda_runtime import cuda_available
 from kv_offload.copy.cupy_engine import CupyCopyEngine
+from kv_offload.copy.host_buffer import HostSlots
 from kv_offload.copy.plan import SlotLayout
-from kv_offload.host_buffer import HostSlots
 
 HAVE_CUDA = cuda_available()
 cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
@@ -53,7 +53,7 @@ def flash_attention_planes(*, num_layers=3, num_blocks=NUM_BLOCKS, block_size=16
 
 
 def pinned_host(num_slots, slot_bytes):
-    from kv_offload.host_buffer import allocate_host_slots
+    from kv_offload.copy.host_buffer import allocate_host_slots
 
     host = allocate_host_slots(num_slots, slot_bytes, pinned=True)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))

@@ -22,9 +22,9 @@ import torch
 from kv_offload.copy import SKIP_BLOCK, cupy_engine
 from kv_offload.copy.cupy_engine import KERNEL_TILE_BYTES, CupyCopyEngine
 from kv_offload.copy.dma import SRC_ACCESS_ORDER_STREAM, DriverInfo, MemcpyAttributes
+from kv_offload.copy.host_buffer import HostSlots
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.copy.planes import PlaneGeometry, describe_planes
-from kv_offload.host_buffer import HostSlots
 from kv_offload.worker.audit import AuditMismatchError, build_audit
 from kv_offload.worker.host_copies import HostCopies
 

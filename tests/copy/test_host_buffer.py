@@ -9,7 +9,7 @@ import torch
 
 from kv_offload.copy.base import CudaUnavailableError
 from kv_offload.copy.cuda_runtime import cuda_available
-from kv_offload.host_buffer import (
+from kv_offload.copy.host_buffer import (
     HostSlots,
     InsufficientHostMemoryError,
     allocate_host_slots,

@@ -22,8 +22,8 @@ from kv_offload.copy import (
     planes_from_kv_tensor,
     torch_engine,
 )
+from kv_offload.copy.host_buffer import HostSlots, allocate_host_slots
 from kv_offload.copy.plan import SlotLayout
-from kv_offload.host_buffer import HostSlots, allocate_host_slots
 
 NUM_BLOCKS = 61
 

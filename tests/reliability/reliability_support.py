@@ -138,7 +138,7 @@ class Rig:
         import torch
 
         from kv_offload.copy import make_copy_engine
-        from kv_offload.host_buffer import allocate_host_slots
+        from kv_offload.copy.host_buffer import allocate_host_slots
         from kv_offload.scheduler import OffloadScheduler, PlannerConfig
         from kv_offload.worker import OffloadWorker
 

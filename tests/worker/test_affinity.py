@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kv_offload.copy import make_copy_engine
-from kv_offload.host_buffer import allocate_host_slots
+from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob
 from kv_offload.worker import OffloadWorker
 from kv_offload.worker.affinity import ThreadPlacement, openmp_cpus, parse_cpu_list

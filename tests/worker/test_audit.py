@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kv_offload.copy import make_copy_engine
+from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.disk import SlabFile
-from kv_offload.host_buffer import allocate_host_slots
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
 from kv_offload.worker import OffloadWorker
 from kv_offload.worker.audit import AUDIT_SCRATCH_SLOTS, CopyAudit, build_audit

@@ -15,8 +15,8 @@ import torch
 
 from kv_offload import OffloadConfig
 from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
+from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.engine_info import UnsupportedEngineError, layout_from_vllm
-from kv_offload.host_buffer import allocate_host_slots
 from kv_offload.layout import page_order
 from kv_offload.worker.setup import check_page_order
 

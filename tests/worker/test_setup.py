@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from vllm.distributed import parallel_state
 
-import kv_offload.host_buffer as host_buffer
+import kv_offload.copy.host_buffer as host_buffer
 import kv_offload.worker.setup as setup
-from kv_offload.host_buffer import InsufficientHostMemoryError
+from kv_offload.copy.host_buffer import InsufficientHostMemoryError
 from kv_offload.testing.scheduler_harness import SchedulerHarness
 from kv_offload.worker.setup import local_tensor_parallel_ranks
 

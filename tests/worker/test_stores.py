@@ -19,8 +19,8 @@ import torch
 
 from kv_offload.checksum import checksum
 from kv_offload.copy import make_copy_engine
+from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.disk import SlabFile
-from kv_offload.host_buffer import allocate_host_slots
 from kv_offload.jobs import ChunkMove, StoreJob, WorkerReport
 from kv_offload.worker.disk_health import DiskHealth
 from kv_offload.worker.host_copies import HostCopies
