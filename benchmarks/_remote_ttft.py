@@ -211,8 +211,7 @@ def ttft_lines(ttft: dict | None) -> list[str]:
     rows = [[mode, *[fmt(ttft["modes"][mode][n]["median_s"] * 1e3, ".1f") for n in lengths]]
             for mode in ("cold", "remote")]
     rows.append(["remote / cold", *[fmt(ttft["ratios"][n]) for n in lengths]])
-    return fill(
-        "remote_ttft", ttft, model=ttft["model"]["name"],
+    return fill("remote_ttft", ttft, model=ttft["model"]["name"],
         in_process="\n".join(fill("remote_in_process")) + "\n" if in_process else "",
         table="\n".join(table(["TTFT", *[f"L={n} (ms)" for n in lengths]], rows)),
         ratios=", ".join(f"{fmt(ttft['ratios'][n], '.2f')}x at {n} tokens" for n in lengths),

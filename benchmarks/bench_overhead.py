@@ -1,12 +1,11 @@
-"""What our connector costs when nothing is reused or every request stores, and what it
-gains with 50% reuse.
+"""What our connector costs with no reuse or every request storing; what it gains at 50% reuse.
 
-Plain vLLM, ours (synchronous store copies), ours_bg (``cpu_background_stores``) and
-ours_cpu (ours without the disk tier) side by side, the same batches each round in rotating order (``_engine.Turns``), new prompts
-every round; workloads no_reuse, reuse_50 (after reset_prefix_cache) and store_heavy
-(staggered long prompts, generated tokens stored). Throughput and mean TTFT per batch,
-ratios paired per round (median). Targets: no_reuse and store_heavy throughput >= 0.97x
-plain. The method in full: templates/overhead.md.
+Plain vLLM, ours (synchronous store copies), ours_bg (``cpu_background_stores``), ours_cpu
+(no disk tier), ours_noaudit (``audit_rate`` 0) side by side, the same batches each round in
+rotating order (``_engine.Turns``), new prompts each round; workloads no_reuse, reuse_50
+(after reset_prefix_cache), store_heavy (staggered long prompts, generated tokens stored).
+Throughput and mean TTFT per batch, ratios paired per round (median). Targets: no_reuse and
+store_heavy throughput >= 0.97x plain. The method in full: templates/overhead.md.
 
     python benchmarks/bench_overhead.py --quick --json /tmp/overhead.json
     python benchmarks/bench_overhead.py --json overhead.json          # ~10 min, 2 cores
@@ -40,13 +39,15 @@ from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 SUFFIX_TOKENS = 16
 TARGET = 0.97  # issue 15: no_reuse and store_heavy throughput ours/plain
 WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
-CONTENDERS = ("plain", "ours", "ours_bg", "ours_cpu", "ours_ref")  # ours_ref: --reference-tree
-VARIANTS = {  # name -> (cpu_background_stores, disk tier on)
-    "ours": (False, True), "ours_bg": (True, True), "ours_cpu": (False, False)}
+CONTENDERS = ("plain", "ours", "ours_bg", "ours_cpu", "ours_noaudit", "ours_ref")
+VARIANTS = {  # name -> (cpu_background_stores, disk tier on, audit_rate; None: the default)
+    "ours": (False, True, None), "ours_bg": (True, True, None), "ours_cpu": (False, False, None),
+    "ours_noaudit": (False, True, 0.0)}  # ours/ours_noaudit: what the runtime audit costs
 GRADED = ("no_reuse", "store_heavy")
 PAIRS = (  # (numerator, denominator, key suffix) of the ratios paired per round
     ("ours", "plain", ""), ("ours_bg", "plain", "_bg"), ("ours_cpu", "plain", "_cpu"),
-    ("ours_bg", "ours", "_bg_vs_sync"), ("ours", "ours_ref", "_vs_ref"))
+    ("ours_bg", "ours", "_bg_vs_sync"), ("ours", "ours_ref", "_vs_ref"),
+    ("ours", "ours_noaudit", "_audit"))
 
 
 def prompts_for(round_: int, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -188,8 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.sized("--heavy-prompts", 16, 2, "store_heavy: prompts per batch")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated subset to run (reuse_50 needs no_reuse)")
-    parser.add_argument("--chunk-tokens", type=int, default=64,
-                        help="kv-offload's chunk_tokens (default 64)")
+    parser.add_argument("--chunk-tokens", type=int, default=64, help="kv-offload's chunk_tokens")
     parser.add_argument("--reference-tree", type=Path, metavar="DIR",
                         help="also run `ours` from another checkout of kv-offload (e.g. `git "
                              "worktree add DIR <commit>`) as ours_ref: a change measured side "
@@ -222,10 +222,11 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def variant_config(base: dict, store: Path, background: bool, disk: bool) -> dict:
-    """kv-offload's config for one variant: ``base`` with its store thread setting and
-    its own disk store, or no disk tier."""
-    config = {**base, "cpu_background_stores": background}
+def variant_config(base: dict, store: Path, background: bool, disk: bool,
+                   audit: float | None = None) -> dict:
+    """``base`` with this variant's store thread, audit rate and disk store (or none)."""
+    config = {**base, "cpu_background_stores": background,
+              **({} if audit is None else {"audit_rate": audit})}
     if disk:
         return {**config, "disk_path": str(store)}
     config.pop("disk_size", None)
@@ -233,7 +234,7 @@ def variant_config(base: dict, store: Path, background: bool, disk: bool) -> dic
 
 
 def reference_of(tree: Path | None) -> dict | None:
-    """Which checkout ours_ref ran: its path and commit."""
+    """Which checkout ours_ref ran: its path and commit (None without one)."""
     if tree is None:
         return None
     head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h"],
