@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from worker_support import drain
 
 from kv_offload.copy import make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
@@ -84,22 +85,6 @@ def make_worker(planes, *, corrupt="", rate=1.0, slab=None):
     return worker, engine, host
 
 
-def poll_until(worker, until, timeout=10.0):
-    reports, finished, failed = [], set(), set()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = worker.poll()
-        finished |= result.finished_req_ids
-        failed |= result.failed_block_ids
-        report = worker.take_report()
-        if report:
-            reports.append(report)
-        if until(reports, finished, failed):
-            return reports, finished, failed
-        time.sleep(0.01)
-    raise AssertionError("the worker did not finish in time")
-
-
 def test_a_store_copy_writing_wrong_bytes_is_caught_and_never_published_nor_written(
         planes, tmp_path, caplog):
     """Regression scenario: the engine -> host copy flips a byte. Without the audit the
@@ -110,7 +95,7 @@ def test_a_store_copy_writing_wrong_bytes_is_caught_and_never_published_nor_writ
                     slot_bytes=SLOT_BYTES)
     worker, engine, _ = make_worker(planes, corrupt="store", slab=slab)
     worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, 5),), req_ids=("r",))])
-    reports, _, _ = poll_until(worker, lambda r, f, b: any(x.disk_stored for x in r))
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
     assert any(x.host_failed == {1: 1} for x in reports)
     assert not any(x.host_stored for x in reports)
     assert next(x for x in reports if x.disk_stored).disk_stored == {1: {0: (None,)}}
@@ -120,7 +105,7 @@ def test_a_store_copy_writing_wrong_bytes_is_caught_and_never_published_nor_writ
     assert stats["audit_mismatches"] == 1 and stats["audit_chunks"] == 1
     # the next store copies right (the plainest path) and passes its audit
     worker.run_stores([StoreJob(2, (ChunkMove((4, 8), 2),), req_ids=("s",))])
-    reports, _, _ = poll_until(worker, lambda r, f, b: any(x.host_stored for x in r))
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.host_stored for x in r))
     assert reports[-1].host_stored == {2: 1}
     worker.close()
 
@@ -129,7 +114,7 @@ def test_a_load_copy_writing_wrong_bytes_is_a_load_error(planes):
     worker, engine, host = make_worker(planes, corrupt="load")
     host.as_tensor()[2].copy_(torch.arange(SLOT_BYTES) % 251)
     worker.start_loads([LoadJob(3, "req", (ChunkMove((9, 10), 2),))])
-    reports, finished, failed = poll_until(worker, lambda r, f, b: "req" in f)
+    reports, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
     assert failed == {9, 10}  # vLLM recomputes the chunk
     assert any(x.loaded.get(3) == {0: frozenset({0})} for x in reports)
     assert engine.fell_back == 1 and worker.take_stats()["audit_mismatches"] == 1
@@ -140,10 +125,10 @@ def test_right_copies_pass_and_are_counted(planes):
     worker, engine, host = make_worker(planes)
     worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1), ChunkMove((2, SKIP_BLOCK), 3)),
                                 req_ids=("r", "r"))])
-    reports, _, _ = poll_until(worker, lambda r, f, b: any(x.host_stored for x in r))
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.host_stored for x in r))
     assert reports[-1].host_stored == {1: 1} and not engine.fell_back
     worker.start_loads([LoadJob(2, "req", (ChunkMove((11, 12), 1),))])
-    _, _, failed = poll_until(worker, lambda r, f, b: "req" in f)
+    _, _, failed = drain(worker, until=lambda r, f, b: "req" in f)
     assert not failed
     assert worker.take_stats()["audit_chunks"] == 3 and engine.fell_back == 0
     worker.close()

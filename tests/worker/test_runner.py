@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from worker_support import drain
 
 from kv_offload.copy import Direction, make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
@@ -39,23 +40,6 @@ def make_worker(planes, slab, **kwargs):
     host = allocate_host_slots(4, SLOT_BYTES, pinned=False)
     engine = make_copy_engine(planes, host, BPC)
     return OffloadWorker(rank=0, engine=engine, host=host, slab=slab, io_threads=2, **kwargs)
-
-
-def drain(worker, *, until, timeout=10.0):
-    """Poll until ``until(report, finished, failed)`` holds; returns the merged results."""
-    finished, failed, reports = set(), set(), []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = worker.poll()
-        finished |= result.finished_req_ids
-        failed |= result.failed_block_ids
-        report = worker.take_report()
-        if report:
-            reports.append(report)
-        if until(reports, finished, failed):
-            return reports, finished, failed
-        time.sleep(0.01)
-    raise AssertionError("worker did not finish in time")
 
 
 def blocks_of(planes, ids):
