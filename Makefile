@@ -12,12 +12,14 @@ STAMP := $(VENV)/.installed-cpu
 CUDA_ONLY_EXTRAS := torchvision torchaudio torchcodec
 PYTEST_ARGS ?=
 MODEL ?=
+HYBRID ?=
 
 .PHONY: help install test lint pytest demo bench clean
 
 help:
 	@echo "make test   install into .venv (once) and run lint + the test suite"
-	@echo "make demo   cold / CPU-tier / disk-tier run of a long-prefix workload (MODEL=... for a real model)"
+	@echo "make demo   cold / CPU-tier / disk-tier run of a long-prefix workload (MODEL=... for a real model,"
+	@echo "            HYBRID=1 for a sliding-window + full attention model, vLLM's hybrid KV cache manager on)"
 	@echo "make bench  run the CPU benchmark set and rewrite docs/benchmarks.md"
 
 install: $(STAMP)
@@ -41,7 +43,7 @@ pytest: $(STAMP)
 test: lint pytest
 
 demo: $(STAMP)
-	$(PY) examples/demo.py $(if $(MODEL),--model $(MODEL),)
+	$(PY) examples/demo.py $(if $(MODEL),--model $(MODEL),) $(if $(filter 1,$(HYBRID)),--hybrid,)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -5,6 +5,8 @@ kind (sliding-window layers keep only their window) instead of turning the manag
 Cold runs, CPU-tier hits and disk hits after a restart must give the greedy tokens of an
 engine without a connector, with the chunk shorter than the window (every block of a
 chunk stored) and longer than it (only the window's tail stored for the sliding layers).
+So must a new engine that loads the prompts from the remote tier (Redis) another engine
+wrote.
 """
 
 from __future__ import annotations
@@ -86,3 +88,40 @@ def test_disk_hits_after_a_restart_equal_recompute(runs, reference):
     phase = restarted["phases"][0]
     assert phase["tokens"] == reference
     assert phase["metrics"]["hits_disk"] >= PREFIX_TOKENS
+
+
+# -- the remote tier: a writer and a reader that share only a Redis server ----------------
+
+REMOTE_CHUNK = 128  # above the window: an entry holds the sliding layers' tail only
+
+
+def remote_offload(url: str) -> dict:
+    # No disk tier: the reader can only find the prompts in Redis. A lookup budget of
+    # 500 ms, as in test_remote_tier.py: on a loaded 2-core machine round trips pass the
+    # default 50 ms, and a lookup past its budget is a miss.
+    return {"cpu_size": "64MiB", "chunk_tokens": REMOTE_CHUNK, "io_threads": 2,
+            "remote_url": url, "remote_lookup_budget_ms": 500.0}
+
+
+@pytest.fixture(scope="module")
+def remote_runs(model, redis_server, tmp_path_factory) -> tuple[dict, dict]:
+    """A writer engine runs the prompts cold (storing them in Redis) and exits; then a
+    new process, its CPU tier empty and no disk tier, runs them again."""
+    offload = remote_offload(redis_server.url)
+    writer = run_in_subprocess(spec(model, offload, [{"name": "cold", "prompts": prompts()}]),
+                               tmp_path_factory.mktemp("hybrid-remote-writer"))
+    reader = run_in_subprocess(spec(model, offload, [{"name": "remote", "prompts": prompts()}]),
+                               tmp_path_factory.mktemp("hybrid-remote-reader"))
+    return writer, reader
+
+
+def test_remote_hits_in_a_new_engine_equal_recompute(remote_runs, reference):
+    writer, reader = remote_runs
+    assert "2 KV cache groups (vLLM's hybrid KV cache manager)" in reader["log"]
+    cold, remote = writer["phases"][0], reader["phases"][0]
+    assert cold["metrics"]["external_hits"] == 0, "the writer computes everything"
+    assert cold["tokens"] == reference
+    assert remote["tokens"] == reference
+    # The first request sharing the prefix fetches it; the others in its batch wait for
+    # that fetch and count host hits.
+    assert remote["metrics"]["hits_external_unspecified"] >= PREFIX_TOKENS
