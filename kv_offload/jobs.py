@@ -97,6 +97,10 @@ class WorkerReport:
     ``loaded``: load job -> rank -> indexes of chunks that failed on that rank.
     ``disk_broken``: a rank's store directory keeps failing (deleted, read-only, I/O
     errors); the scheduler then stops using the disk tier.
+    ``paused``: rank -> whether vLLM has taken that rank's KV cache away now
+    (``unregister_kv_caches``; False once ``restore_kv_caches`` gave it back), for the
+    ranks whose state changed since their last report. While any rank is paused the
+    scheduler plans no load or store.
     """
 
     host_stored: dict[int, int] = field(default_factory=dict)
@@ -106,10 +110,11 @@ class WorkerReport:
     remote_stored: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
     bad_reads: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
     disk_broken: str | None = None
+    paused: dict[int, bool] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.host_stored or self.host_failed or self.disk_stored or self.loaded
-                    or self.remote_stored or self.disk_broken)
+                    or self.remote_stored or self.disk_broken or self.paused)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Fold ``other`` (another rank's report) into this one; returns self."""
@@ -126,4 +131,5 @@ class WorkerReport:
         for job, bad in other.bad_reads.items():
             self.bad_reads.setdefault(job, {}).update(bad)
         self.disk_broken = self.disk_broken or other.disk_broken
+        self.paused.update(other.paused)
         return self

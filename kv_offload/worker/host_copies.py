@@ -17,6 +17,11 @@ What must follow a copy (the tier writes of its host slots) is started by ``when
 once the copy has ended, so that no I/O thread ever waits for a device copy: at once for
 a copy that is done, on the store thread that ends it, else on one waiter thread that
 sleeps on the copies' completion events in issue order (a copy stream completes in order).
+
+While vLLM has taken the KV cache away (``pause``, from ``unregister_kv_caches``) no copy
+runs: ``pause`` waits for every copy issued before it, and a copy issued during the
+pause fails at once with ``KVCacheReleasedError`` (its job is reported failed, its slots
+come back) until ``resume``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ import numpy as np
 from kv_offload.copy.base import CopyEngine, CopyHandle
 
 logger = logging.getLogger(__name__)
+
+
+class KVCacheReleasedError(RuntimeError):
+    """A store copy issued while vLLM has taken the KV cache away (``HostCopies.pause``):
+    nothing was copied."""
 
 
 class StoreThread(Protocol):
@@ -134,11 +144,19 @@ class HostCopies:
             1, thread_name_prefix="kv-offload-store-wait", initializer=initializer)
         self._by_req: dict[str, list[HostCopy]] = {}
         self._held: set[str] = set()
+        self._issued: list[HostCopy] = []  # every copy not yet seen done, in issue order
+        self._paused = False
 
     def issue(self, block_ids: np.ndarray, slots: np.ndarray, req_ids: Iterable[str]
               ) -> HostCopy:
         """Start copying ``block_ids`` into ``slots`` (the engine's ``store``), ordered
-        after the compute issued so far; the blocks belong to ``req_ids``."""
+        after the compute issued so far; the blocks belong to ``req_ids``. While paused,
+        a copy that failed with ``KVCacheReleasedError`` (no block is read)."""
+        if self._paused:
+            refused: Future[CopyHandle] = Future()
+            refused.set_exception(KVCacheReleasedError(
+                "vLLM released the KV cache (unregister_kv_caches): nothing was copied"))
+            return HostCopy(self.engine, refused)
         if self._thread is None:
             future: Future[CopyHandle] = Future()
             try:
@@ -154,6 +172,8 @@ class HostCopies:
         copy = HostCopy(self.engine, future, check)
         for req in set(req_ids):
             self._by_req.setdefault(req, []).append(copy)
+        self._issued = [c for c in self._issued if not c.done()]
+        self._issued.append(copy)
         return copy
 
     def when_done(self, copy: HostCopy, fn: Callable[[bool], None]) -> None:
@@ -198,6 +218,26 @@ class HostCopies:
     def num_pending(self) -> int:
         """Requests with copies in flight or held."""
         return len(self._by_req.keys() | self._held)
+
+    def pause(self) -> None:
+        """vLLM takes the KV cache away: block until every copy issued so far (and its
+        audit check) has ended, well or not; until ``resume``, ``issue`` copies nothing.
+        Held requests are then reported by ``take_sent``. Idempotent."""
+        self._paused = True
+        issued, self._issued = self._issued, []
+        for copy in issued:
+            try:
+                copy.wait()
+            except Exception:  # a failed copy reads no block any more (reported by its job)
+                continue
+
+    def resume(self, engine: CopyEngine | None = None,
+               audit: StoreAuditor | None = None) -> None:
+        """Copy again after ``pause``: with ``engine`` (and its ``audit``) over the restored
+        tensors when vLLM gave them back elsewhere, else with the same ones."""
+        if engine is not None:
+            self.engine, self._audit = engine, audit
+        self._paused = False
 
     def close(self) -> None:
         """Let copies already issued finish, and what ``when_done`` queued behind them

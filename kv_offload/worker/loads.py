@@ -2,8 +2,9 @@
 
 A load is READING while its disk and remote reads (and the reads of jobs it shares
 chunks with) run; its engine copy moves it to COPYING, then DONE. A load still READING
-past the worker's timeout is CANCELLED: all its blocks are reported failed at once and
-its copy never runs. The worker changes a load's phase under its own lock only.
+past the worker's timeout, or when vLLM takes the KV cache away (the worker's pause), is
+CANCELLED: all its blocks are reported failed at once and its copy never runs. The
+worker changes a load's phase under its own lock only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class WorkerLoadPhase(enum.Enum):
     READING = "reading"  # disk / remote reads in flight; the engine copy is not queued
     COPYING = "copying"  # the engine copy runs on the copy thread
     DONE = "done"  # the copy ended (well or not): ``failed`` is final
-    CANCELLED = "cancelled"  # timed out while reading: every chunk failed, no copy
+    CANCELLED = "cancelled"  # timed out or paused while reading: every chunk failed, no copy
 
 
 @dataclass(slots=True)
@@ -76,13 +77,17 @@ class WorkerLoad:
         """COPYING -> DONE: the engine copy ended (its failures are in ``failed``)."""
         self.phase = WorkerLoadPhase.DONE
 
-    def cancel_if_overdue(self, now: float, timeout_s: float) -> bool:
-        """READING -> CANCELLED when the load has read for more than ``timeout_s``;
-        whether it was cancelled now."""
-        if self.phase is WorkerLoadPhase.READING and now - self.started > timeout_s:
+    def cancel(self) -> bool:
+        """READING -> CANCELLED (its copy will never run); whether it was cancelled now."""
+        if self.phase is WorkerLoadPhase.READING:
             self.phase = WorkerLoadPhase.CANCELLED
             return True
         return False
+
+    def cancel_if_overdue(self, now: float, timeout_s: float) -> bool:
+        """READING -> CANCELLED when the load has read for more than ``timeout_s``;
+        whether it was cancelled now."""
+        return now - self.started > timeout_s and self.cancel()
 
     def copy_ended(self) -> bool:
         """The copy thread is finished with this load (copied, failed or cancelled)."""

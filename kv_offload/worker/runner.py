@@ -10,6 +10,11 @@ vLLM's thread once the reads they need are done (in ``start_loads`` or the next
 ``WorkerStores`` (``worker/stores.py``). Everything it finished is reported back through
 ``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport`` for the
 scheduler side.
+
+``pause``/``resume`` follow vLLM taking the KV cache away and giving it back
+(``unregister_kv_caches``/``restore_kv_caches``): a pause, not a shutdown. While paused no
+copy touches the engine's KV memory; host slots, the slab and the remote tier keep what
+they hold, and their reads and writes go on.
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies
-from kv_offload.worker.loads import WorkerLoad, completed, succeeded, when_all_done
+from kv_offload.worker.loads import (
+    WorkerLoad,
+    WorkerLoadPhase,
+    completed,
+    succeeded,
+    when_all_done,
+)
 from kv_offload.worker.reads import TierReads
 from kv_offload.worker.stores import WorkerStores, all_done, chunk_bytes, results
 from kv_offload.worker.writes import SlabWrites
@@ -113,7 +124,8 @@ class OffloadWorker:
         self.load_timeout_s = load_timeout_s
         self.idle_wait_s = IDLE_STEP_WAIT_S
         self._clock = clock
-        place = (placement or ThreadPlacement()).background
+        self.placement = placement or ThreadPlacement()
+        place = self.placement.background
         # Two lanes, so that reads for loads (TTFT) never queue behind writes for stores.
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-offload-io",
                                       initializer=place)
@@ -131,6 +143,7 @@ class OffloadWorker:
         self._report = WorkerReport()
         self._disk = DiskHealth(rank)
         self._stats: dict[str, float] = {}
+        self._paused = False  # vLLM took the KV cache away (pause): no copy touches it
         self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
@@ -151,12 +164,16 @@ class OffloadWorker:
         disk fills of remote chunks on the write lane once read), then the engine copy of
         each job, once the reads it needs (its own and those of jobs it shares chunks
         with) are done, so a slow disk never holds up the copies of other jobs. Returns at
-        once, except that a synchronous engine copies a job that needs no read right here."""
+        once, except that a synchronous engine copies a job that needs no read right here.
+        While paused, each job is cancelled at once (its blocks are reported failed by the
+        next poll, vLLM recomputes them); its reads still fill the host slots it stages."""
         now = self._clock()
         for job in jobs:
             # Its copy waits for the compute queued before this mark (one per job: each
             # load releases its own once its copy is issued).
-            load = WorkerLoad(job, now, self.engine.compute_mark())
+            load = WorkerLoad(job, now, None if self._paused else self.engine.compute_mark())
+            if self._paused:
+                load.cancel()
             reads: dict[int, Future[bool]] = {}
             needed: list[Future[bool]] = []
             fills: list[Future[int | None] | None] = []
@@ -264,6 +281,8 @@ class OffloadWorker:
             logger.exception("kv-offload: load job %d failed", load.job.job_id)
             with self._lock:
                 load.failed.update(range(len(load.job.chunks)))
+                if load.phase is WorkerLoadPhase.COPYING:
+                    load.end_copy()
         finally:
             self._release_mark(load)
 
@@ -327,6 +346,74 @@ class OffloadWorker:
         """The scheduler held these finished requests' blocks: ``poll`` reports each in
         ``finished_sending`` once this rank's copies of its blocks are done."""
         self._copies.hold(req_ids)
+
+    # -- pause -----------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """vLLM takes the KV cache away (``unregister_kv_caches``). Returns once no copy
+        can touch the engine's KV memory any more: loads still reading are cancelled
+        (the next poll reports their blocks failed; their reads go on into host slots),
+        load copies in progress end, and every store copy issued ends (the next poll
+        reports held requests sent). Until ``resume``, loads are cancelled and store
+        copies refused as they come (reported failed: the scheduler releases their slots);
+        tier writes of copied chunks go on. Tells the scheduler side through the next
+        report (``WorkerReport.paused``). vLLM's thread; idempotent."""
+        if self._paused:
+            return
+        self._paused = True
+        with self._lock:
+            cancelled = sum(load.cancel() for load in self._loads.values())
+        self._wait_for_load_copies()
+        self._copies.pause()
+        with self._lock:
+            self._report.paused[self.rank] = True
+        logger.info("kv-offload worker rank %d: vLLM released the KV cache; %d loads in "
+                    "flight will be recomputed; offloading pauses until it is restored "
+                    "(the CPU, disk and remote tiers keep their chunks)", self.rank, cancelled)
+
+    def resume(self, *, engine: CopyEngine | None = None, audit: CopyAudit | None = None
+               ) -> None:
+        """vLLM gave the KV cache back (``restore_kv_caches``): copy again, through
+        ``engine`` (and its ``audit``) when the tensors were registered again, else
+        through the engine over the same views. The old engine and audit are closed.
+        Tells the scheduler side through the next report. vLLM's thread; a no-op when
+        not paused."""
+        if not self._paused:
+            return
+        if engine is not None:
+            old_engine, old_audit = self.engine, self._audit
+            self.engine, self._audit = engine, audit
+            self._copies.resume(engine, audit)
+            if old_audit is not None:
+                old_audit.close()
+                self._count(**old_audit.take_stats())
+            old_engine.close()
+        else:
+            self._copies.resume()
+        self._paused = False
+        with self._lock:
+            self._report.paused[self.rank] = False
+        logger.info("kv-offload worker rank %d: vLLM restored the KV cache; offloading "
+                    "resumes", self.rank)
+
+    def _wait_for_load_copies(self) -> None:
+        """Block until no load is copying into the engine (the copy thread's; with a
+        synchronous engine vLLM's own thread copies, which is the caller)."""
+        while True:
+            self._progress.clear()  # before looking: a copy ending later sets it again
+            with self._lock:
+                copying = [load.job.job_id for load in self._loads.values()
+                           if load.phase is WorkerLoadPhase.COPYING]
+            if not copying:
+                return
+            if not self._progress.wait(10.0):
+                logger.warning("kv-offload worker rank %d: still waiting for the engine "
+                               "copies of load jobs %s before vLLM releases the KV cache",
+                               self.rank, copying)
 
     # -- completion ------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, StoreJob, WorkerReport
+from kv_offload.worker.host_copies import KVCacheReleasedError
 
 if TYPE_CHECKING:
     from kv_offload.copy.host_buffer import HostSlots
@@ -191,6 +192,9 @@ def _settle(futures: list[Future[Any]], value: Any) -> None:
 def _log_store_failure(job_id: int, copy: HostCopy) -> None:
     try:
         copy.wait()
+    except KVCacheReleasedError:  # planned before the scheduler learned of the pause
+        logger.debug("kv-offload: store job %d came while vLLM had released the KV cache; "
+                     "its chunks are not stored", job_id)
     except Exception:
         logger.exception("kv-offload: copying store job %d to the CPU tier failed; its "
                          "chunks are not stored", job_id)
