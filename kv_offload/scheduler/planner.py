@@ -6,6 +6,11 @@ requests through ``RequestLike`` (``request_id``, ``block_hashes``, ``num_tokens
 unit-tested with fakes. Its parts: ``lookup`` (which chunks a load can take),
 ``LoadPlanner`` and ``StorePlanner`` (jobs and their records), ``DiskTier`` (the disk
 index, off for good after a failure), ``CpuIndex`` (the CPU tier's slots and pins).
+
+While a worker reports that vLLM has taken its KV cache away (``WorkerReport.paused``,
+``unregister_kv_caches``) nothing is loaded or stored: lookups answer 0 and no store is
+planned until every rank reported it back (``restore_kv_caches``). The tiers keep their
+chunks; jobs already handed out complete as the workers report them.
 """
 
 from __future__ import annotations
@@ -107,12 +112,19 @@ class OffloadScheduler:
         self._clock = clock
         self._requests: dict[str, RequestState] = {}
         self._fence_next: set[str] = set()  # finished requests whose copies need a fence
+        self._paused_ranks: set[int] = set()  # ranks whose KV cache vLLM took away
         self._last_access_flush = clock()
 
     @property
     def disk_enabled(self) -> bool:
         """False without a disk tier, or once it failed (see ``DiskTier``)."""
         return self.disk_tier.enabled
+
+    @property
+    def paused(self) -> bool:
+        """A worker reported its KV cache taken away and not yet given back: no load or
+        store is planned (see the module docstring)."""
+        return bool(self._paused_ranks)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -128,7 +140,8 @@ class OffloadScheduler:
 
     def num_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int | None:
         """Tokens past ``num_computed_tokens`` that the tiers can load and stage now
-        (``lookup.loadable_run``). No side effects beyond a per-request memo.
+        (``lookup.loadable_run``); 0 while ``paused``. No side effects beyond a
+        per-request memo.
 
         None ("ask again later") once for a request whose previous load vLLM gave up
         as a whole, then 0 until it ran: see docs/vllm-bugs.md (vLLM 0.32 would stall
@@ -141,7 +154,7 @@ class OffloadScheduler:
             return None
         keys = self._keys(request, for_load=True)
         first = num_computed_tokens // self.config.chunk_tokens
-        if first >= len(keys) or state.load_given_up:
+        if first >= len(keys) or state.load_given_up or self.paused:
             hit_tokens = 0
         else:
             run = self._loadable_run(state, keys, first)
@@ -277,13 +290,16 @@ class OffloadScheduler:
         """Build this step's plan: queued loads, stores for chunks that this step
         completes, the requests held since the last plan, and ``preempted`` (vLLM's
         preempted requests of this step) where their blocks are still being copied.
-        ``scheduled`` yields (req_id, tokens computed once the step ran)."""
+        ``scheduled`` yields (req_id, tokens computed once the step ran). While
+        ``paused`` no store is planned; the chunks completed meanwhile are stored by the
+        first plan after the pause, from the blocks of the requests still running."""
         stores: list[tuple[ChunkKey, tuple[int, ...], str]] = []
         for req_id, computed in scheduled:
             state = self._requests.get(req_id)
             if state is not None:
                 state.loading, state.load_given_up = False, None  # it runs: its load is over
-                stores += self._completed_chunks(req_id, state, computed)
+                if not self.paused:
+                    stores += self._completed_chunks(req_id, state, computed)
         # Fence first: a request preempted and resumed in this schedule() (vLLM's reset
         # with running requests) has copies of its old blocks, which the workers' fence
         # covers, and may get a store job of its new blocks below, which must be held.
@@ -375,6 +391,8 @@ class OffloadScheduler:
         (``hook_errors``) and does not keep the report's other jobs from completing."""
         if report.disk_broken:
             self.disk_tier.disable(report.disk_broken)
+        if report.paused:
+            self._on_paused(report.paused)
         run = self._job_guard.call
         for job_id in report.host_stored.keys() | report.host_failed.keys():
             run("on_report (store copied)", lambda: None, self._on_copied, job_id,
@@ -392,6 +410,20 @@ class OffloadScheduler:
             run("on_report (bad reads)", lambda: None, self.loads.on_bad_reads, job_id, bad)
         for job_id, failed in report.loaded.items():
             run("on_report (loaded)", lambda: None, self.loads.on_loaded, job_id, failed)
+
+    def _on_paused(self, ranks: dict[int, bool]) -> None:
+        """Ranks whose KV cache vLLM took away (True) or gave back (False)."""
+        was = self.paused
+        for rank, paused in ranks.items():
+            if paused:
+                self._paused_ranks.add(rank)
+            else:
+                self._paused_ranks.discard(rank)
+        if self.paused and not was:
+            logger.info("kv-offload: vLLM released the KV cache; no chunk is loaded or "
+                        "stored until it is restored")
+        elif was and not self.paused:
+            logger.info("kv-offload: vLLM restored the KV cache; loads and stores resume")
 
     def _on_copied(self, job_id: int, stored: int, failed: int) -> None:
         if self.stores.on_copied(job_id, stored + failed, failed):

@@ -298,3 +298,32 @@ def test_a_full_reset_forgets_every_chunk_and_stops_the_shared_tiers(disk_index)
     assert sched.num_matched_tokens(make_request("o2", list(range(100, 117))), 0) == 0
     assert sched.num_matched_tokens(make_request("again", list(range(17))), 0) == 0
     assert not sched.disk_enabled and sched.stores.with_remote is False
+
+
+def test_nothing_is_loaded_or_stored_while_a_rank_reports_its_kv_cache_released():
+    """Issue 32: once a worker reports that vLLM took its KV cache away
+    (unregister_kv_caches), lookups answer 0 and no store is planned until every rank
+    reported it back; chunks completed meanwhile are stored after, and the CPU tier kept
+    what it held."""
+    sched, blocks = make_scheduler(num_ranks=2)
+    stored = make_request("a", list(range(17)))
+    sched.num_matched_tokens(stored, 0)
+    store_request(sched, blocks, stored, [0, 1, 2, 3, 4], ranks=2)
+    sched.on_report(WorkerReport(paused={0: True}).merge(WorkerReport(paused={1: True})))
+    assert sched.paused
+    again = make_request("b", list(range(17)))
+    assert sched.num_matched_tokens(again, 0) == 0
+    sched.plan_load(again, [5, 6, 7, 8, 9], 0)
+    running = make_request("c", [7] * 17)
+    sched.num_matched_tokens(running, 0)
+    blocks["c"] = [10, 11, 12, 13, 14]
+    plan = sched.plan_step([("c", 17)])
+    assert not plan.stores and not plan.loads and not sched.has_pending_work()
+    sched.on_report(WorkerReport(paused={0: False}))
+    assert sched.paused, "rank 1 has not restored its KV cache"
+    assert not sched.plan_step([("c", 17)]).stores
+    sched.on_report(WorkerReport(paused={1: False}))
+    assert not sched.paused
+    (job,) = sched.plan_step([("c", 17)]).stores  # completed while paused, stored now
+    assert [m.block_ids for m in job.chunks] == [(10, 11), (12, 13)]
+    assert sched.num_matched_tokens(make_request("d", list(range(17))), 0) == 16
