@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from kv_offload.scheduler import OffloadScheduler
     from kv_offload.worker.runner import OffloadWorker
+    from kv_offload.worker.setup import KVPlacement
 
 logger = logging.getLogger("kv_offload")
 SUMMARY_INTERVAL_S = 60.0
@@ -109,6 +110,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.remote_enabled = self.config.remote_enabled and reproducible
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}  # as registered (restore_kv_caches)
+        self._kv_placement: KVPlacement = ()
         self._pending_failed_blocks: set[int] = set()
         self._pending_failed_reqs: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
@@ -150,8 +153,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM 0.33+: refuse ``--enable-sleep-mode`` before the engine starts. Sleeping
-        releases the KV cache memory that kv-offload's copy and I/O threads use."""
+        """vLLM 0.33+: refuse ``--enable-sleep-mode`` before the engine starts (as
+        ``layout_from_vllm`` does on every version: vLLM 0.32 sleeps without telling the
+        connector). kv-offload follows vLLM taking the KV cache away and giving it back
+        (``unregister_kv_caches``/``restore_kv_caches``), but sleep mode has not been
+        run with it on a GPU yet."""
         return False
 
     def _check_hash_reproducible(self) -> bool:
@@ -387,8 +393,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # ==== worker side ========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kv_offload.worker.setup import build_worker
+        from kv_offload.worker.setup import build_worker, kv_placement
 
+        tensors = self._checked_kv_tensors(kv_caches)
+        self._worker = build_worker(
+            tensors=tensors, layout=self.layout, config=self.config,
+            num_blocks=int(self._kv_cache_config.num_blocks), namespace=self.namespace,
+            persistent=self.persistent)
+        self._kv_caches, self._kv_placement = dict(kv_caches), kv_placement(tensors)
+
+    def _checked_kv_tensors(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The KV tensor of each layer kv-offload copies (``layer_names``), once every
+        layer has one and the layers of other KV cache groups are views of them."""
         names = layer_names(self._kv_cache_config)
         missing = [n for n in names if n not in kv_caches]
         if missing:
@@ -405,23 +421,42 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                         f"kv-offload: layer {name}'s KV tensor is not a view of layer "
                         f"{aliases[0]}'s, as vLLM's hybrid KV cache layout makes it; "
                         f"its blocks cannot be stored. Run without the connector.")
-        self._worker = build_worker(
-            tensors=[kv_caches[n] for n in names], layout=self.layout, config=self.config,
-            num_blocks=int(self._kv_cache_config.num_blocks), namespace=self.namespace,
-            persistent=self.persistent)
+        return [kv_caches[n] for n in names]
 
     def unregister_kv_caches(self) -> None:
-        """vLLM 0.33+ sleep hook (never reached: ``supports_sleep_mode`` is False). Should
-        it be called anyway, finish the copies in flight and stop offloading: nothing may
-        touch KV memory that is being released."""
+        """vLLM 0.33+ takes the KV cache memory away: ``release_kv_cache_memory`` and
+        sleep (``Worker.discard``/``sleep``), and on 0.34 a layer-wise weight update that
+        borrows it (``extensible_kv_cache``). A pause, not a shutdown: returns once no
+        copy can touch that memory (``OffloadWorker.pause``); the workers' next reports
+        tell the scheduler side, which plans no load or store until
+        ``restore_kv_caches``. The CPU, disk and remote tiers keep their chunks
+        (forgetting them is ``reset_cache``'s job). Idempotent."""
         if self._worker is not None:
-            logger.error("kv-offload: vLLM released its KV cache (sleep mode); offloading "
-                         "stops for this run")
-            self._worker.close()
-            self._worker = None
+            self._worker.pause()
 
     def restore_kv_caches(self) -> None:
-        return  # offloading stays off after unregister_kv_caches (see there)
+        """vLLM gave the KV cache memory back (0.33/0.34 call this without arguments,
+        with the tensors registered before committed again at their addresses). The
+        worker resumes on the same views when every tensor's address, shape and stride
+        are unchanged; otherwise the tensors are checked as at start-up (an
+        UnsupportedEngineError leaves the worker paused) and get a new copy engine.
+        Idempotent."""
+        from kv_offload.worker.setup import build_copy_engine, kv_placement, kv_planes
+
+        if self._worker is None or not self._kv_caches:
+            return
+        tensors = self._checked_kv_tensors(self._kv_caches)
+        if kv_placement(tensors) == self._kv_placement:
+            self._worker.resume()
+            return
+        logger.warning("kv-offload: vLLM restored its KV cache at other addresses or in "
+                       "another shape; registering it again")
+        self._worker.pause()  # idempotent: restored without being unregistered first
+        planes = kv_planes(tensors, self.layout, int(self._kv_cache_config.num_blocks))
+        engine, audit = build_copy_engine(planes, self._worker.host, layout=self.layout,
+                                          config=self.config, placement=self._worker.placement)
+        self._kv_placement = kv_placement(tensors)
+        self._worker.resume(engine=engine, audit=audit)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
@@ -487,6 +522,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.plan if isinstance(meta, OffloadConnectorMetadata) else None
 
     def shutdown(self) -> None:
+        self._kv_caches = {}
         if self._worker is not None:
             self._worker.close()
             self._worker = None

@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -19,7 +20,8 @@ from kv_offload.connector import (
     OffloadConnectorMetadata,
     OffloadWorkerMetadata,
 )
-from kv_offload.jobs import StepPlan, WorkerReport
+from kv_offload.engine_info import UnsupportedEngineError
+from kv_offload.jobs import ChunkMove, LoadJob, StepPlan, StoreJob, WorkerReport
 from kv_offload.testing.scheduler_harness import build_kv_cache_config, build_vllm_config
 from kv_offload.worker.runner import PollResult
 
@@ -214,3 +216,91 @@ def test_unverified_loads_from_a_store_are_warned_about(tmp_path, caplog, verify
                                   build_kv_cache_config(64, BLOCK))
     conn.shutdown()
     assert ("verify_checksums is off" in caplog.text) is not verify
+
+
+@pytest.fixture
+def worker_connector():
+    """A worker-side connector over fake CPU-backend KV tensors (two layers)."""
+    from kv_offload.testing.fake_model import make_kv_tensors
+
+    offload = OffloadConfig(cpu_size=8 * 2 * CHUNK * 4 * 4 * 2, chunk_tokens=CHUNK)
+    vllm_config = build_vllm_config(offload, block_size=BLOCK, max_num_batched_tokens=64,
+                                    max_num_seqs=8)
+    kv_cache_config = build_kv_cache_config(64, BLOCK)
+    conn = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    kv = make_kv_tensors(len(kv_cache_config.kv_cache_groups[0].layer_names), 64, BLOCK)
+    for i, layer in enumerate(kv):
+        layer.copy_(torch.arange(layer.numel(), dtype=torch.float32).reshape(layer.shape) + i)
+    conn.register_kv_caches(dict(zip(kv_cache_config.kv_cache_groups[0].layer_names, kv)))
+    yield conn, kv
+    conn.shutdown()
+
+
+def worker_step(conn, plan: StepPlan) -> tuple[set[str], WorkerReport]:
+    """One step of the worker-side hooks (V1's order) with ``plan``: the requests reported
+    loaded and the report. The CPU backend's engine copies stores in ``wait_for_save`` and
+    CPU-tier loads in ``start_load_kv``, so one step reports both."""
+    meta = OffloadConnectorMetadata(plan)
+    conn.handle_preemptions(meta)
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    _, recving = conn.get_finished(set())
+    out = conn.build_connector_worker_meta()
+    conn.clear_connector_metadata()
+    return set(recving or ()), out.report if out is not None else WorkerReport()
+
+
+def store_then_load(conn, src: int, dst: int, job_id: int) -> WorkerReport:
+    """Store blocks (src, src+1) to CPU slot 0, then load the slot into (dst, dst+1)."""
+    store = StoreJob(job_id, (ChunkMove((src, src + 1), 0),))
+    _, stored = worker_step(conn, StepPlan(stores=(store,)))
+    load = LoadJob(job_id + 1, "r", (ChunkMove((dst, dst + 1), 0),))
+    loaded, report = worker_step(conn, StepPlan(loads=(load,)))
+    assert loaded == {"r"}
+    return stored.merge(report)
+
+
+def test_unregister_pauses_offloading_and_restore_resumes_it_in_place(worker_connector, caplog):
+    """Issue 32: vLLM 0.33+ releases the KV cache memory after unregister_kv_caches and
+    commits it again at the same addresses before restore_kv_caches. In between, a store
+    planned before the scheduler side knew is refused (reported failed) and copies
+    nothing; after restore the same views copy again (not registered anew). The old
+    connector closed its worker: nothing was ever reported again."""
+    conn, kv = worker_connector
+    conn.unregister_kv_caches()
+    conn.unregister_kv_caches()  # idempotent
+    before = [layer[[4, 5]].clone() for layer in kv]
+    _, report = worker_step(conn, StepPlan(stores=(StoreJob(1, (ChunkMove((2, 3), 0),)),)))
+    assert report.host_failed == {1: 1} and report.paused == {0: True}
+    conn.restore_kv_caches()
+    conn.restore_kv_caches()  # idempotent
+    report = store_then_load(conn, 2, 4, job_id=2)
+    assert report.host_stored == {2: 1} and report.paused == {0: False}
+    assert all(torch.equal(layer[[4, 5]], layer[[2, 3]]) for layer in kv)
+    assert not all(torch.equal(layer[[4, 5]], old) for layer, old in zip(kv, before))
+    assert "registering it again" not in caplog.text
+
+
+def test_a_kv_cache_restored_elsewhere_is_registered_again(worker_connector):
+    """Should a vLLM restore the KV tensors at other addresses, the views cut at start-up
+    would read and write the old memory: the tensors are checked and registered again."""
+    conn, kv = worker_connector
+    conn.unregister_kv_caches()
+    for i, layer in enumerate(kv):  # the same tensor objects, new memory
+        fresh = torch.full_like(layer, 100.0 + i)
+        layer.set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
+    conn.restore_kv_caches()
+    store_then_load(conn, 2, 4, job_id=1)
+    assert all(bool((layer[[4, 5]] == 100.0 + i).all()) for i, layer in enumerate(kv))
+
+
+def test_a_kv_cache_restored_in_another_shape_is_refused_and_stays_paused(worker_connector):
+    conn, kv = worker_connector
+    conn.unregister_kv_caches()
+    wrong = torch.zeros(64, 2, BLOCK, 4)  # another head count: not the namespace's layout
+    kv[0].set_(wrong.untyped_storage(), 0, wrong.shape, wrong.stride())
+    with pytest.raises(UnsupportedEngineError):
+        conn.restore_kv_caches()
+    _, report = worker_step(conn, StepPlan(stores=(StoreJob(1, (ChunkMove((2, 3), 0),)),)))
+    assert report.host_failed == {1: 1}

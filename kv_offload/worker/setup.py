@@ -1,4 +1,5 @@
-"""Builds a rank's OffloadWorker from the engine's KV tensors (worker start-up)."""
+"""Builds a rank's OffloadWorker from the engine's KV tensors (worker start-up), and its
+copy engine again when vLLM gives the KV cache back elsewhere (``restore_kv_caches``)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from kv_offload.config import OffloadConfig
 from kv_offload.engine_info import UnsupportedEngineError
 from kv_offload.layout import KVLayout, num_cpu_slots
 from kv_offload.worker.affinity import ThreadPlacement
-from kv_offload.worker.audit import build_audit
+from kv_offload.worker.audit import CopyAudit, build_audit
 from kv_offload.worker.runner import OffloadWorker
 
 if TYPE_CHECKING:
     import torch
 
+    from kv_offload.copy.base import CopyEngine
     from kv_offload.copy.host_buffer import HostSlots
+
+KVPlacement = tuple[tuple[object, ...], ...]
+"""Per KV tensor: address, shape, stride, dtype and device (``kv_placement``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +95,54 @@ def check_page_order(tensors: Sequence[torch.Tensor], layout: KVLayout, num_bloc
                 f"size or VLLM_KV_CACHE_LAYOUT=LBNHC.")
 
 
+def kv_placement(tensors: Sequence[torch.Tensor]) -> KVPlacement:
+    """Where each tensor's bytes are and how they are laid out. Equal placements mean
+    views of the same memory: byte planes cut from the first still address the second."""
+    return tuple((int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), str(t.dtype),
+                  str(t.device)) for t in tensors)
+
+
+def kv_planes(tensors: Sequence[torch.Tensor], layout: KVLayout, num_blocks: int
+              ) -> list[torch.Tensor]:
+    """The byte planes of the engine's KV tensors, once they passed the start-up checks
+    (byte order, bytes per block); UnsupportedEngineError with the observed shapes on a
+    mismatch."""
+    from kv_offload.copy import planes_from_kv_tensor
+
+    check_page_order(tensors, layout, num_blocks)
+    planes = []
+    for index, tensor in enumerate(tensors):
+        try:
+            layer_planes = planes_from_kv_tensor(tensor, num_blocks, block_dim=0)
+        except ValueError as exc:
+            raise UnsupportedEngineError(
+                f"kv-offload cannot read the KV tensor of layer {index} "
+                f"(shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}, "
+                f"dtype {tensor.dtype}): {exc}") from None
+        layer_bytes = sum(int(p.shape[1]) for p in layer_planes)
+        if layer_bytes != layout.page_bytes:
+            raise UnsupportedEngineError(
+                f"kv-offload: layer {index} holds {layer_bytes} bytes per block but vLLM's "
+                f"KV cache spec says {layout.page_bytes}; unsupported KV cache layout "
+                f"(shape {tuple(tensor.shape)})")
+        planes.extend(layer_planes)
+    return planes
+
+
+def build_copy_engine(planes: list[torch.Tensor], host: HostSlots, *, layout: KVLayout,
+                      config: OffloadConfig, placement: ThreadPlacement
+                      ) -> tuple[CopyEngine, CopyAudit | None]:
+    """The copy engine between ``planes`` and ``host``, and its runtime audit (None when
+    ``audit_rate`` is 0). The caller closes both."""
+    from kv_offload.copy import make_copy_engine
+
+    engine = make_copy_engine(planes, host, layout.blocks_per_chunk,
+                              thread_initializer=placement.anywhere, copy_mode=config.copy_mode)
+    audit = build_audit(planes, host, layout.blocks_per_chunk, engine=engine,
+                        rate=config.audit_rate)
+    return engine, audit
+
+
 def start_populating(host: HostSlots, placement: ThreadPlacement) -> threading.Thread:
     """Map the host slots' pages on a background thread (``HostSlots.populate``), so
     that first stores run at copy speed; returns the started daemon thread."""
@@ -113,37 +166,18 @@ def build_worker(
 ) -> OffloadWorker:
     """Check the engine's tensors against ``layout`` and wire host slots, copy engine
     and slab. Raises UnsupportedEngineError with the observed shapes on a mismatch."""
-    from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
     from kv_offload.copy.host_buffer import allocate_host_slots, check_local_ranks_fit
 
-    check_page_order(tensors, layout, num_blocks)
+    planes = kv_planes(tensors, layout, num_blocks)
     rank = tensor_parallel_rank(layout.tp_size)
-    planes = []
-    for index, tensor in enumerate(tensors):
-        try:
-            layer_planes = planes_from_kv_tensor(tensor, num_blocks, block_dim=0)
-        except ValueError as exc:
-            raise UnsupportedEngineError(
-                f"kv-offload cannot read the KV tensor of layer {index} "
-                f"(shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}, "
-                f"dtype {tensor.dtype}): {exc}") from None
-        layer_bytes = sum(int(p.shape[1]) for p in layer_planes)
-        if layer_bytes != layout.page_bytes:
-            raise UnsupportedEngineError(
-                f"kv-offload: layer {index} holds {layer_bytes} bytes per block but vLLM's "
-                f"KV cache spec says {layout.page_bytes}; unsupported KV cache layout "
-                f"(shape {tuple(tensor.shape)})")
-        planes.extend(layer_planes)
     on_cuda = planes[0].device.type == "cuda"
     num_slots = num_cpu_slots(config, layout)
     check_local_ranks_fit(num_slots * layout.slot_bytes, local_tensor_parallel_ranks(layout.tp_size))
     host = allocate_host_slots(num_slots, layout.slot_bytes, pinned=on_cuda)
     placement = ThreadPlacement.for_worker()
     start_populating(host, placement)
-    engine = make_copy_engine(planes, host, layout.blocks_per_chunk,
-                              thread_initializer=placement.anywhere, copy_mode=config.copy_mode)
-    audit = build_audit(planes, host, layout.blocks_per_chunk, engine=engine,
-                        rate=config.audit_rate)
+    engine, audit = build_copy_engine(planes, host, layout=layout, config=config,
+                                      placement=placement)
     slab = None
     if persistent and config.disk_path is not None:
         from kv_offload.disk import SlabFile
