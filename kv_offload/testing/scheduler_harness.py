@@ -10,7 +10,8 @@ failing disk reads, engine copy failures and a full disk (ENOSPC) from a seeded 
 
 ``check_idle()`` lists what is left over once every request finished: stuck requests,
 blocks of vLLM's pool, pins, reservations and jobs on either side, CPU or disk slots
-whose bytes are not the KV of their key. Tokens computed on wrong KV raise
+whose bytes are not the KV of their key, engine copies made while vLLM had taken the KV
+cache away (``release_kv_cache``/``restore_kv_cache``). Tokens computed on wrong KV raise
 ``KVMismatchError`` during the run.
 """
 
@@ -85,16 +86,22 @@ class _FaultySlab:
 
 
 class _FaultyEngine:
-    """A copy engine whose loads fail on purpose (see Faults)."""
+    """A copy engine whose loads fail on purpose (see Faults), and that notes every copy
+    made while vLLM has taken the KV cache away."""
 
     def __init__(self, engine: Any, harness: SchedulerHarness, *, synchronous: bool) -> None:
         self.unfaulty, self._h = engine, harness
         self.synchronous = synchronous  # False: the worker queues loads for its copy thread
 
     def load(self, *args: Any, **kwargs: Any) -> Any:
+        self._h.note_copy("load")
         if self._h.draw("copy_failure"):
             raise RuntimeError("injected engine copy failure")
         return self.unfaulty.load(*args, **kwargs)
+
+    def store(self, *args: Any, **kwargs: Any) -> Any:
+        self._h.note_copy("store")
+        return self.unfaulty.store(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.unfaulty, name)
@@ -159,6 +166,8 @@ class SchedulerHarness:
                                       on_background=self._background, groups=self.groups)
         self.requests: dict[str, Any] = {}  # every request ever added, by id
         self._queue: deque = deque()  # async: (scheduler output, runner output)
+        self.kv_released = False  # between release_kv_cache and restore_kv_cache
+        self.copies_while_released: list[str] = []
 
     # -- building --------------------------------------------------------------------------
 
@@ -228,6 +237,11 @@ class SchedulerHarness:
         self.store_executor.run_due(self.step_index)
         self.executor.run_due(self.step_index)
 
+    def note_copy(self, what: str) -> None:
+        """The worker's copy engine starts a copy (any thread)."""
+        if self.kv_released:
+            self.copies_while_released.append(f"{what} at step {self.step_index}")
+
     # -- the engine core's view ------------------------------------------------------------
 
     @property
@@ -254,6 +268,18 @@ class SchedulerHarness:
         from vllm.v1.request import RequestStatus
 
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def release_kv_cache(self) -> None:
+        """vLLM takes the KV cache memory away (``unregister_kv_caches``, between steps as
+        vLLM 0.33 and 0.34 call it): from its return until ``restore_kv_cache`` every
+        engine copy is a problem ``check_idle`` lists."""
+        self.worker_connector.unregister_kv_caches()
+        self.kv_released = True
+
+    def restore_kv_cache(self) -> None:
+        """vLLM gave the KV cache memory back (``restore_kv_caches``)."""
+        self.kv_released = False
+        self.worker_connector.restore_kv_caches()
 
     def reset_prefix_cache(self, *, reset_connector: bool = True) -> bool:
         """vLLM's reset (running requests preempted); ``reset_connector`` also drops
@@ -339,6 +365,9 @@ class SchedulerHarness:
         if (self.worker.has_pending_jobs() or self.executor.num_pending()
                 or self.store_executor.num_pending()):
             out.append("worker side: jobs or background tasks pending")
+        if self.copies_while_released:
+            out.append(f"engine copies while vLLM had released the KV cache: "
+                       f"{self.copies_while_released}")
         if getattr(planner.counters, "hook_errors", 0):
             out.append(f"{planner.counters.hook_errors} exceptions caught in connector hooks")
         return out

@@ -330,3 +330,84 @@ def test_hybrid_random_workload_ends_idle_with_every_token_on_the_right_kv(
                          p_reset=0.1 if async_scheduling else 0.05)
     assert harness.check_idle() == [], f"seed {seed}: {stats}"
     assert harness.runner.num_checked_tokens > 0
+
+
+PAUSES = {
+    # vLLM 0.33/0.34 sleep(mode="abort"): every request aborted, then Worker.sleep ->
+    # unregister_kv_caches; wake_up -> restore_kv_caches; the engine steps again after.
+    "sleep_abort": dict(abort=True, steps_released=0),
+    # vLLM 0.34 layer-wise weight update borrowing the KV cache (extensible_kv_cache):
+    # unregister_kv_caches, the weights load, restore_kv_caches; no step in between.
+    "weight_update": dict(abort=False, steps_released=0),
+    # The engine steps while the KV cache is released (0.33/0.34 do not, as their pause
+    # drains first; a batch in flight or a future vLLM may): the workers' reports tell the
+    # scheduler side, which stops planning; plans made before it knew are refused.
+    "steps_while_released": dict(abort=False, steps_released=6),
+}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("pause", list(PAUSES))
+def test_a_released_kv_cache_pauses_offloading_and_restoring_it_resumes(
+        harness_factory, pause, async_scheduling):
+    """Issue 32: vLLM 0.33+ calls unregister_kv_caches when it releases the KV cache
+    memory (release_kv_cache_memory, sleep; 0.34 also a weight update borrowing it) and
+    restore_kv_caches when it is back. kv-offload closed its worker on the first and
+    ignored the second: the loading request never finished, held blocks were never
+    released, stores planned afterwards were never reported, and the engine never went
+    idle. Now it pauses: at the moment of the pause L is loading (its disk read held
+    back), S is running with its store copy held back and H has finished, held for its
+    copy. No engine copy runs between unregister and restore, everything ends idle,
+    and the chunks stored before and during the pause serve the next requests."""
+    held = {"read": 0, "store": 0}
+
+    def delays(fn, args):
+        return held.get(getattr(fn, "__name__", ""))
+
+    mode = PAUSES[pause]
+    harness = harness_factory(num_blocks=64, cpu_slots=12, background_stores=True,
+                              delay_rule=delays, load_timeout_steps=100,
+                              async_scheduling=async_scheduling)
+    prompt = _doc(48, 0) + [5]
+    _store_on_disk_only(harness, prompt)  # L's chunks: on disk only
+    held.update(read=30, store=30)
+    harness.add("L", prompt[:-1] + [6], max_tokens=2)
+    harness.add("H", _doc(33, 300), max_tokens=1)
+    harness.add("S", _doc(40, 600), max_tokens=30)
+    planner = harness.scheduler_side
+    for _ in range(10):
+        harness.step()
+        if harness.requests["H"].is_finished() and planner.holds.is_copying("S"):
+            break
+    assert harness.requests["L"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert planner.holds.num_held() == 1 and planner.holds.is_copying("S")
+    assert harness.worker.has_pending_jobs()
+    hits_before = planner.counters.hit_tokens_cpu + planner.counters.hit_tokens_disk
+    jobs_before = set(planner.loads.records) | set(planner.stores.records)
+    if mode["abort"]:
+        harness.abort("L")
+        harness.abort("S")
+    harness.release_kv_cache()
+    if mode["steps_released"]:
+        for _ in range(mode["steps_released"]):
+            harness.step()
+        assert planner.paused, "the workers' reports did not tell the scheduler side"
+        harness.add("M", prompt[:-1] + [7], max_tokens=2)  # all of it on disk
+        for _ in range(4):
+            harness.step()
+        assert planner.counters.hit_tokens_cpu + planner.counters.hit_tokens_disk == (
+            hits_before), "a lookup answered a hit while the KV cache was released"
+        assert set(planner.loads.records) | set(planner.stores.records) <= jobs_before, (
+            "a job planned while paused is still in flight")
+    held.update(read=0, store=0)
+    harness.restore_kv_cache()
+    harness.run()
+    assert harness.check_idle() == []
+    assert not planner.paused
+    assert harness.reset_prefix_cache(reset_connector=False)  # the released memory's KV
+    hits = planner.counters.hit_tokens_cpu + planner.counters.hit_tokens_disk
+    harness.add("again", prompt[:-1] + [8], max_tokens=2)  # stored before the pause
+    harness.add("again_h", _doc(32, 300) + [9], max_tokens=2)  # H's copy, held back
+    harness.run()
+    assert planner.counters.hit_tokens_cpu + planner.counters.hit_tokens_disk == hits + 48 + 32
+    assert harness.check_idle() == []
