@@ -292,8 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = new_result(
         "overhead", args, model={"name": "test default", "path": str(model)}, engine=engine,
         env=env, in_process=args.in_process, ours_config=ours_cfg,
-        variants={n: {"cpu_background_stores": bg, "disk_tier": disk}
-                  for n, (bg, disk) in VARIANTS.items()},
+        variants={n: {"cpu_background_stores": bg, "disk_tier": disk, "audit_rate": audit}
+                  for n, (bg, disk, audit) in VARIANTS.items()},
         **{k: getattr(args, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "rounds",
                                          "heavy_prompts", "heavy_prompt_tokens",
                                          "heavy_max_tokens", "workloads")},
