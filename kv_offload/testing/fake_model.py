@@ -2,11 +2,24 @@
 
 ``FakeModelRunner`` plays vLLM's GPU model runner for one rank without a model: it keeps
 each request's tokens and block table from the ``SchedulerOutput``s (as
-``GPUModelRunner._update_states`` does), calls the worker-side connector in the model
-runner's order, and in its "forward" first checks that the KV of every position before
+``GPUModelRunner._update_states`` does), calls the worker-side connector in the order of
+one of vLLM's model runners (``model_runner``, docs/architecture.md "Hook order on both
+model runners"), and in its "forward" first checks that the KV of every position before
 the scheduled ones holds the KV of the request's tokens (``KVMismatchError`` otherwise:
-a token would be computed on wrong KV), then writes the KV of the scheduled positions
-and samples a token that depends on every token before it.
+a token would be computed on wrong KV), then writes the KV of the scheduled positions;
+sampling then gives a token that depends on every token before it.
+
+- ``"v1"`` (``gpu_model_runner.py``; the CPU backend up to vLLM 0.33):
+  ``handle_preemptions``, the request states (zeroing and copy-on-write copies
+  included), bind, sync ``start_load_kv``, forward, async ``start_load_kv``,
+  ``wait_for_save``, ``get_finished``, sampling.
+- ``"v2"`` (``gpu/model_runner.py``; the only runner in vLLM 0.34): the request states
+  first (``update_requests``), then ``pre_forward``'s ``handle_preemptions``, bind and
+  sync ``start_load_kv``, forward, ``finish_forward`` (where vLLM has it), sampling, then
+  ``post_forward``'s async ``start_load_kv``, ``wait_for_save``, ``get_finished``.
+
+What differs between vLLM versions in the ``SchedulerOutput`` and ``ModelRunnerOutput``
+is read and built through ``vllm_compat``.
 
 KV of position p on layer l: 8 float32 values derived from a hash of tokens[0..p], in a
 CPU-backend KV tensor of shape [num_blocks, 1 head, block_size, 8] per layer.
@@ -26,6 +39,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kv_offload.testing import vllm_compat
 
 ROW = 8  # floats per token and layer: K and V of one head of size 4
 _MASK = (1 << 64) - 1
@@ -87,12 +102,20 @@ class FakeModelRunner:
     """One rank's model runner around a worker-side connector (see module docstring).
 
     ``on_background(step)`` runs between the forward and ``get_finished``: the harness
-    lets the connector's background tasks progress there.
+    lets the connector's background tasks progress there. ``model_runner``: the hook
+    order, "v1" or "v2"; None: the one the installed vLLM's CPU backend runs
+    (``vllm_compat.default_model_runner``).
     """
 
     def __init__(self, connector: Any, kv: list[torch.Tensor], block_size: int, *,
                  async_scheduling: bool, on_background: Callable[[], None],
-                 groups: tuple[FakeGroup, ...] | None = None) -> None:
+                 groups: tuple[FakeGroup, ...] | None = None,
+                 model_runner: str | None = None) -> None:
+        model_runner = model_runner or vllm_compat.default_model_runner()
+        if model_runner not in vllm_compat.MODEL_RUNNERS:
+            raise ValueError(f"model_runner must be one of {vllm_compat.MODEL_RUNNERS}, "
+                             f"got {model_runner!r}")
+        self.model_runner = model_runner
         self.connector = connector
         self.kv = kv
         self.groups = groups or (FakeGroup(tuple(range(len(kv)))),)
@@ -104,16 +127,34 @@ class FakeModelRunner:
 
     def execute(self, so: Any) -> Any:
         """Run one step of ``so`` (a SchedulerOutput); returns its ModelRunnerOutput."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
         conn = self.connector
         meta = pickle.loads(pickle.dumps(so.kv_connector_metadata))  # crosses processes
-        conn.handle_preemptions(meta)
-        self._update_states(so)
+        if self.model_runner == "v1":
+            conn.handle_preemptions(meta)
+            self._update_states(so)
+        else:  # V2: update_requests (zeroing, copy-on-write) before pre_forward
+            self._update_states(so)
+            conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
         if so.has_sync_kv_loads:
             conn.start_load_kv(None)
-        sampled = self._forward(so)
+        last_hashes = self._forward(so)
+        if self.model_runner == "v1":
+            out = self._after_forward(so)
+            sampled = self._sample(last_hashes)
+        else:
+            vllm_compat.finish_forward(conn)
+            sampled = self._sample(last_hashes)
+            out = self._after_forward(so)
+        req_ids = list(sampled)
+        return vllm_compat.model_runner_output(req_ids, [sampled[r] for r in req_ids], out)
+
+    def _after_forward(self, so: Any) -> Any:
+        """Async ``start_load_kv``, ``wait_for_save``, ``get_finished`` and the worker's
+        metadata (V2's ``post_forward``); returns the KVConnectorOutput."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        conn = self.connector
         if not so.has_sync_kv_loads:
             conn.start_load_kv(None)
         conn.wait_for_save()
@@ -128,10 +169,7 @@ class FakeModelRunner:
             kv_connector_worker_meta=pickle.loads(pickle.dumps(
                 conn.build_connector_worker_meta())))
         conn.clear_connector_metadata()
-        req_ids = list(sampled)
-        return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled[r] for r in req_ids], kv_connector_output=out)
+        return out
 
     # -- the runner's request states (GPUModelRunner._update_states, simplified) -----------
 
@@ -144,18 +182,18 @@ class FakeModelRunner:
         for copy in so.kv_cache_block_copies or ():
             for layer in self.kv:
                 layer[copy.dst_block_id].copy_(layer[copy.src_block_id])
-        for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = _RequestState(
-                list(new.prompt_token_ids), block_ids=[list(t) for t in new.block_ids])
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            num_output = cached.num_output_tokens[i]
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = [list(t) for t in new_blocks]
+        for new in vllm_compat.new_requests(so):  # vLLM 0.34: also resumed ones, in full
+            self.requests[new.req_id] = _RequestState(new.prompt, list(new.output),
+                                                      block_ids=new.block_ids)
+        for cached in vllm_compat.cached_requests(so):
+            state = self.requests[cached.req_id]
+            num_output, new_blocks = cached.num_output_tokens, cached.new_block_ids
+            if cached.resumed:  # vLLM 0.32-0.33
+                state.block_ids = [list(t) for t in new_blocks or ()]
                 if self.async_scheduling and num_output > 0:
-                    state.output = list(cached.all_token_ids[req_id][-num_output:])
+                    if cached.all_token_ids is None:
+                        raise KVMismatchError(f"{cached.req_id}: resumed without its tokens")
+                    state.output = cached.all_token_ids[-num_output:]
             elif new_blocks is not None:
                 for table, added in zip(state.block_ids, new_blocks):
                     table.extend(added)
@@ -171,8 +209,10 @@ class FakeModelRunner:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def _forward(self, so: Any) -> dict[str, list[int]]:
-        sampled: dict[str, list[int]] = {}
+    def _forward(self, so: Any) -> dict[str, int | None]:
+        """Check and write the KV of every scheduled request; returns, per request, the
+        prefix hash its sampled token depends on (None: a prefill chunk, no token)."""
+        last: dict[str, int | None] = {}
         computed = self._computed_before(so)
         for req_id, num_new in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
@@ -184,9 +224,15 @@ class FakeModelRunner:
             hashes = prefix_hashes(tokens, state.hashes)
             self._check(req_id, state, hashes, start)
             self._write(state, hashes, start, end)
-            sampled[req_id] = [next_token(hashes[end - 1])] if end == len(tokens) else []
+            last[req_id] = hashes[end - 1] if end == len(tokens) else None
+        return last
+
+    def _sample(self, last_hashes: dict[str, int | None]) -> dict[str, list[int]]:
+        sampled: dict[str, list[int]] = {}
+        for req_id, h in last_hashes.items():
+            sampled[req_id] = [next_token(h)] if h is not None else []
             if sampled[req_id]:
-                state.output.append(sampled[req_id][0])
+                self.requests[req_id].output.append(sampled[req_id][0])
         return sampled
 
     def _positions(self, state: _RequestState, group: int, start: int, end: int

@@ -31,6 +31,7 @@ import numpy as np
 from kv_offload.config import OffloadConfig
 from kv_offload.groups import KVGroup
 from kv_offload.keys import chunk_keys
+from kv_offload.testing import vllm_compat
 from kv_offload.testing.fake_model import (
     FakeGroup,
     FakeModelRunner,
@@ -121,14 +122,16 @@ class SchedulerHarness:
                  max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
                  delay_rule: Callable[[Callable, tuple], int | None] | None = None,
                  background_stores: bool = False, copy_thread: bool = True,
-                 connector_reset: str = "cpu", windows: tuple[int, ...] = ()) -> None:
+                 connector_reset: str = "cpu", windows: tuple[int, ...] = (),
+                 model_runner: str | None = None) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
         with the CPU backend's synchronous engine. ``connector_reset``: the option of that
         name; "cpu" (not the default "all") lets a reset leave the disk tier answering.
         ``windows``: a hybrid engine, with a sliding-window KV cache group of each of
         these windows (tokens) after the full-attention group, all over the same tensors
-        (vLLM's hybrid KV cache manager)."""
+        (vLLM's hybrid KV cache manager). ``model_runner``: the hook order of the fake
+        model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on)."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
@@ -163,7 +166,8 @@ class SchedulerHarness:
         self.worker_connector, self.worker = self._build_worker()
         self.runner = FakeModelRunner(self.worker_connector, self.kv, block_size,
                                       async_scheduling=async_scheduling,
-                                      on_background=self._background, groups=self.groups)
+                                      on_background=self._background, groups=self.groups,
+                                      model_runner=model_runner)
         self.requests: dict[str, Any] = {}  # every request ever added, by id
         self._queue: deque = deque()  # async: (scheduler output, runner output)
         self.kv_released = False  # between release_kv_cache and restore_kv_cache
@@ -340,9 +344,8 @@ class SchedulerHarness:
         left = {rid: r.status.name for rid, r in sched.requests.items()}
         if left:
             out.append(f"requests left in vLLM's scheduler: {left}")
-        for name in ("waiting", "kv_holding_waiting", "running", "_inflight_prefills",
-                     "finished_recving_kv_req_ids", "failed_recving_kv_req_ids"):
-            if len(getattr(sched, name)):
+        for name, collection in vllm_compat.scheduler_request_collections(sched).items():
+            if len(collection):
                 out.append(f"vLLM's scheduler.{name} is not empty")
         pool = sched.kv_cache_manager.block_pool
         if pool.get_num_free_blocks() != pool.num_gpu_blocks - 1:
@@ -451,7 +454,7 @@ def build_vllm_config(offload: OffloadConfig, *, block_size: int, max_num_batche
                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                       enable_prefix_caching=True, dtype="float32", enforce_eager=True,
                       kv_transfer_config=offload.to_kv_transfer_config())
-    config = args.create_engine_config()
+    config = vllm_compat.create_engine_config(args)
     config.cache_config.kv_cache_layout = "LBHNC"  # resolved by the engine before connectors
     return config
 

@@ -10,6 +10,10 @@ the KV of its key; every token is computed on the right KV (checked as it is com
 
 More seeds: KV_OFFLOAD_HARNESS_SEEDS=200 (a count) or =100-300 (a range); the runs with
 store copies behind the forward take the first KV_OFFLOAD_BG_SEEDS (default 10) of them.
+The random runs call the worker hooks in the order of each model runner the installed
+vLLM has (``MODEL_RUNNERS``: V1 and V2 on 0.32, V2 alone on 0.34; docs/architecture.md
+"Hook order on both model runners"); the hybrid runs alternate them by seed, the
+regressions use the installed vLLM's CPU backend's.
 The regressions of issue 17 follow the random runs.
 """
 
@@ -23,10 +27,12 @@ from harness_workload import run_workload
 from vllm.v1.request import RequestStatus
 
 from kv_offload.testing.scheduler_harness import Faults, SchedulerHarness
+from kv_offload.testing.vllm_compat import installed_model_runners
 from kv_offload.worker import host_copies
 
 FAULTS = dict(delay=0.3, slow=0.05, corrupt_read=0.05, failed_read=0.05, copy_failure=0.05,
               enospc=0.05)
+MODEL_RUNNERS = installed_model_runners()
 
 
 def _seeds() -> list[int]:
@@ -57,14 +63,16 @@ def quiet_injected_faults(caplog):
     caplog.set_level(logging.CRITICAL, logger="kv_offload")
 
 
+@pytest.mark.parametrize("model_runner", MODEL_RUNNERS)
 @pytest.mark.parametrize("copy_thread", [True, False], ids=["copy_thread", "vllm_thread"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", _seeds())
 def test_random_workload_ends_idle_with_every_token_on_the_right_kv(
-        harness_factory, seed, async_scheduling, copy_thread):
+        harness_factory, seed, async_scheduling, copy_thread, model_runner):
     faults = Faults(seed=seed, **FAULTS) if seed % 2 else Faults(seed=seed, delay=0.3)
     harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
-                              faults=faults, copy_thread=copy_thread)
+                              faults=faults, copy_thread=copy_thread,
+                              model_runner=model_runner)
     stats = run_workload(harness, seed, num_requests=60, p_abort=0.05, max_tokens=12,
                          p_reset=0.2 if async_scheduling else 0.05)
     assert harness.check_idle() == [], f"seed {seed}: {stats}"
@@ -184,16 +192,18 @@ def test_exceptions_in_connector_hooks_never_reach_vllm(harness_factory, monkeyp
     assert planner.counters.hook_errors >= 3
 
 
+@pytest.mark.parametrize("model_runner", MODEL_RUNNERS)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", _seeds()[:int(os.environ.get("KV_OFFLOAD_BG_SEEDS", "10"))])
 def test_random_workload_with_store_copies_behind_the_forward(harness_factory, seed,
-                                                               async_scheduling):
+                                                               async_scheduling, model_runner):
     """Store copies run on their own thread and finish steps later (cpu_background_stores;
     as CUDA streams do): blocks of finished requests are held, preempted ones fenced, so
     no copy ever reads a block that another request already rewrote."""
     faults = Faults(seed=seed, delay=0.5)
     harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
-                              faults=faults, background_stores=True)
+                              faults=faults, background_stores=True,
+                              model_runner=model_runner)
     stats = run_workload(harness, seed, num_requests=60, p_abort=0.05, max_tokens=12,
                          p_reset=0.05)
     assert harness.check_idle() == [], f"seed {seed}: {stats}"
@@ -325,7 +335,8 @@ def test_hybrid_random_workload_ends_idle_with_every_token_on_the_right_kv(
               else Faults(seed=seed, delay=0.5))
     harness = harness_factory(async_scheduling=async_scheduling, num_blocks=24, cpu_slots=8,
                               faults=faults, windows=windows,
-                              background_stores=background_stores)
+                              background_stores=background_stores,
+                              model_runner=MODEL_RUNNERS[seed % len(MODEL_RUNNERS)])
     stats = run_workload(harness, seed, num_requests=40, p_abort=0.05, max_tokens=12,
                          p_reset=0.1 if async_scheduling else 0.05)
     assert harness.check_idle() == [], f"seed {seed}: {stats}"

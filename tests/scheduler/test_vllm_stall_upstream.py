@@ -52,19 +52,24 @@ def test_vllm_stalls_a_request_whose_async_load_failed_from_its_first_block():
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kv_offload.testing.scheduler_harness import build_kv_cache_config
     from kv_offload.testing.tiny_model import make_tiny_model
+    from kv_offload.testing.vllm_compat import (
+        create_engine_config,
+        model_runner_output,
+        requests_with_reserved_blocks,
+    )
 
     transfer = KVTransferConfig(kv_connector="AlwaysAsyncHitConnector",
                                 kv_connector_module_path=__name__, kv_role="kv_both",
                                 kv_load_failure_policy="recompute")
-    config = EngineArgs(model=str(make_tiny_model()), block_size=BLOCK, max_model_len=512,
-                        enable_prefix_caching=True, kv_transfer_config=transfer,
-                        ).create_engine_config()
+    config = create_engine_config(EngineArgs(
+        model=str(make_tiny_model()), block_size=BLOCK, max_model_len=512,
+        enable_prefix_caching=True, kv_transfer_config=transfer))
     num_blocks = 12  # 11 usable; the request needs 7, and twice 7 does not fit
     config.cache_config.num_gpu_blocks = num_blocks
     scheduler = Scheduler(vllm_config=config,
@@ -80,14 +85,14 @@ def test_vllm_stalls_a_request_whose_async_load_failed_from_its_first_block():
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     blocks = set(scheduler.kv_cache_manager.get_block_ids("a")[0])
     failed = KVConnectorOutput(finished_recving={"a"}, invalid_block_ids=blocks)
-    scheduler.update_from_output(output, ModelRunnerOutput(
-        req_ids=[], req_id_to_index={}, kv_connector_output=failed))
+    scheduler.update_from_output(output, model_runner_output([], [], failed))
 
     for _ in range(20):  # the load failed from its first block: vLLM recomputes it... never
         output = scheduler.schedule()
         assert output.total_num_scheduled_tokens == 0
-        scheduler.update_from_output(output, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+        scheduler.update_from_output(output, model_runner_output([], []))
     assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
-    # The cause: freed blocks, but still counted as an in-flight prefill needing them all.
+    # The cause: freed blocks, but still counted as an in-flight prefill needing them all
+    # (0.32: in _inflight_prefills; 0.34: its parked load's reservation is kept).
     assert scheduler.kv_cache_manager.get_block_ids("a")[0] == []
-    assert request in scheduler._inflight_prefills
+    assert request in requests_with_reserved_blocks(scheduler)
