@@ -14,13 +14,21 @@ PYTEST_ARGS ?=
 MODEL ?=
 HYBRID ?=
 
-.PHONY: help install test lint pytest demo bench clean
+# vLLM's newest release, its pure-Python modules only, for the scheduler-level lane.
+VLLM_NEXT ?= 0.34.0
+VLLM_NEXT_ROOT := $(VENV)/vllm-next
+VLLM_NEXT_DIR := $(VLLM_NEXT_ROOT)/$(VLLM_NEXT)
+VLLM_NEXT_TESTS := tests/test_vllm_api.py tests/scheduler
+
+.PHONY: help install test lint pytest demo bench clean vllm-next test-vllm-next
 
 help:
 	@echo "make test   install into .venv (once) and run lint + the test suite"
 	@echo "make demo   cold / CPU-tier / disk-tier run of a long-prefix workload (MODEL=... for a real model,"
 	@echo "            HYBRID=1 for a sliding-window + full attention model, vLLM's hybrid KV cache manager on)"
 	@echo "make bench  run the CPU benchmark set and rewrite docs/benchmarks.md"
+	@echo "make test-vllm-next  the scheduler-level tests on vLLM $(VLLM_NEXT)'s pure-Python modules"
+	@echo "            (downloads its wheel once into $(VLLM_NEXT_ROOT); not part of make test yet)"
 
 install: $(STAMP)
 
@@ -47,6 +55,17 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+vllm-next: $(VLLM_NEXT_DIR)/.complete
+
+$(VLLM_NEXT_DIR)/.complete: | $(STAMP)
+	$(PY) -m kv_offload.testing.vllm_next fetch $(VLLM_NEXT) $(VLLM_NEXT_ROOT)
+
+# vLLM's modules ahead of the CPU wheel's; VLLM_TARGET_DEVICE: they carry no .dist-info to
+# tell vLLM it runs on the CPU. KV_OFFLOAD_VLLM_NEXT: the version the lane must import.
+test-vllm-next: $(STAMP) $(VLLM_NEXT_DIR)/.complete
+	PYTHONPATH=$(VLLM_NEXT_DIR) VLLM_TARGET_DEVICE=cpu KV_OFFLOAD_VLLM_NEXT=$(VLLM_NEXT) \
+		$(PY) -m pytest $(VLLM_NEXT_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

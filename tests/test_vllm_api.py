@@ -7,6 +7,7 @@ never be called (or be called with arguments it does not take). This fails inste
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import vllm
@@ -14,7 +15,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kv_offload.connector import KVOffloadConnector
 
-TESTED_VLLM = ("0.32", "0.33")  # README "Tested with", pyproject's vllm bounds
+# README "Tested with", pyproject's vllm bounds. 0.32: the whole suite (the CPU wheel);
+# 0.34: this file and the scheduler-level tests on its pure-Python modules
+# (make test-vllm-next); 0.33: hook signatures read from its source.
+TESTED_VLLM = ("0.32", "0.33", "0.34")
 NEWER_HOOKS = {"supports_sleep_mode": "0.33", "unregister_kv_caches": "0.33",
                "restore_kv_caches": "0.33"}  # implemented ahead of the 0.32 base class
 
@@ -31,6 +35,11 @@ def overridden_hooks() -> list[str]:
 
 def test_installed_vllm_is_a_tested_version():
     assert ".".join(vllm.__version__.split(".")[:2]) in TESTED_VLLM
+    # make test-vllm-next names the vLLM it puts ahead of the CPU wheel's: a path that
+    # missed would run the lane on the CPU wheel's vLLM without a word.
+    lane = os.environ.get("KV_OFFLOAD_VLLM_NEXT")
+    assert lane is None or vllm.__version__ == lane, (
+        f"the lane should import vLLM {lane}, got {vllm.__version__} from {vllm.__file__}")
 
 
 @pytest.mark.parametrize("name", overridden_hooks())
