@@ -195,7 +195,9 @@ def _refuse_unsupported_features(vllm_config: VllmConfig) -> None:
     if getattr(model_config, "enable_sleep_mode", False):
         raise UnsupportedEngineError(
             "kv-offload does not support sleep mode (--enable-sleep-mode): sleeping releases "
-            "the KV cache memory that kv-offload's copy threads read and write. Remove "
+            "the KV cache memory that kv-offload's copy threads read and write, without "
+            "telling the connector on vLLM 0.32; the pause vLLM 0.33+ announces "
+            "(unregister_kv_caches) is not yet tested with sleep mode on a GPU. Remove "
             "--enable-sleep-mode or run without the connector.")
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None) if spec is not None else None
