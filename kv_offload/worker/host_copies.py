@@ -181,8 +181,15 @@ class HostCopies:
         slots: at once when it has, else on the store thread that ends it or the waiter
         thread (never an I/O thread). ``fn`` must be quick and never raise (it is logged)."""
         def issued() -> None:
-            if copy.done():
-                _call(fn, not copy.failed())
+            try:
+                done, failed = copy.done(), copy.failed()
+            except Exception as exc:  # the engine's query failed (a device error)
+                logger.warning("kv-offload: cannot tell whether a store copy ended (%s); "
+                               "its chunks are not written", exc)
+                _call(fn, False)  # settled: the job is reported, its slots released
+                return
+            if done:
+                _call(fn, not failed)
                 return
             try:
                 self._waiter.submit(_wait_then, copy, fn)

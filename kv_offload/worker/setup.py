@@ -138,8 +138,12 @@ def build_copy_engine(planes: list[torch.Tensor], host: HostSlots, *, layout: KV
 
     engine = make_copy_engine(planes, host, layout.blocks_per_chunk,
                               thread_initializer=placement.anywhere, copy_mode=config.copy_mode)
-    audit = build_audit(planes, host, layout.blocks_per_chunk, engine=engine,
-                        rate=config.audit_rate)
+    try:
+        audit = build_audit(planes, host, layout.blocks_per_chunk, engine=engine,
+                            rate=config.audit_rate)
+    except BaseException:
+        engine.close()  # nobody else holds it yet
+        raise
     return engine, audit
 
 

@@ -133,3 +133,26 @@ def test_a_failed_copy_is_reported_and_its_disk_slots_come_back_unwritten(parts)
     assert report.disk_stored == {7: {0: (None, None)}}
     assert os.path.getsize(slab.path) == 0, "nothing was written"
     assert len(stores) == 0
+
+
+def test_a_copy_whose_engine_cannot_say_it_ended_settles_its_writes_as_failed():
+    """A device error raised by the engine's completion query (``is_done``) left the
+    store's writes unsettled: the job was never reported, its slots never released and
+    the engine never idle. Now the writes are settled as not written."""
+    from kv_offload.copy.base import CopyHandle
+    from kv_offload.copy.plan import Direction
+    from kv_offload.worker.host_copies import HostCopy
+
+    class BrokenEngine:
+        def is_done(self, handle):
+            raise RuntimeError("cudaErrorIllegalAddress")
+
+    future: Future = Future()
+    future.set_result(CopyHandle(1, Direction.STORE))
+    copies = HostCopies(BrokenEngine(), background=False)  # type: ignore[arg-type]
+    outcomes: list[bool] = []
+    try:
+        copies.when_done(HostCopy(BrokenEngine(), future), outcomes.append)  # type: ignore[arg-type]
+    finally:
+        copies.close()
+    assert outcomes == [False]
