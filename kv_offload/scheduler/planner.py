@@ -345,13 +345,6 @@ class OffloadScheduler:
         state.next_store_chunk = num_done
         return out
 
-    def _sources_freed(self, req_id: str, tables: Sequence[Sequence[int]]) -> bool:
-        """Whether a copy in flight reads a sliding-window block of ``req_id`` that is
-        no longer at its place in ``tables`` (vLLM freed it)."""
-        sources = self.holds.window_sources().get(req_id, ())
-        return any(g >= len(tables) or index >= len(tables[g])
-                   or int(tables[g][index]) != block for g, index, block in sources)
-
     def _window_sources_of(self, job: StoreJob) -> dict[str, set[WindowSource]]:
         """Per request, the sliding-window blocks ``job`` copies, by (group, table index,
         block id) in the request's tables now (empty without such groups)."""
@@ -359,15 +352,14 @@ class OffloadScheduler:
         out: dict[str, set[WindowSource]] = {}
         if not positions:
             return out
-        tables_of: dict[str, Sequence[Sequence[int]]] = {}
+        index_of: dict[str, list[dict[int, int]]] = {}  # per request and group: block -> index
         for move, req in zip(job.chunks, job.req_ids):
-            if req not in tables_of:
-                tables_of[req] = block_tables(self._block_ids_of(req))
-            tables = tables_of[req]
+            if req not in index_of:  # a block is once in a table: vLLM's own
+                index_of[req] = [{int(b): i for i, b in enumerate(table)}
+                                 for table in block_tables(self._block_ids_of(req))]
             for position, group in positions:
                 block = move.block_ids[position]
-                index = list(tables[group]).index(block)  # once in a table: vLLM's own
-                out.setdefault(req, set()).add((group, index, block))
+                out.setdefault(req, set()).add((group, index_of[req][group][block], block))
         return out
 
     def _window_freed(self, *, exclude: Sequence[str]) -> tuple[str, ...]:
@@ -376,10 +368,10 @@ class OffloadScheduler:
         position): their copies are fenced like a preempted request's, before this step's
         forward may rewrite the block (invariant 3)."""
         freed = []
-        for req in self.holds.window_sources():
+        for req, sources in self.holds.window_sources().items():
             if req in exclude or req not in self._requests:
                 continue  # preempted: fenced anyway; finished: held or fenced
-            if self._sources_freed(req, block_tables(self._block_ids_of(req))):
+            if sources_freed(sources, block_tables(self._block_ids_of(req))):
                 freed.append(req)
         return tuple(freed)
 
@@ -447,7 +439,8 @@ class OffloadScheduler:
             self._remote_lookups.forget(req_id)
         if state is not None and state.loading:
             return False
-        if block_ids is not None and self._sources_freed(req_id, block_tables(block_ids)):
+        if block_ids is not None and sources_freed(self.holds.window_sources().get(req_id, ()),
+                                                   block_tables(block_ids)):
             self.holds.forget([req_id])
             self._fence_next.add(req_id)
             return False
@@ -510,3 +503,10 @@ def block_tables(block_ids: BlockTables) -> Sequence[Sequence[int]]:
     if not len(block_ids):
         return ((),)
     return block_ids  # type: ignore[return-value]
+
+
+def sources_freed(sources: Iterable[WindowSource], tables: Sequence[Sequence[int]]) -> bool:
+    """Whether a block of ``sources`` (copies in flight) is no longer at its place in a
+    request's ``tables``: vLLM freed it."""
+    return any(g >= len(tables) or index >= len(tables[g]) or int(tables[g][index]) != block
+               for g, index, block in sources)

@@ -7,10 +7,9 @@ Scheduler thread only; never crosses the process boundary (``kv_offload.jobs`` d
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kv_offload.jobs import SKIP_BLOCK, ChunkMove
+from kv_offload.jobs import ChunkMove
 from kv_offload.keys import ChunkKey
 from kv_offload.scheduler.tiers import RequestLike
 
@@ -79,12 +78,3 @@ class StoreRecord:
     @property
     def has_remote(self) -> bool:
         return any(m.remote_key is not None for m in self.moves)
-
-
-def chunk_blocks(block_ids: Sequence[int], chunk_index: int, *, blocks_per_chunk: int,
-                 block_size: int, skip_before: int) -> tuple[int, ...]:
-    """The engine blocks of chunk ``chunk_index``; ``SKIP_BLOCK`` for those wholly
-    before token ``skip_before`` (already computed)."""
-    first = chunk_index * blocks_per_chunk
-    return tuple(SKIP_BLOCK if (b + 1) * block_size <= skip_before else int(block_ids[b])
-                 for b in range(first, first + blocks_per_chunk))
