@@ -23,14 +23,15 @@ VLLM_NEXT_TESTS := tests/test_vllm_api.py tests/scheduler
 .PHONY: help install test lint pytest demo bench clean vllm-next test-vllm-next
 
 help:
-	@echo "make test   install into .venv (once) and run lint + the test suite"
+	@echo "make test   install into .venv (once) and run lint + the test suite, then the"
+	@echo "            scheduler-level tests again on vLLM $(VLLM_NEXT)'s pure-Python modules"
 	@echo "make demo   cold / CPU-tier / disk-tier run of a long-prefix workload (MODEL=... for a real model,"
 	@echo "            HYBRID=1 for a sliding-window + full attention model, vLLM's hybrid KV cache manager on)"
 	@echo "make bench  run the CPU benchmark set and rewrite docs/benchmarks.md"
-	@echo "make test-vllm-next  the scheduler-level tests on vLLM $(VLLM_NEXT)'s pure-Python modules"
-	@echo "            (downloads its wheel once into $(VLLM_NEXT_ROOT); not part of make test yet)"
+	@echo "make test-vllm-next  only that second lane (make install downloads vLLM $(VLLM_NEXT)'s"
+	@echo "            wheel once into $(VLLM_NEXT_ROOT))"
 
-install: $(STAMP)
+install: $(STAMP) $(VLLM_NEXT_DIR)/.complete
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON_BOOT) >/dev/null || { echo "error: $(PYTHON_BOOT) not found; install Python 3.11 or pass PYTHON_BOOT=..." >&2; exit 1; }
@@ -41,14 +42,15 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, lmdb, xxhash, redis, kv_offload; print('installed vllm', vllm.__version__)"
 	touch $@
 
-lint: $(STAMP)
+lint: install
 	$(VENV)/bin/ruff check kv_offload tests examples benchmarks
 	$(VENV)/bin/mypy  # kv_offload/, settings in pyproject.toml [tool.mypy]
 
-pytest: $(STAMP)
+pytest: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint pytest
+# Second lane: the newest vLLM's scheduler (issue 32 §6); about a minute.
+test: lint pytest test-vllm-next
 
 demo: $(STAMP)
 	$(PY) examples/demo.py $(if $(MODEL),--model $(MODEL),) $(if $(filter 1,$(HYBRID)),--hybrid,)

@@ -42,6 +42,26 @@ def test_installed_vllm_is_a_tested_version():
         f"the lane should import vLLM {lane}, got {vllm.__version__} from {vllm.__file__}")
 
 
+def test_the_cuda_extras_admit_every_tested_vllm_and_no_later_one():
+    """A user who installs kv-offload beside the newest tested vLLM is not refused, and
+    one beside an untested release is told so by pip."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    newest = max(tuple(int(p) for p in v.split(".")) for v in TESTED_VLLM)
+    for extra in ("cuda12", "cuda13"):
+        (spec,) = [Requirement(r).specifier for r in extras[extra]
+                   if Requirement(r).name == "vllm"]
+        for version in TESTED_VLLM:
+            assert spec.contains(f"{version}.0"), f"[{extra}] refuses vLLM {version}: {spec}"
+        assert not spec.contains(f"{newest[0]}.{newest[1] + 1}.0"), (
+            f"[{extra}] admits vLLM {newest[0]}.{newest[1] + 1}, which is not tested: {spec}")
+
+
 @pytest.mark.parametrize("name", overridden_hooks())
 def test_every_hook_exists_in_vllm_with_a_compatible_signature(name):
     since = NEWER_HOOKS.get(name)
