@@ -28,6 +28,10 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
                           {"tier": "remote"}),
     "miss_tokens": ("kv_offload_miss_tokens_total",
                     "Prompt tokens past vLLM's own hit that no tier held", {}),
+    "lookup_skipped_tokens": ("kv_offload_lookup_skipped_tokens_total",
+                              "Prompt tokens past vLLM's own hit of requests that must not "
+                              "read cached KV (prompt_logprobs): not looked up, neither hits "
+                              "nor misses", {}),
     "chunks_loaded_cpu": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "cpu"}),
     "chunks_loaded_disk": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "disk"}),
     "chunks_loaded_remote": ("kv_offload_chunks_loaded_total", "Chunks loaded",

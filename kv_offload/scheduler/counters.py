@@ -17,6 +17,7 @@ class SchedulerCounters:
     hit_tokens_disk: int = 0  # prompt tokens loaded from the disk tier
     hit_tokens_remote: int = 0  # prompt tokens loaded from the remote tier
     miss_tokens: int = 0  # prompt tokens past vLLM's own hit that no tier held
+    lookup_skipped_tokens: int = 0  # ... of requests whose hits vLLM discards: not looked up
     chunks_loaded_cpu: int = 0
     chunks_loaded_disk: int = 0
     chunks_loaded_remote: int = 0

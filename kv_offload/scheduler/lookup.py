@@ -1,13 +1,14 @@
 """Which chunks a load can take now, and from which tier (the planner's lookup).
 
 Pure over its collaborators: reads the CPU index and the disk index, asks the remote
-tier through a callable, mutates nothing.
+tier through a callable, mutates nothing. ``hits_discarded`` says for which requests
+vLLM throws the connector's answer away, so that they are not looked up at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kv_offload.keys import ChunkKey
 from kv_offload.scheduler.cpu_index import CpuHit, CpuIndex
@@ -23,6 +24,19 @@ class Source(NamedTuple):
     cpu: CpuHit | None = None
     disk: DiskEntryLike | None = None
     remote: bool = False
+
+
+def hits_discarded(request: Any) -> bool:
+    """Whether vLLM sets this request's external hits to 0 after asking the connector
+    (it still asks): requests that must not read cached KV, such as those asking for
+    ``prompt_logprobs``. vLLM 0.34 says so with ``Request.skip_reading_external_kv``
+    (also for a ``prompt_logprob_start`` that lets them reuse vLLM's own prefix cache);
+    0.32 and 0.33 with ``Request.skip_reading_prefix_cache``. Read by attribute, not by
+    version; a request with neither (tests' fakes) reads cached KV."""
+    discarded = getattr(request, "skip_reading_external_kv", None)
+    if discarded is None:
+        discarded = getattr(request, "skip_reading_prefix_cache", False)
+    return bool(discarded)
 
 
 def loadable_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey], first: int,

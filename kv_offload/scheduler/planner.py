@@ -30,7 +30,7 @@ from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.holds import BlockHolds, WindowSource
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
-from kv_offload.scheduler.lookup import Source, loadable_run
+from kv_offload.scheduler.lookup import Source, hits_discarded, loadable_run
 from kv_offload.scheduler.records import RequestState
 from kv_offload.scheduler.stores import StorePlanner
 from kv_offload.scheduler.tiers import (
@@ -140,14 +140,18 @@ class OffloadScheduler:
 
     def num_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int | None:
         """Tokens past ``num_computed_tokens`` that the tiers can load and stage now
-        (``lookup.loadable_run``); 0 while ``paused``. No side effects beyond a
-        per-request memo.
+        (``lookup.loadable_run``); 0 while ``paused``, and 0 without a lookup for a
+        request whose hits vLLM discards (``lookup.hits_discarded``). No side effects
+        beyond a per-request memo.
 
         None ("ask again later") once for a request whose previous load vLLM gave up
         as a whole, then 0 until it ran: see docs/vllm-bugs.md (vLLM 0.32 would stall
         it, and the requests behind it, if it reported an asynchronous hit again)."""
         state = self._requests.setdefault(request.request_id, RequestState(request))
         state.request = request
+        if hits_discarded(request):  # no tier is asked, nothing pinned: its KV is computed
+            state.lookup = (num_computed_tokens, 0)
+            return 0
         if state.load_given_up is None and state.loading:
             state.loading, state.load_given_up = False, True
             self.counters.loads_given_up += 1
@@ -228,8 +232,11 @@ class OffloadScheduler:
         hits, misses = state.disk_outcome  # counted once per scheduled request
         state.disk_outcome = (0, 0)
         self.disk_tier.count_lookup(hits, misses)
-        self.counters.miss_tokens += max(
-            0, max(0, request.num_tokens - 1 - num_local) - num_external_tokens)
+        past_local = max(0, request.num_tokens - 1 - num_local)
+        if hits_discarded(request):  # never looked up: neither a hit nor a miss
+            self.counters.lookup_skipped_tokens += past_local
+        else:
+            self.counters.miss_tokens += max(0, past_local - num_external_tokens)
         if num_external_tokens <= 0:
             return
         chunk = self.config.chunk_tokens
