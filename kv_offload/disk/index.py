@@ -179,13 +179,6 @@ class DiskIndex:
             self._num_slots = max(self._num_slots, record["num_slots"])
         return slot < self._num_slots
 
-    def contains(self, key: bytes) -> bool:
-        """Whether ``key`` is committed. A pure query: records no access."""
-        self._check_open()
-        with self._env.read() as txn:
-            value = txn.get(self._prefix + key, db=self._dbs["entries"])
-        return value is not None and value[0] == COMMITTED
-
     def pin(self, slots: Sequence[int]) -> None:
         """Increment in-memory pin counts; this process never reuses a pinned slot
         (never evicts it, never takes it from the free list)."""
@@ -327,10 +320,6 @@ class DiskIndex:
     def num_pending_accesses(self) -> int:
         """Hits recorded in memory and not yet written (``flush_access``)."""
         return len(self._pending)
-
-    def reclaim_reservations(self) -> int:
-        """Free the reservations of dead processes; return how many. One write txn."""
-        return self._write(lambda op: op.reclaim(alive_owner(self._env.live_tokens)))
 
     def stats(self) -> dict:
         """Counts of this namespace: persistent counters plus this process's unflushed ones."""

@@ -22,23 +22,21 @@ The scheduler thread never takes a lock that a lookup thread holds (a lookup thr
 descheduled while holding one would stall vLLM's scheduler, and with it every
 request): questions go to the threads through a ``queue.SimpleQueue`` (C, never
 blocks on put), each thread publishes its answer by setting one attribute of the
-question, and everything else (the memo, the negative cache, the counters ``ask``
-keeps) belongs to the scheduler thread alone.
+question, and everything else (the memo, the counters ``ask`` keeps) belongs to the
+scheduler thread alone.
 
 Requests that cannot win from waiting answer 0 at once: no keys (shorter than one
-chunk, or every chunk found locally); a first key found absent less than
-``negative_ttl_s`` ago (a small negative cache: a burst of requests with one new prefix
-waits once); a server that is backing off, or slow: a round trip took longer than the
-budget (one probe is kept in flight, and the first round trip within the budget ends
-it). The negative cache is off by default: it cannot see this engine's own stores, so
-it hid chunks stored here and dropped from the CPU tier since
+chunk, or every chunk found locally); a server that is backing off, or slow: a round
+trip took longer than the budget (one probe is kept in flight, and the first round trip
+within the budget ends it). A miss is not remembered beyond its request: a memory of
+prefixes found absent (a negative cache) cannot see this engine's own stores, so it hid
+chunks stored here and dropped from the CPU tier since
 (``reset_prefix_cache(reset_connector=True)``, an eviction) from the request that asked
-again within its memory (seen with a 1 s and with a 500 ms memory).
+again within it (seen with a 1 s and with a 500 ms memory).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -64,14 +62,12 @@ class LookupTier(Protocol):
 
 @dataclass(slots=True, eq=False)
 class _Ask:
-    """One request's question. ``hits`` is set once, by a lookup thread, after
-    ``genuine`` (the server answered, not a failure); ``final`` by the scheduler thread
-    when it gives an answer (it never changes)."""
+    """One request's question. ``hits`` is set once, by a lookup thread; ``final`` by
+    the scheduler thread when it gives an answer (it never changes)."""
 
     signature: tuple[bytes, int]
     keys: Sequence[bytes]
     deadline: float
-    genuine: bool = False
     hits: int | None = None
     final: int | None = None
 
@@ -83,21 +79,16 @@ class RemoteLookups:
     block (no network, no lock shared with the lookup threads). ``budget_s`` bounds,
     from the first ``ask``, how long a request may be answered None. ``start=False``
     runs no thread: ``run_once`` then does a lookup thread's work (tests). ``clock`` is
-    injected. ``negative_ttl_s`` (0: off, the default) and ``negative_size`` size the
-    negative cache.
+    injected.
     """
 
     def __init__(self, tier: LookupTier, *, budget_s: float,
-                 clock: Callable[[], float] = time.monotonic,
-                 negative_ttl_s: float = 0.0,
-                 negative_size: int = 4096, num_threads: int = 4, start: bool = True
-                 ) -> None:
+                 clock: Callable[[], float] = time.monotonic, num_threads: int = 4,
+                 start: bool = True) -> None:
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive, got {budget_s}")
         self.tier = tier
         self.budget_s = budget_s
-        self.negative_ttl_s = negative_ttl_s
-        self.negative_size = negative_size
         self._clock = clock
         self._queue: queue.SimpleQueue[_Ask | None] = queue.SimpleQueue()
         self._asks: dict[str, _Ask] = {}
@@ -105,11 +96,9 @@ class RemoteLookups:
         # thread writes its own entry; ask() reads a copy.
         self._trips: list[float | None] = [None] * max(1, num_threads)
         self._slow = False  # written by either side; a plain bool
-        self._cold: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._stats_lock = threading.Lock()  # lookup threads only
         self.num_questions = 0  # lookups asked for (sent, or answered from the cache)
         self.num_timeouts = 0  # answered miss because the budget passed
-        self.num_cold_hits = 0  # answered miss from the negative cache
         self.num_skipped = 0  # answered miss at once: server backing off or slow
         self.num_round_trips = 0  # lookup threads
         self.seconds_round_trips = 0.0  # lookup threads, network included
@@ -136,10 +125,6 @@ class RemoteLookups:
         self.num_questions += 1
         ask = _Ask(signature, keys, now + self.budget_s)
         self._asks[req_id] = ask
-        if self._is_cold(keys[0], now):
-            self.num_cold_hits += 1
-            ask.final, ask.keys = 0, ()
-            return 0
         if self._slow or not self.tier.health.up:
             self.num_skipped += 1
             ask.final = 0
@@ -155,8 +140,6 @@ class RemoteLookups:
         hits = ask.hits
         if hits is not None:
             ask.final = hits
-            if hits == 0 and ask.genuine:
-                self._remember_cold(ask.signature[0], now)
         elif now >= ask.deadline:
             ask.final = 0
             self.num_timeouts += 1
@@ -176,23 +159,6 @@ class RemoteLookups:
         """Requests whose question no lookup thread has answered yet (and that were
         not answered by the budget)."""
         return sum(a.final is None and a.hits is None for a in list(self._asks.values()))
-
-    def _is_cold(self, key: bytes, now: float) -> bool:
-        until = self._cold.get(key)
-        if until is None:
-            return False
-        if now < until:
-            return True
-        del self._cold[key]
-        return False
-
-    def _remember_cold(self, key: bytes, now: float) -> None:
-        if self.negative_ttl_s <= 0 or self.negative_size <= 0:
-            return
-        self._cold[key] = now + self.negative_ttl_s
-        self._cold.move_to_end(key)
-        while len(self._cold) > self.negative_size:
-            self._cold.popitem(last=False)
 
     # -- lookup threads ----------------------------------------------------------------
 
@@ -244,7 +210,6 @@ class RemoteLookups:
             self.num_round_trips += 1
             self.seconds_round_trips += done - began
         for ask, hits in zip(batch, results):
-            ask.genuine = genuine
             ask.keys = ()
             ask.hits = hits  # last: publishes the answer
 

@@ -72,8 +72,7 @@ def keys(tag: str, n: int) -> list[bytes]:
 def setup():
     clock = Clock()
     tier = FakeTier(clock)
-    lookups = RemoteLookups(tier, budget_s=BUDGET, clock=clock, start=False,
-                            negative_ttl_s=1.0)
+    lookups = RemoteLookups(tier, budget_s=BUDGET, clock=clock, start=False)
     return lookups, tier, clock
 
 
@@ -153,21 +152,11 @@ def test_nothing_to_ask_answers_zero_without_a_lookup(setup):
     assert lookups.run_once() == 0 and tier.batches == []
 
 
-def test_prompts_just_found_cold_are_misses_at_once_until_the_ttl(setup):
-    lookups, tier, clock = setup
-    lookups.ask("r1", keys("c", 3))
-    lookups.run_once()
-    assert lookups.ask("r1", keys("c", 3)) == 0
-    assert lookups.ask("r2", keys("c", 8)) == 0, "same first chunk, known absent"
-    assert lookups.num_cold_hits == 1 and len(tier.batches) == 1
-    clock.now += lookups.negative_ttl_s
-    assert lookups.ask("r3", keys("c", 3)) is None, "the cold entry expired"
-
-
-def test_no_negative_cache_by_default():
-    """Regression: with a 1 s (and a 500 ms) memory, a prefix this engine computed and
-    stored right after its lookup, then dropped from the CPU tier (reset_connector),
-    was answered a miss again when asked about within it: no remote hit."""
+def test_a_miss_is_not_remembered_for_the_next_request():
+    """Regression: a negative cache (since removed) with a 1 s (and a 500 ms) memory
+    answered a prefix this engine computed and stored right after its lookup, then
+    dropped from the CPU tier (reset_connector), a miss again when asked about within
+    it: no remote hit."""
     clock = Clock()
     tier = FakeTier(clock)
     lookups = RemoteLookups(tier, budget_s=BUDGET, clock=clock, start=False)
@@ -180,7 +169,7 @@ def test_no_negative_cache_by_default():
     assert lookups.ask("again", keys("m", 3)) == 3
 
 
-def test_a_failed_lookup_is_a_miss_but_not_remembered_as_cold(setup):
+def test_a_failed_lookup_is_a_miss_and_the_next_request_asks_again(setup):
     lookups, tier, _ = setup
     tier.down = True
     lookups.ask("r1", keys("d", 2))
