@@ -186,8 +186,8 @@ class EngineProcess:
         return self.call({"op": "reset", "connector": connector})["reset"]
 
     def snapshot(self) -> dict[str, Any]:
-        """Totals of vLLM's counters and ours, and the connector's state (None unless
-        in_process): see engine_state."""
+        """Totals of vLLM's counters and ours, the connector's state (None unless
+        in_process) and vLLM's KV cache plan (``kv_cache``): see engine_state."""
         return self.call({"op": "snapshot"})
 
     # -- process ---------------------------------------------------------------------------

@@ -13,7 +13,8 @@ Commands (stdin) and answers (one JSON line each, ``{"ok": true, ...}`` or
            engine_state.metric_totals / kv_offload_samples over this call)
     {"op": "drain", "timeout_s": 60}   step until the connector has no job (in-process)
     {"op": "reset", "connector": bool} reset_prefix_cache -> {"reset": vLLM's answer}
-    {"op": "snapshot"}                 -> metrics, kv_offload (totals), connector (or null)
+    {"op": "snapshot"}                 -> metrics, kv_offload (totals), connector (or null),
+                                          kv_cache (engine_state.kv_cache_state)
     {"op": "quit"}
 
 The first answer, once the engine has started, is ``{"ok": true, "startup_s": ...}``.
@@ -112,7 +113,8 @@ def handle(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     if op == "snapshot":
         return {"metrics": engine_state.metric_totals(llm),
                 "kv_offload": engine_state.kv_offload_samples(),
-                "connector": engine_state.connector_state(llm)}
+                "connector": engine_state.connector_state(llm),
+                "kv_cache": engine_state.kv_cache_state(llm)}
     raise ValueError(f"unknown op {op!r} (generate, drain, reset, snapshot, quit)")
 
 

@@ -90,6 +90,25 @@ def connector_state(llm: Any) -> dict[str, Any] | None:
     }
 
 
+def kv_cache_state(llm: Any) -> dict[str, Any]:
+    """What vLLM planned for the device KV cache: blocks, the tokens and the concurrency at
+    max_model_len it logs, whether its hybrid KV cache manager is on, and (in-process
+    only, else None) its KV cache groups as ``kv_capacity.describe_groups`` names them."""
+    from kv_offload.testing.kv_capacity import describe_groups
+
+    config = llm.llm_engine.vllm_config
+    cache, core = config.cache_config, getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return {
+        "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+        "kv_cache_size_tokens": cache.kv_cache_size_tokens,
+        "max_concurrency": cache.kv_cache_max_concurrency,
+        "max_model_len": config.model_config.max_model_len,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "hybrid_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "groups": None if core is None else list(describe_groups(core.scheduler.kv_cache_config)),
+    }
+
+
 def drain(llm: Any, timeout_s: float) -> None:
     """Step an in-process engine until the connector has no job in flight.
 
