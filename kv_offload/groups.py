@@ -13,6 +13,11 @@ A stored chunk holds, for every group, the blocks a later request can need
   and pads the older ones with its null block (id 0). When the window is longer than a
   chunk, those blocks reach into earlier chunks, whose tails (measured from their own,
   earlier, boundary) hold them.
+- a mamba (or linear-attention) group in vLLM's "align" mode: one block, the state at
+  the chunk's end boundary, taken from the block vLLM handed over for exactly that
+  boundary (``store_blocks``' ``states``); a chunk without it is not stored. A load
+  writes it only for the chunk that ends the load, into the last entry of the mamba
+  table, which vLLM allocates for the hit (docs/architecture.md, "Mamba state entries").
 
 Slot positions run group after group: a chunk's ``block_ids`` in a ``ChunkMove`` are
 the concatenation of each group's positions, so one copy engine over the engine's
@@ -25,7 +30,7 @@ Pure: no vLLM, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kv_offload.jobs import SKIP_BLOCK
@@ -34,9 +39,14 @@ NULL_BLOCK = 0
 """vLLM's null block: a sliding-window table entry that holds no KV (a block vLLM freed
 or never allocated). Never copied from or into. (Full-attention tables never hold it.)"""
 
-KINDS = ("full_attention", "mla_attention", "sliding_window")
+KINDS = ("full_attention", "mla_attention", "sliding_window", "mamba")
+RELEASED_KINDS = ("sliding_window", "mamba")
+"""Kinds whose blocks vLLM frees while their request still runs (and whose tables hold
+its null block): a window's blocks as it moves, a state block once the next state was
+copied from it."""
 
-__all__ = ["KINDS", "NULL_BLOCK", "ChunkMap", "KVGroup", "UnservableChunkError"]
+__all__ = ["KINDS", "NULL_BLOCK", "RELEASED_KINDS", "ChunkMap", "KVGroup",
+           "UnservableChunkError"]
 
 
 class UnservableChunkError(ValueError):
@@ -52,6 +62,7 @@ class KVGroup:
     num_layers: int
     block_size: int  # tokens per block of this group
     window: int = 0  # sliding window in tokens (sliding_window groups only)
+    state: str = ""  # the state tensors' shapes and dtypes (mamba groups only)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -60,6 +71,9 @@ class KVGroup:
             raise ValueError(f"bad KV cache group {self}")
         if (self.kind == "sliding_window") != (self.window > 0):
             raise ValueError(f"a sliding_window group needs a window > 0, others none: {self}")
+        if (self.kind == "mamba") != bool(self.state):
+            raise ValueError(f"a mamba group needs its state layout (shapes and dtypes), "
+                             f"others none: {self}")
 
     def blocks_per_chunk(self, chunk_tokens: int) -> int:
         if chunk_tokens % self.block_size:
@@ -68,8 +82,11 @@ class KVGroup:
         return chunk_tokens // self.block_size
 
     def stored_blocks(self, chunk_tokens: int) -> int:
-        """Blocks of a chunk this group stores: all, or a sliding window's tail."""
+        """Blocks of a chunk this group stores: all, a sliding window's tail, or a mamba
+        group's one state block (the state at the chunk's end)."""
         per_chunk = self.blocks_per_chunk(chunk_tokens)
+        if self.kind == "mamba":
+            return 1
         if self.kind != "sliding_window":
             return per_chunk
         return min(per_chunk, -(-(self.window - 1) // self.block_size))
@@ -91,35 +108,50 @@ class ChunkMap:
 
     @property
     def hybrid(self) -> bool:
-        return len(self.groups) > 1 or self.groups[0].kind == "sliding_window"
+        return len(self.groups) > 1 or self.groups[0].kind in RELEASED_KINDS
+
+    @property
+    def state_groups(self) -> tuple[int, ...]:
+        """Indexes of the mamba groups: a chunk is stored only with their states."""
+        return tuple(g for g, group in enumerate(self.groups) if group.kind == "mamba")
 
     def _table_indexes(self, g: int, chunk: int) -> range:
         end = (chunk + 1) * self._per_chunk[g]
         return range(end - self._stored[g], end)
 
-    def store_blocks(self, tables: Sequence[Sequence[int]], chunk: int
-                     ) -> tuple[int, ...] | None:
+    def store_blocks(self, tables: Sequence[Sequence[int]], chunk: int,
+                     states: Mapping[int, int] | None = None) -> tuple[int, ...] | None:
         """The engine blocks to copy chunk ``chunk`` from, or None when a block it must
         hold is not there (the null block, or past the table): such a chunk is never
-        stored, not even in part."""
+        stored, not even in part. ``states``: per mamba group, the block vLLM handed
+        over with the state at this chunk's end; a mamba group's block must be one of
+        these, and still at its place in the table (where the fence looks for it)."""
         out: list[int] = []
         for g, table in enumerate(self._check(tables)):
             for i in self._table_indexes(g, chunk):
                 if i >= len(table) or self._is_null(g, table[i]):
                     return None
+                if self.groups[g].kind == "mamba" and (states or {}).get(g) != int(table[i]):
+                    return None  # no hand-off of this exact boundary, or not that block
                 out.append(int(table[i]))
         return tuple(out)
 
     def load_blocks(self, tables: Sequence[Sequence[int]], chunk: int, *,
-                    skip_before: int) -> tuple[int, ...]:
+                    skip_before: int, ends_load: bool = False) -> tuple[int, ...]:
         """The engine blocks to copy chunk ``chunk`` into: ``SKIP_BLOCK`` for positions
         whose tokens end at or before ``skip_before`` (computed already) and for null
         blocks. UnservableChunkError when vLLM allocated a block of the chunk that the
-        stored chunk does not hold (it would stay unwritten)."""
+        stored chunk does not hold (it would stay unwritten). ``ends_load``: this chunk
+        is the load's last; only then is a mamba group's state loaded (into the block
+        vLLM allocated for it, which must be there), else its position is skipped."""
         out: list[int] = []
         for g, table in enumerate(self._check(tables)):
             size = self.groups[g].block_size
             stored = self._table_indexes(g, chunk)
+            if self.groups[g].kind == "mamba":
+                out.append(self._state_destination(g, table, chunk, stored, skip_before,
+                                                   ends_load))
+                continue
             for i in range(chunk * self._per_chunk[g], stored.start):  # not stored
                 if (i + 1) * size > skip_before and i < len(table) \
                         and not self._is_null(g, table[i]):
@@ -134,20 +166,41 @@ class ChunkMap:
                     out.append(int(table[i]))
         return tuple(out)
 
+    def _state_destination(self, g: int, table: Sequence[int], chunk: int, stored: range,
+                           skip_before: int, ends_load: bool) -> int:
+        """A mamba group's position of a loaded chunk: the block vLLM allocated for the
+        state at the load's end, or SKIP_BLOCK (see ``load_blocks``)."""
+        size = self.groups[g].block_size
+        for i in range(chunk * self._per_chunk[g], stored.stop):
+            real = i < len(table) and not self._is_null(g, table[i])
+            if (i + 1) * size <= skip_before or not real:
+                continue  # computed already, or vLLM's null block
+            if ends_load and i == stored.start:
+                return int(table[i])
+            raise UnservableChunkError(
+                f"chunk {chunk}: mamba group {g} has block {int(table[i])} at position "
+                f"{i}, which no stored state fills")
+        if ends_load and (stored.start + 1) * size > skip_before:
+            raise UnservableChunkError(
+                f"chunk {chunk}: mamba group {g} has no block for the state the load "
+                f"ends with")
+        return SKIP_BLOCK
+
     @property
-    def sliding_positions(self) -> tuple[tuple[int, int], ...]:
+    def released_positions(self) -> tuple[tuple[int, int], ...]:
         """(position in a chunk's ``block_ids``, group) of the positions that belong to
-        sliding-window groups: blocks vLLM frees while their request still runs."""
+        sliding-window and mamba groups: blocks vLLM frees while their request still
+        runs (``RELEASED_KINDS``)."""
         out: list[tuple[int, int]] = []
         start = 0
         for g, (group, stored) in enumerate(zip(self.groups, self._stored)):
-            if group.kind == "sliding_window":
+            if group.kind in RELEASED_KINDS:
                 out.extend((p, g) for p in range(start, start + stored))
             start += stored
         return tuple(out)
 
     def _is_null(self, g: int, block: int) -> bool:
-        return self.groups[g].kind == "sliding_window" and int(block) == NULL_BLOCK
+        return self.groups[g].kind in RELEASED_KINDS and int(block) == NULL_BLOCK
 
     def _check(self, tables: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
         if len(tables) != len(self.groups):

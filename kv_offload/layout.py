@@ -80,6 +80,9 @@ class KVLayout:
         fields = asdict(self)
         if not self.groups:
             del fields["groups"]  # single-group namespaces predate the field
+        for group in fields.get("groups", ()):
+            if not group["state"]:
+                del group["state"]  # only mamba groups have one: others predate it
         return {"layout_version": LAYOUT_VERSION, "slot_format": SLOT_FORMAT_VERSION,
                 **fields}
 

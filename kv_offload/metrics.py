@@ -46,6 +46,9 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "stores_without_window": ("kv_offload_stores_without_window_total",
                               "Chunks not stored because vLLM had already freed a "
                               "sliding-window block they need", {}),
+    "stores_without_state": ("kv_offload_stores_without_state_total",
+                             "Chunks not stored because vLLM handed over no mamba state "
+                             "for their end boundary", {}),
     "load_errors": ("kv_offload_load_errors_total",
                     "Chunks whose load failed and were recomputed", {}),
     "checksum_failures": ("kv_offload_checksum_failures_total",

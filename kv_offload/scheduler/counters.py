@@ -26,6 +26,7 @@ class SchedulerCounters:
     chunks_stored_remote: int = 0  # chunks written to the remote tier by every rank
     skipped_stores: int = 0  # chunks not stored: no CPU slot could be had
     stores_without_window: int = 0  # chunks not stored: a sliding-window block was freed
+    stores_without_state: int = 0  # chunks not stored: no mamba state handed over for its end
     evictions_cpu: int = 0
     load_errors: int = 0  # chunks whose load failed or vanished (recomputed)
     loads_given_up: int = 0  # loads vLLM dropped as a whole (answered a miss on retry)

@@ -9,9 +9,10 @@ until every rank reports it in ``finished_sending``, which a worker does once it
 copies of that request's blocks are done. Preempted requests are fenced by the workers
 instead (their blocks are freed at once, before this step's forward), and so are running
 requests whose sliding-window blocks under a copy vLLM freed (it frees blocks that left
-the window while the request runs): ``window_sources`` names those blocks by (group,
-table index, block id), so that a block freed and given back to the same request at
-another position counts as freed.
+the window while the request runs), and running requests whose mamba state blocks under
+a copy vLLM freed (it frees a state block once the next state was copied from it):
+``window_sources`` names those blocks by (group, table index, block id), so that a block
+freed and given back to the same request at another position counts as freed.
 
 Scheduler thread only. Pure bookkeeping: no I/O, no vLLM.
 """
@@ -21,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 WindowSource = tuple[int, int, int]
-"""A sliding-window block a copy reads: (group, index in the request's table, block id)."""
+"""A sliding-window or mamba state block a copy reads: (group, index in the request's
+table, block id)."""
 
 
 class BlockHolds:

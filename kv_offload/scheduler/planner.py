@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kv_offload.groups import ChunkMap, KVGroup, UnservableChunkError
@@ -43,6 +43,10 @@ from kv_offload.scheduler.tiers import (
 logger = logging.getLogger(__name__)
 BlockTables = Sequence[Sequence[int]] | Sequence[int]
 """A request's engine blocks: one table per KV cache group, or one flat table."""
+BoundaryStates = Mapping[str, Iterable[tuple[int, int, int]]]
+"""vLLM's mamba "align" hand-offs of one step (``KVConnectorBlockState.
+boundary_state_offloads``): per request, (group, block id, boundary tokens) of each state
+block that this step's forward fills (docs/architecture.md, "Mamba state entries")."""
 ACCESS_FLUSH_INTERVAL_S = 2.0
 ACCESS_FLUSH_MAX_PENDING = 256
 """Disk hits written at the latest with this many pending: each moves an entry in the
@@ -248,7 +252,8 @@ class OffloadScheduler:
         blocks = []
         for c in range(first, last):
             try:
-                blocks.append(self.chunk_map.load_blocks(tables, c, skip_before=num_local))
+                blocks.append(self.chunk_map.load_blocks(tables, c, skip_before=num_local,
+                                                         ends_load=c == last - 1))
             except UnservableChunkError as exc:  # never with vLLM 0.32's rules: recompute
                 logger.warning("kv-offload: %s; recomputing from there", exc)
                 run = run[:c - first]  # this chunk and the rest fail (vLLM recomputes)
@@ -293,20 +298,25 @@ class OffloadScheduler:
     # -- stores ----------------------------------------------------------------------------
 
     def plan_step(self, scheduled: Iterable[tuple[str, int]],
-                  preempted: Iterable[str] = ()) -> StepPlan:
+                  preempted: Iterable[str] = (),
+                  boundary_states: BoundaryStates | None = None) -> StepPlan:
         """Build this step's plan: queued loads, stores for chunks that this step
         completes, the requests held since the last plan, and ``preempted`` (vLLM's
         preempted requests of this step) where their blocks are still being copied.
         ``scheduled`` yields (req_id, tokens computed once the step ran). While
         ``paused`` no store is planned; the chunks completed meanwhile are stored by the
-        first plan after the pause, from the blocks of the requests still running."""
+        first plan after the pause, from the blocks of the requests still running.
+        ``boundary_states``: this step's mamba state hand-offs; with mamba groups a
+        chunk is stored only with the state handed over for its end (else counted in
+        ``stores_without_state``; the chunks of a paused step are lost so)."""
         stores: list[tuple[ChunkKey, tuple[int, ...], str]] = []
         for req_id, computed in scheduled:
             state = self._requests.get(req_id)
             if state is not None:
                 state.loading, state.load_given_up = False, None  # it runs: its load is over
                 if not self.paused:
-                    stores += self._completed_chunks(req_id, state, computed)
+                    stores += self._completed_chunks(
+                        req_id, state, computed, (boundary_states or {}).get(req_id, ()))
         # Fence first: a request preempted and resumed in this schedule() (vLLM's reset
         # with running requests) has copies of its old blocks, which the workers' fence
         # covers, and may get a store job of its new blocks below, which must be held.
@@ -327,10 +337,12 @@ class OffloadScheduler:
         return StepPlan(loads, (store_job,) if store_job is not None else (),
                         held=self.holds.take_new(), preempted=fenced)
 
-    def _completed_chunks(self, req_id: str, state: RequestState, computed: int
+    def _completed_chunks(self, req_id: str, state: RequestState, computed: int,
+                          handed_over: Iterable[tuple[int, int, int]] = ()
                           ) -> list[tuple[ChunkKey, tuple[int, ...], str]]:
         """The chunks of a request completed by ``computed`` tokens and not yet stored
-        (key, engine blocks, request); those already in the CPU tier are only touched."""
+        (key, engine blocks, request); those already in the CPU tier are only touched.
+        ``handed_over``: the request's mamba state hand-offs of this step."""
         request = state.request
         limit = computed if self.config.store_generated else min(
             computed, request.num_prompt_tokens)
@@ -341,21 +353,29 @@ class OffloadScheduler:
             return []
         keys = self._keys(request, for_load=False)
         tables = block_tables(self._block_ids_of(req_id))
+        chunk, state_groups = self.config.chunk_tokens, self.chunk_map.state_groups
+        states: dict[int, dict[int, int]] = {}  # chunk -> mamba group -> state block
+        for group, block, boundary in handed_over if state_groups else ():
+            if boundary % chunk == 0:  # sub-block and other boundaries: not a chunk end
+                states.setdefault(boundary // chunk - 1, {})[int(group)] = int(block)
         out = []
         for c in range(state.next_store_chunk, num_done):
             if keys[c] in self.cpu:
                 self.cpu.touch([keys[c]])
-            elif (blocks := self.chunk_map.store_blocks(tables, c)) is None:
-                self.counters.stores_without_window += 1  # vLLM freed a block it needs
-            else:
+            elif (blocks := self.chunk_map.store_blocks(tables, c, states.get(c))) is not None:
                 out.append((keys[c], blocks, req_id))
+            elif state_groups and len(states.get(c, ())) < len(state_groups):
+                self.counters.stores_without_state += 1  # no hand-off of this boundary
+            else:
+                self.counters.stores_without_window += 1  # vLLM freed a block it needs
         state.next_store_chunk = num_done
         return out
 
     def _window_sources_of(self, job: StoreJob) -> dict[str, set[WindowSource]]:
-        """Per request, the sliding-window blocks ``job`` copies, by (group, table index,
-        block id) in the request's tables now (empty without such groups)."""
-        positions = self.chunk_map.sliding_positions
+        """Per request, the sliding-window and mamba state blocks ``job`` copies, by
+        (group, table index, block id) in the request's tables now (empty without such
+        groups)."""
+        positions = self.chunk_map.released_positions
         out: dict[str, set[WindowSource]] = {}
         if not positions:
             return out
