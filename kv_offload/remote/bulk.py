@@ -15,6 +15,7 @@ or disconnected: never half-read.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kv_offload.checksum import checksum
@@ -38,17 +39,19 @@ class RespErrorReply(Exception):
 
 class _Reader:
     """Bytes of one reply: a few already received (``pending``), the rest on ``sock``,
-    all of it by ``deadline`` (monotonic; None: each receive bounded by the socket's
+    all of it by ``deadline`` (on ``clock``; None: each receive bounded by the socket's
     own timeout only). A server that trickles a value slower raises TimeoutError."""
 
-    def __init__(self, sock: Any, deadline: float | None = None) -> None:
+    def __init__(self, sock: Any, deadline: float | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.sock = sock
         self.pending = b""
         self.deadline = deadline
+        self._clock = clock
 
     def _recv_into(self, buf: Any, nbytes: int = 0) -> int:
         if self.deadline is not None:
-            left = self.deadline - time.monotonic()
+            left = self.deadline - self._clock()
             if left <= 0:
                 raise TimeoutError("the reply did not arrive in time")
             self.sock.settimeout(left)
@@ -82,8 +85,8 @@ class _Reader:
             have += n
 
 
-def read_value_into(conn: Any, name: bytes, out: memoryview, *,
-                    verify_checksum: bool = True) -> ValueCheck:
+def read_value_into(conn: Any, name: bytes, out: memoryview, *, verify_checksum: bool = True,
+                    clock: Callable[[], float] = time.monotonic) -> ValueCheck:
     """``GET name`` on ``conn`` (a connected redis-py connection) into ``out``.
 
     ``out`` is written only after the reply's length and the value's header verified
@@ -91,7 +94,8 @@ def read_value_into(conn: Any, name: bytes, out: memoryview, *,
     damaged bytes and the answer is BAD_CHECKSUM: the caller must not use them.
     Raises RespErrorReply for an error reply (the connection stays usable); a timeout,
     a closed connection or RespProtocolError leave it disconnected, like any
-    ValueCheck other than OK or MISSING (the rest of the reply was not read).
+    ValueCheck other than OK or MISSING (the rest of the reply was not read). The
+    socket's timeout bounds the whole reply, measured on ``clock`` (injected for tests).
     """
     if out.format != "B" or out.ndim != 1:
         out = out.cast("B")  # lengths in bytes, whatever the slot's element type
@@ -100,7 +104,7 @@ def read_value_into(conn: Any, name: bytes, out: memoryview, *,
     sock = conn._sock
     timeout = sock.gettimeout()  # the tier's remote_timeout_s: for the whole reply
     try:
-        reader = _Reader(sock, None if timeout is None else time.monotonic() + timeout)
+        reader = _Reader(sock, None if timeout is None else clock() + timeout, clock=clock)
         result, clean = _read_reply(reader, name, out, verify_checksum)
         return result
     except RespErrorReply:

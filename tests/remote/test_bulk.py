@@ -8,8 +8,6 @@ value); a foreign or misplaced value must not touch the slot.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -20,19 +18,35 @@ NAME = b"kvo:{ns:00}:r0of1"
 SLOT = 4096
 
 
+class FakeClock:
+    """Seconds that pass only when the fake socket says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class FakeSock:
-    """Replays ``pieces``: each recv_into returns at most one piece (or its rest)."""
+    """Replays ``pieces``: each recv_into returns at most one piece (or its rest), and
+    takes ``delay_s`` on ``clock``; a receive longer than the socket's timeout times
+    out once the timeout has passed (as a socket does)."""
 
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = [p for p in pieces if p]
         self.recvs: list[tuple[int, object]] = []  # (bytes asked for, buffer object)
+        self.clock = FakeClock()
 
     def recv_into(self, buf, nbytes: int = 0) -> int:
         if not self.pieces:
             return 0
         if self.pieces[0] == b"TIMEOUT":
             raise TimeoutError("timed out")  # what socket.timeout is
-        time.sleep(self.delay_s)
+        if self.delay_s > self.timeout:
+            self.clock.now += self.timeout
+            raise TimeoutError("timed out")
+        self.clock.now += self.delay_s
         want = nbytes or len(buf)
         self.recvs.append((want, buf.obj if isinstance(buf, memoryview) else buf))
         piece = self.pieces[0][:want]
@@ -49,9 +63,6 @@ class FakeSock:
         return self.timeout
 
     def settimeout(self, seconds: float) -> None:
-        if self.delay_s > seconds:
-            time.sleep(seconds)
-            raise TimeoutError("timed out")
         self.timeout = seconds
 
 
@@ -188,13 +199,16 @@ def test_a_slot_of_wider_elements_is_filled_byte_for_byte():
 
 def test_a_server_trickling_a_value_is_a_timeout_for_the_whole_reply():
     """remote_timeout_s bounded each receive only: a server sending the value in pieces,
-    each within the timeout, held the I/O thread and its host slot as long as it liked."""
+    each within the timeout, held the I/O thread and its host slot as long as it liked.
+    Six receives of 0.1 s against a 0.3 s timeout: the read gives up by 0.3 s (on the
+    socket's fake clock), before the whole reply arrived."""
     conn = FakeConn(split(bulk(value(payload())), [100, 1000, 1000, 1000, 1000, 1000]))
-    conn._sock.timeout, conn._sock.delay_s = 0.3, 0.1
-    start = time.monotonic()
+    sock = conn._sock
+    sock.timeout, sock.delay_s = 0.3, 0.1
     with pytest.raises(TimeoutError):
-        read_value_into(conn, NAME, memoryview(bytearray(SLOT)))
-    assert time.monotonic() - start < 0.5 and conn.disconnected
+        read_value_into(conn, NAME, memoryview(bytearray(SLOT)), clock=sock.clock)
+    assert sock.clock.now == pytest.approx(0.3) and sock.pieces, "gave up by the timeout"
+    assert conn.disconnected
 
 
 def test_a_connection_goes_back_with_its_own_timeout():

@@ -7,6 +7,7 @@ restarted empty answers misses, and the tier comes back by itself.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -30,11 +31,43 @@ def key(i: int) -> bytes:
 
 
 def tier_for(target: RemoteTarget, *, num_ranks: int = 1, timeout_s: float = 1.0,
-             namespace: str = NS) -> RemoteTier:
+             namespace: str = NS, **kwargs) -> RemoteTier:
     t = RemoteTier(target, namespace=namespace, num_ranks=num_ranks, payload_bytes=SLOT,
-                   timeout_s=timeout_s, key_prefix="kvo-test")
+                   timeout_s=timeout_s, key_prefix="kvo-test", **kwargs)
     t.health.min_backoff_s = 0.05
     return t
+
+
+class FakeClock:
+    """The tier's clock (its backoff's): seconds pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingConnect:
+    """``connect`` for a tier: real redis-py clients, recording each client's timeout and
+    counting the connections its commands take from the pool (each one a network call)."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+        self.num_calls = 0
+
+    def __call__(self, target: RemoteTarget, timeout_s: float):
+        self.timeouts.append(timeout_s)
+        client = tier_module.connect_redis(target, timeout_s)
+        pool = client.connection_pool
+        get_connection = pool.get_connection
+
+        def counted(*args, **kwargs):
+            self.num_calls += 1
+            return get_connection(*args, **kwargs)
+
+        pool.get_connection = counted
+        return client
 
 
 def test_write_then_read_round_trips(redis_server):
@@ -81,42 +114,53 @@ def test_a_foreign_or_truncated_value_is_a_miss_and_leaves_the_slot_alone(redis_
 
 
 def test_dead_server_backs_off_then_the_tier_comes_back(redis_server, caplog):
-    tier = tier_for(RemoteTarget(redis_server.url))
+    """While the backoff lasts (the tier's clock stands still), lookups, writes and reads
+    answer at once without a network call: a dead server costs one refused connection
+    per backoff period, never a wait per request."""
+    clock, connect = FakeClock(), CountingConnect()
+    tier = tier_for(RemoteTarget(redis_server.url), clock=clock, connect=connect)
     tier.write(key(400), 0, memoryview(payload(400)))
     redis_server.kill()
     try:
-        start = time.monotonic()
         assert tier.lookup([key(400)]) == 0
-        assert not tier.health.up
+        assert not tier.health.up and tier.health.num_failures == 1
+        network_calls = connect.num_calls
         calls = [tier.lookup([key(400)]) for _ in range(1000)]
         assert calls == [0] * 1000
-        assert tier.health.num_failures <= 2, "backing off: no call per request"
         assert not tier.write(key(401), 0, memoryview(payload(401)))
         assert isinstance(tier.read_into(key(400), 0, memoryview(bytearray(SLOT))), Exception)
-        assert time.monotonic() - start < 1.0
+        assert connect.num_calls == network_calls, "backing off: no call per request"
+        assert tier.health.num_failures == 1
     finally:
         redis_server.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # bounds a hang only
     while not tier.write(key(402), 0, memoryview(payload(402))):
         assert time.monotonic() < deadline, "the tier did not come back"
-        time.sleep(0.05)
+        clock.now += 1.0  # past the backoff: the next call is a probe
     assert tier.health.up
     assert tier.lookup([key(400)]) == 0, "a restarted server is empty: a miss, not an error"
     assert tier.lookup([key(402)]) == 1
 
 
 def test_frozen_server_answers_within_the_lookup_budget(redis_server):
-    tier = tier_for(RemoteTarget(redis_server.url), timeout_s=0.05)
+    """A lookup on a frozen server ends by the tier's timeout (its connection's socket
+    timeout), while the server is still frozen, as a miss and a failure."""
+    connect = CountingConnect()
+    tier = tier_for(RemoteTarget(redis_server.url), timeout_s=0.05, connect=connect)
     tier.write(key(500), 0, memoryview(payload(500)))
     assert tier.lookup([key(500)]) == 1
+    answers: list[int] = []
     redis_server.pause()
     try:
-        start = time.monotonic()
-        assert tier.lookup([key(500)]) == 0
-        assert time.monotonic() - start < 0.5
+        lookup = threading.Thread(target=lambda: answers.append(tier.lookup([key(500)])))
+        lookup.start()
+        lookup.join(30)  # bounds a hang only: the server stays frozen until it returns
+        assert not lookup.is_alive(), "the lookup waited for the frozen server"
     finally:
         redis_server.resume()
-    deadline = time.monotonic() + 5
+    assert answers == [0] and tier.health.num_failures == 1
+    assert connect.timeouts == [0.05], "every network call is bounded by timeout_s"
+    deadline = time.monotonic() + 30  # bounds a hang only
     while tier.lookup([key(500)]) != 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -320,9 +364,10 @@ def test_a_redirect_answering_the_probe_brings_the_tier_back(redis_server, monke
     """After an outage, the probe that ended the backoff got -ASK/-MOVED (a slot being
     resharded): neither a success nor a failure was recorded, the probe never ended,
     and the tier stayed off for the rest of the process."""
-    tier = tier_for(RemoteTarget(redis_server.url))
+    clock = FakeClock()
+    tier = tier_for(RemoteTarget(redis_server.url), clock=clock)
     tier.health.record_failure("timeout")  # an outage...
-    time.sleep(0.06)  # ...whose backoff ended: the next call is the probe
+    clock.now += 1.0  # ...whose backoff ended: the next call is the probe
 
     def moved(*args, **kwargs):
         raise tier_module.RespErrorReply("MOVED 3999 127.0.0.1:1")
