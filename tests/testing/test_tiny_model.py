@@ -2,10 +2,10 @@
 
 import gc
 import threading
-import time
 
 import pytest
 
+from kv_offload.testing import tiny_model
 from kv_offload.testing.tiny_model import (
     BENCH_MODEL_KWARGS,
     build_tokenizer,
@@ -20,12 +20,15 @@ SMALL = dict(num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=1, vocab_s
 ENGLISH = "The quick brown fox jumps over the lazy dog. Hello, world! Caf\u00e9 na\u00efve 123.\n"
 
 
-def test_same_params_same_bytes_and_cached(tmp_path):
+def test_same_params_same_bytes_and_cached(tmp_path, monkeypatch):
     first = make_tiny_model(cache_dir=tmp_path / "a", **SMALL)
-    start = time.perf_counter()
+    writes = []
+    write = tiny_model._write
+    monkeypatch.setattr(tiny_model, "_write", lambda *a: writes.append(a) or write(*a))
     again = make_tiny_model(cache_dir=tmp_path / "a", **SMALL)
-    assert again == first and time.perf_counter() - start < 0.5
+    assert again == first and writes == [], "found in the cache, not written again"
     fresh = make_tiny_model(cache_dir=tmp_path / "b", **SMALL)  # regenerated, not cached
+    assert len(writes) == 1
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (fresh / name).read_bytes() == (first / name).read_bytes(), name
     assert not list((tmp_path / "a").glob(".tmp-*")), "temp dir left behind"

@@ -7,7 +7,7 @@ dead server, fails only that load (its blocks are recomputed) and never blocks a
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import torch
@@ -28,12 +28,17 @@ def make_planes(seed: int):
             for _ in range(2)]
 
 
+def make_remote(redis_server, **kwargs) -> RemoteTier:
+    tier = RemoteTier(RemoteTarget(redis_server.url), namespace=NS, num_ranks=1,
+                      payload_bytes=SLOT_BYTES, timeout_s=1.0, key_prefix="kvo-test", **kwargs)
+    tier.health.min_backoff_s = 0.05
+    return tier
+
+
 @pytest.fixture
 def remote(redis_server):
     redis_server.cli("flushall")
-    tier = RemoteTier(RemoteTarget(redis_server.url), namespace=NS, num_ranks=1,
-                      payload_bytes=SLOT_BYTES, timeout_s=1.0, key_prefix="kvo-test")
-    tier.health.min_backoff_s = 0.05
+    tier = make_remote(redis_server)
     yield tier
     tier.close()
 
@@ -88,17 +93,24 @@ def test_evicted_key_fails_the_chunk_and_skips_its_fill(remote, tmp_path):
     worker.close()
 
 
-def test_dead_server_fails_fast_and_skips_stores(remote, redis_server):
+def test_dead_server_fails_fast_and_skips_stores(redis_server, monkeypatch):
+    """A dead server costs one failed call (the backoff's clock stands still: the other
+    call is skipped), made on the worker's I/O threads, never on the caller's (vLLM's)."""
+    remote = make_remote(redis_server, clock=lambda: 0.0)  # its backoff never ends
     planes = make_planes(4)
     worker = make_worker(planes, None, remote=remote)
+    callers = []
+    for name in ("write", "read_into"):
+        call = getattr(remote, name)
+        monkeypatch.setattr(remote, name, lambda *a, call=call, **kw: callers.append(
+            threading.current_thread()) or call(*a, **kw))
     redis_server.kill()
     try:
-        start = time.monotonic()
         worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, remote_key=KEY_A),))])
         worker.start_loads([LoadJob(2, "r", (ChunkMove((5, 6), 1, remote_key=KEY_B),))])
         reports, _, failed = drain(worker, until=lambda r, f, b: "r" in f
                                    and any(x.remote_stored for x in r))
-        assert time.monotonic() - start < 2.0
+        assert len(callers) == 2 and threading.current_thread() not in callers
         assert failed == {5, 6}
         assert next(x for x in reports if x.remote_stored).remote_stored == {1: {0: (False,)}}
         assert any(x.host_stored == {1: 1} for x in reports), "the CPU tier still stored it"
