@@ -273,9 +273,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         scheduled += [(rid, computed_after(rid, n))
                       for rid, n in zip(cached.req_ids, cached.num_computed_tokens)]
         preempted = tuple(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        # Mamba "align" state hand-offs (vLLM 0.32+, drained every step; docs/
+        # architecture.md, "Mamba state entries"); None without mamba groups.
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        states = getattr(block_state, "boundary_state_offloads", None) or None
         plan = self._guard.call("build_connector_meta", lambda: StepPlan(
             self._sched.take_pending_loads()), self._sched.plan_step, scheduled,
-            preempted)
+            preempted, states)
         self._guard.call("build_connector_meta (summary)", lambda: None,
                          self._maybe_log_summary)
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0

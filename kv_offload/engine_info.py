@@ -51,14 +51,20 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
             "wrong for another (vLLM turns its own prefix caching off for such models). "
             "Remove the --kv-transfer-config for this model.")
     _refuse_unsupported_features(vllm_config)
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+    if "mamba" in kinds:
+        refuse_mamba_hybrids(vllm_config)
+    # Mamba alone makes vLLM zero attention blocks: safe on V1's hook order (docs/
+    # architecture.md, "Mamba state entries"), and refuse_mamba_hybrids covers V2.
+    mamba_only = "mamba" in kinds and not getattr(kv_cache_config,
+                                                  "has_mixed_precision_kv_cache", True)
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not mamba_only:
         raise UnsupportedEngineError(
             "kv-offload cannot serve a KV cache whose new blocks vLLM zeroes (mamba layers "
             "or KV cache groups of mixed precisions): Model Runner V2 zeroes a reused block "
             "before the connector can order it after a store copy still reading it, which "
             "would store zeros. Remove the --kv-transfer-config for this model (README, "
             "Limits).")
-    hybrid = len(groups) > 1 or kinds[0] == "sliding_window"
+    hybrid = len(groups) > 1 or kinds[0] in ("sliding_window", "mamba")
     if hybrid:
         _check_groups_share_pages(vllm_config, kv_cache_config)
     parallel = vllm_config.parallel_config
@@ -88,9 +94,42 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, co
         kernel_format=_kernel_format(vllm_config, spec),
         groups=tuple(KVGroup(kind, len(g.layer_names), int(g.kv_cache_spec.block_size),
                              int(getattr(g.kv_cache_spec, "sliding_window", 0) or 0)
-                             if kind == "sliding_window" else 0)
+                             if kind == "sliding_window" else 0,
+                             mamba_state_layout(g.kv_cache_spec) if kind == "mamba" else "")
                      for kind, g in zip(kinds, groups)) if hybrid else (),
     )
+
+
+def refuse_mamba_hybrids(vllm_config: VllmConfig) -> None:
+    """UnsupportedEngineError for every engine with a mamba group: kv-offload's state
+    entries (docs/architecture.md, "Mamba state entries") are proven on vLLM's Scheduler
+    only (``testing/scheduler_harness.py`` replaces this check to run them there)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        raise UnsupportedEngineError(
+            "kv-offload does not serve mamba or linear-attention hybrids on vLLM's CPU "
+            "backend: vLLM 0.32's CPU chunk scan ignores return_intermediate_states, so "
+            "the CPU backend cannot run these layers with prefix caching (the 'align' "
+            "mode whose state hand-offs kv-offload stores). Remove the "
+            "--kv-transfer-config for this model (README, Limits).")
+    raise UnsupportedEngineError(
+        "kv-offload does not yet serve mamba or linear-attention hybrids on GPUs: their "
+        "state entries are tested on vLLM's scheduler only, until benchmarks/gpu_check.sh "
+        "covers them on a GPU (and vLLM's Model Runner V2 zeroes a reused block before "
+        "the connector can fence a store copy still reading it). Remove the "
+        "--kv-transfer-config for this model (README, Limits).")
+
+
+def mamba_state_layout(spec: Any) -> str:
+    """A mamba group's state as the namespace names it: vLLM's mamba backend, then each
+    state tensor's shape and dtype in vLLM's order, e.g.
+    ``MAMBA2:(3,256)bfloat16+(8,64,128)float32``."""
+    mamba_type = getattr(spec, "mamba_type", "")
+    shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
+    dtypes = tuple(str(d).removeprefix("torch.") for d in spec.dtypes)
+    return f"{getattr(mamba_type, 'name', mamba_type)}:" + "+".join(
+        f"({','.join(map(str, shape))}){dtype}" for shape, dtype in zip(shapes, dtypes))
 
 
 def group_kind(spec: Any) -> str:
@@ -106,6 +145,8 @@ def group_kind(spec: Any) -> str:
             "decoding or without the connector.")
     if kind is not None:
         return kind
+    if name == "MambaSpec" and getattr(spec, "mamba_cache_mode", None) == "align":
+        return "mamba"  # its states at chunk ends; refused for now: refuse_mamba_hybrids
     if "Mamba" in name or "ShortConv" in name or "LinearAttention" in name:
         raise UnsupportedEngineError(
             f"kv-offload does not serve models with mamba or linear-attention layers "
@@ -127,10 +168,11 @@ def _check_groups_share_pages(vllm_config: VllmConfig, kv_cache_config: KVCacheC
     first = specs[0]
     for spec in specs[1:]:
         same = (int(spec.page_size_bytes) == int(first.page_size_bytes)
-                and int(spec.block_size) == int(first.block_size)
-                and _expected_page_order(vllm_config, kv_cache_config, spec)
-                == _expected_page_order(vllm_config, kv_cache_config, first)
-                and _kernel_format(vllm_config, spec) == _kernel_format(vllm_config, first))
+                and int(spec.block_size) == int(first.block_size))
+        if same and type(spec).__name__ != "MambaSpec":  # a state's layout: its KVGroup
+            same = (_expected_page_order(vllm_config, kv_cache_config, spec)
+                    == _expected_page_order(vllm_config, kv_cache_config, first)
+                    and _kernel_format(vllm_config, spec) == _kernel_format(vllm_config, first))
         if not same:
             raise UnsupportedEngineError(
                 f"kv-offload serves hybrid models whose KV cache groups share one block "

@@ -28,6 +28,14 @@ KV cache groups (``FakeGroup``) play vLLM's hybrid KV cache manager: each group 
 own block table and its own layers, and the layers of every group are views of the same
 tensors (a block id belongs to one group at a time). A sliding-window group's forward
 reads, and so checks, only the window: positions from p - window + 1 on.
+
+A mamba group ("align" mode, ``FakeGroup.mamba``) keeps one state per request: the state
+after p tokens on layer l is the KV row of position p - 1 (a function of every token up to
+it), in the first row of a block's page; the rest of the page is vLLM's padding (its
+mamba page is padded to the attention page). As vLLM's align mode does, a step over
+tokens [s, e) reads the state after s from table entry ``cdiv(s, block) - 1`` (checked:
+a null block or another state is a mismatch) and writes the state after e into entry
+``cdiv(e, block) - 1``; a new request starts from no state.
 """
 
 from __future__ import annotations
@@ -85,6 +93,7 @@ class FakeGroup:
 
     layers: tuple[int, ...]
     window: int = 0
+    mamba: bool = False  # a mamba group in vLLM's "align" mode: one state, see above
 
 
 @dataclass(slots=True)
@@ -241,8 +250,21 @@ class FakeModelRunner:
         table = np.asarray(state.block_ids[group], dtype=np.int64)
         return table[pos // self.block_size], pos % self.block_size
 
+    def _state_block(self, req_id: str, state: _RequestState, group: int, tokens: int
+                     ) -> int:
+        """The block of a mamba group's table that holds the state after ``tokens``."""
+        table = state.block_ids[group]
+        index = -(-tokens // self.block_size) - 1
+        if index >= len(table) or int(table[index]) == 0:
+            raise KVMismatchError(f"{req_id}: mamba group {group} has no state block for "
+                                  f"the state after {tokens} tokens")
+        return int(table[index])
+
     def _check(self, req_id: str, state: _RequestState, hashes: list[int], end: int) -> None:
         for g, group in enumerate(self.groups):
+            if group.mamba:
+                self._check_state(req_id, state, hashes, g, end)
+                continue
             start = max(0, end - group.window + 1) if group.window else 0
             if end <= start:
                 continue
@@ -259,10 +281,30 @@ class FakeModelRunner:
                         f"tokens; {bad.size} of {end - start} positions are wrong")
             self.num_checked_tokens += end - start
 
+    def _check_state(self, req_id: str, state: _RequestState, hashes: list[int], group: int,
+                     tokens: int) -> None:
+        """The state a step starts from: the one after ``tokens`` (none at 0)."""
+        if tokens == 0:
+            return
+        block = self._state_block(req_id, state, group, tokens)
+        for tensor, layer_index in zip(self.kv, self.groups[group].layers):
+            if not np.array_equal(tensor.numpy()[block, 0, 0, :],
+                                  kv_rows(hashes[tokens - 1:tokens], layer_index)[0]):
+                raise KVMismatchError(
+                    f"{req_id}: the mamba state after {tokens} tokens (group {group}, block "
+                    f"{block}, layer {layer_index}) is not the state of its tokens")
+        self.num_checked_tokens += 1
+
     def _write(self, state: _RequestState, hashes: list[int], start: int, end: int) -> None:
         if end <= start:
             return
         for g, group in enumerate(self.groups):
+            if group.mamba:
+                block = self._state_block("", state, g, end)
+                for tensor, layer_index in zip(self.kv, group.layers):
+                    tensor.numpy()[block, 0, 0, :] = kv_rows(hashes[end - 1:end],
+                                                             layer_index)[0]
+                continue
             blocks, offsets = self._positions(state, g, start, end)
             if (blocks == 0).any():
                 raise KVMismatchError(f"group {g} has no block for a position it computes")

@@ -8,6 +8,12 @@ thread pools are ``StepExecutor``s and its clock is the harness's, so a seeded r
 deterministic; ``Faults`` injects slow reads (held past ``load_timeout_s``), corrupt and
 failing disk reads, engine copy failures and a full disk (ENOSPC) from a seeded RNG.
 
+``mamba=True`` adds a mamba group in vLLM's "align" mode (states at block boundaries,
+handed to the connector as ``boundary_state_offloads``). kv-offload's engine check refuses
+mamba hybrids (``engine_info.refuse_mamba_hybrids``: vLLM's CPU backend cannot run them
+with prefix caching); the harness replaces that one check, so its runs prove the state
+entries at the scheduler level only.
+
 ``check_idle()`` lists what is left over once every request finished: stuck requests,
 blocks of vLLM's pool, pins, reservations and jobs on either side, CPU or disk slots
 whose bytes are not the KV of their key, engine copies made while vLLM had taken the KV
@@ -17,10 +23,11 @@ cache away (``release_kv_cache``/``restore_kv_cache``). Tokens computed on wrong
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,7 @@ from kv_offload.groups import KVGroup
 from kv_offload.keys import chunk_keys
 from kv_offload.testing import vllm_compat
 from kv_offload.testing.fake_model import (
+    ROW,
     FakeGroup,
     FakeModelRunner,
     kv_rows,
@@ -123,14 +131,15 @@ class SchedulerHarness:
                  delay_rule: Callable[[Callable, tuple], int | None] | None = None,
                  background_stores: bool = False, copy_thread: bool = True,
                  connector_reset: str = "cpu", windows: tuple[int, ...] = (),
-                 model_runner: str | None = None) -> None:
+                 mamba: bool = False, model_runner: str | None = None) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
         with the CPU backend's synchronous engine. ``connector_reset``: the option of that
         name; "cpu" (not the default "all") lets a reset leave the disk tier answering.
         ``windows``: a hybrid engine, with a sliding-window KV cache group of each of
         these windows (tokens) after the full-attention group, all over the same tensors
-        (vLLM's hybrid KV cache manager). ``model_runner``: the hook order of the fake
+        (vLLM's hybrid KV cache manager). ``mamba``: a mamba group in "align" mode after
+        those (see the module docstring). ``model_runner``: the hook order of the fake
         model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on)."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
@@ -144,9 +153,12 @@ class SchedulerHarness:
         self.groups = (FakeGroup(tuple(range(NUM_LAYERS))),) + tuple(
             FakeGroup(tuple(range(NUM_LAYERS * (i + 1), NUM_LAYERS * (i + 2))), w)
             for i, w in enumerate(windows))
-        self.windows = tuple(windows)
+        if mamba:
+            first = NUM_LAYERS * len(self.groups)
+            self.groups += (FakeGroup(tuple(range(first, first + NUM_LAYERS)), mamba=True),)
+        self.windows, self.mamba = tuple(windows), mamba
         positions = 2 + sum(KVGroup("sliding_window", 1, block_size, w).stored_blocks(
-            self.chunk_tokens) for w in windows)
+            self.chunk_tokens) for w in windows) + int(mamba)
         slot_bytes = NUM_LAYERS * positions * block_size * 2 * 4 * 4  # layers x blocks x page
         self.offload = OffloadConfig(
             cpu_size=cpu_slots * slot_bytes, chunk_tokens=self.chunk_tokens,
@@ -157,7 +169,11 @@ class SchedulerHarness:
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling  # as on GPUs
-        self.kv_cache_config = build_kv_cache_config(num_blocks, block_size, self.windows)
+        if mamba:  # what vLLM sets for a mamba hybrid with prefix caching
+            self.vllm_config.cache_config.mamba_cache_mode = "align"
+            self.vllm_config.cache_config.mamba_block_size = block_size
+        self.kv_cache_config = build_kv_cache_config(num_blocks, block_size, self.windows,
+                                                     mamba=mamba)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = self._build_scheduler()
         self.executor = StepExecutor(self._delay)
@@ -175,15 +191,28 @@ class SchedulerHarness:
 
     # -- building --------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _mamba_accepted(self) -> Iterator[None]:
+        """While kv-offload's connectors are built: with a mamba group, the engine check
+        that refuses mamba hybrids is replaced (see the module docstring)."""
+        import kv_offload.engine_info as engine_info
+
+        if not self.mamba:
+            yield
+            return
+        with mock.patch.object(engine_info, "refuse_mamba_hybrids", lambda config: None):
+            yield
+
     def _build_scheduler(self) -> Any:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         cls = AsyncScheduler if self.async_scheduling else Scheduler
-        return cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-                   structured_output_manager=StructuredOutputManager(self.vllm_config),
-                   block_size=self.block_size, log_stats=True)
+        with self._mamba_accepted():
+            return cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                       structured_output_manager=StructuredOutputManager(self.vllm_config),
+                       block_size=self.block_size, log_stats=True)
 
     def _build_worker(self) -> tuple[Any, Any]:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -214,7 +243,9 @@ class SchedulerHarness:
             built.append(worker)
             return worker
 
-        conn = KVOffloadConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        with self._mamba_accepted():
+            conn = KVOffloadConnector(self.vllm_config, KVConnectorRole.WORKER,
+                                      self.kv_cache_config)
         tensors: dict[str, Any] = {}  # every group's layers are views of the same tensors
         for group in self.kv_cache_config.kv_cache_groups:
             tensors.update(zip(group.layer_names, self.kv))
@@ -430,8 +461,13 @@ class SchedulerHarness:
                 first += stored
                 start = end - stored * self.block_size
                 for tensor, layer_index in zip(self.kv, group.layers):
-                    rows = tensor.numpy()[blocks].reshape(stored * self.block_size, -1)
-                    if not np.array_equal(rows, kv_rows(hashes[start:end], layer_index)):
+                    if group.mamba:  # the state after ``end``, in the page's first row
+                        rows = tensor.numpy()[blocks, 0, 0, :]
+                        expected = kv_rows(hashes[end - 1:end], layer_index)
+                    else:
+                        rows = tensor.numpy()[blocks].reshape(stored * self.block_size, -1)
+                        expected = kv_rows(hashes[start:end], layer_index)
+                    if not np.array_equal(rows, expected):
                         return False
             return True
         finally:
@@ -459,15 +495,18 @@ def build_vllm_config(offload: OffloadConfig, *, block_size: int, max_num_batche
     return config
 
 
-def build_kv_cache_config(num_blocks: int, block_size: int, windows: tuple[int, ...] = ()
-                          ) -> Any:
+def build_kv_cache_config(num_blocks: int, block_size: int, windows: tuple[int, ...] = (),
+                          *, mamba: bool = False) -> Any:
     """One full-attention group of NUM_LAYERS layers, one KV head of size 4; then a
-    sliding-window group of NUM_LAYERS layers for each of ``windows``."""
+    sliding-window group of NUM_LAYERS layers for each of ``windows``; then, with
+    ``mamba``, a mamba group of NUM_LAYERS layers in "align" mode, its state (ROW floats)
+    padded to the attention page as vLLM pads it (``mamba_page_size_padded``)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -481,4 +520,10 @@ def build_kv_cache_config(num_blocks: int, block_size: int, windows: tuple[int, 
         groups.append(KVCacheGroupSpec(names, SlidingWindowSpec(
             block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float32,
             sliding_window=window)))
+    if mamba:
+        first = len(groups) * NUM_LAYERS
+        names = [f"model.layers.{i}.mixer" for i in range(first, first + NUM_LAYERS)]
+        groups.append(KVCacheGroupSpec(names, MambaSpec(
+            block_size=block_size, shapes=((ROW,),), dtypes=(torch.float32,),
+            page_size_padded=full.page_size_bytes, mamba_cache_mode="align")))
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
