@@ -190,8 +190,9 @@ class Rig:
         if result.finished_sending:  # vLLM frees the held blocks
             self.sched.blocks_released(result.finished_sending)
 
-    def drain(self, timeout_s: float = 10.0) -> None:
-        """Step until neither side has a job in flight; AssertionError on timeout."""
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Step until neither side has a job in flight; AssertionError on timeout (which
+        bounds a hang only)."""
         deadline = time.monotonic() + timeout_s
         while self.sched.has_pending_work() or self.worker.has_pending_jobs():
             if time.monotonic() > deadline:

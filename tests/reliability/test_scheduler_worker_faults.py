@@ -49,6 +49,9 @@ def stored(tmp_path):
     return root, rig_tokens(1, TOKENS), expected
 
 
+HANG_S = 60.0  # how long a GatedSlab read waits for its release at most
+
+
 class GatedSlab:
     """Wraps a slab; reads wait until ``release`` is set (a slow disk), or raise ``exc``."""
 
@@ -60,7 +63,8 @@ class GatedSlab:
         self.reads += 1
         if self.exc is not None:
             raise self.exc
-        assert self.release.wait(10), "the test never released the read"
+        # Longer than any deadline below: those bound a hang, this one too.
+        assert self.release.wait(HANG_S), "the test never released the read"
         return self.slab.read(slot, buf, expected)
 
     def write(self, slot, buf):
@@ -318,7 +322,7 @@ def test_disk_broken_mid_flight_releases_everything_and_stops_disk_use(stored, c
 def test_a_hung_disk_read_does_not_stall_cpu_tier_loads(stored):
     root, tokens, _ = stored
     rig, index, slab = restarted_rig(root)
-    rig.worker.load_timeout_s = 5.0
+    rig.worker.load_timeout_s = 2 * HANG_S  # "x" neither times out nor ends: it hangs
     cpu_only = FakeRequest("c", rig_tokens(7, TOKENS))
     rig.admit(cpu_only)
     rig.step([("c", TOKENS)])
@@ -326,7 +330,7 @@ def test_a_hung_disk_read_does_not_stall_cpu_tier_loads(stored):
     rig.admit(FakeRequest("x", tokens))  # its read hangs
     rig.step()
     rig.admit(FakeRequest("c2", rig_tokens(7, TOKENS)))
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + HANG_S / 2  # bounds a hang only
     while "c2" not in rig.finished and time.monotonic() < deadline:
         rig.step()
         time.sleep(0.01)
@@ -347,7 +351,7 @@ def test_load_timeout_releases_pins_only_when_the_read_ends(stored):
     rig, index, slab = restarted_rig(root)
     rig.worker.load_timeout_s = 0.2
     rig.admit(FakeRequest("x", tokens))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S / 2  # bounds a hang only: the read hangs longer
     while "x" not in rig.finished and time.monotonic() < deadline:
         rig.step()
         time.sleep(0.02)

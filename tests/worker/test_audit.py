@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -30,12 +29,13 @@ SLOT_BYTES = 2 * PLANE_BYTES * BPC
 class CorruptingEngine:
     """A real engine whose copies flip a byte of what they wrote (a stream race, a wrong
     layout), until ``fall_back_to_plainest``; ``gate``: store copies count as done only
-    once it is set."""
+    once it is set; ``held`` is set once someone asked about a copy the gate holds."""
 
     def __init__(self, engine, host, planes, *, corrupt: str) -> None:
         self.unfaulty, self.host, self.planes, self.corrupt = engine, host, planes, corrupt
         self.gate = threading.Event()
         self.gate.set()
+        self.held = threading.Event()
         self.fell_back = 0
 
     def __getattr__(self, name):
@@ -62,10 +62,15 @@ class CorruptingEngine:
         return handle
 
     def is_done(self, handle):
-        return self.gate.is_set() and self.unfaulty.is_done(handle)
+        if not self.gate.is_set():
+            self.held.set()
+            return False
+        return self.unfaulty.is_done(handle)
 
     def wait(self, handle):
-        assert self.gate.wait(5)
+        if not self.gate.is_set():
+            self.held.set()
+        assert self.gate.wait(30), "the test never opened the gate"
 
 
 @pytest.fixture
@@ -154,7 +159,7 @@ def test_a_held_request_waits_for_the_check_and_a_fence_stops_it(planes):
     reader.gate.clear()  # the re-read is in flight until the gate opens
     copy = copies.issue(np.array([[3, 7]]), np.array([1]), ["held"])
     copies.hold(["held"])
-    time.sleep(0.1)
+    assert reader.held.wait(30), "the re-read never started"
     assert not copy.done() and copies.take_sent() == set()
     reader.gate.set()
     copy.wait()

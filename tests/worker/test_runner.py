@@ -271,16 +271,17 @@ def test_a_disk_load_is_copied_by_the_poll_after_its_reads_and_reported_by_it(pl
     assert worker.poll().finished_req_ids == set()  # still reading
     slab.release.set()
     wait_until(lambda: slab.reads == 2)
-    time.sleep(0.05)  # a copy thread, if there were one, would have copied by now
-    assert copied_on == []
     result = worker.poll()
+    # One copy, by this poll: a copy thread would have copied it (another ident), or
+    # not yet, and then this poll would not report the request.
     assert result.finished_req_ids == {"req"} and not result.failed_block_ids
     assert copied_on == [threading.get_ident()]
     assert all(bool((p[[1, 2]] == 4).all()) and bool((p[[5, 6]] == 5).all()) for p in planes)
     worker.close()
 
 
-def wait_until(condition, timeout=5.0):
+def wait_until(condition, timeout=30.0):
+    """Poll ``condition``; ``timeout`` bounds a hang only."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
@@ -358,12 +359,15 @@ def test_an_idle_poll_waits_at_most_idle_wait_s_and_not_at_all_without_loads(pla
     with no load in flight, or a poll in a step with a forward, never waits."""
     slab = GatedSlab()
     worker = make_worker(planes, slab)
-    worker.idle_wait_s = 10.0
-    start = time.monotonic()
-    assert worker.poll(idle=True).finished_req_ids == set()  # nothing in flight
+    worker.idle_wait_s = 3600.0  # a poll that waits at all never returns in this test
+    idle_poll = threading.Thread(target=worker.poll, kwargs={"idle": True}, daemon=True)
+    idle_poll.start()  # nothing in flight: returns at once
+    idle_poll.join(60)  # bounds a hang only
+    assert not idle_poll.is_alive(), "an idle poll with no load in flight waited"
     worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)),))])
-    assert worker.poll().finished_req_ids == set()  # a forward ran: no wait
-    assert time.monotonic() - start < 5.0
+    # A forward ran: no wait. Had it waited, it would have reported the load, whose
+    # read ends only when the test opens the gate (or after its own 10 s).
+    assert worker.poll().finished_req_ids == set()
     worker.idle_wait_s = 0.05
     assert worker.poll(idle=True).finished_req_ids == set()  # reads still blocked
     slab.release.set()
@@ -438,13 +442,13 @@ def test_close_leaves_the_slab_open_while_a_write_outlives_its_deadline(planes, 
 
     def stalling_pwritev(fd, bufs, offset):
         stalled.set()
-        release.wait(10)
+        release.wait(60)  # bounds a hang only: the test releases it
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(slab_module.os, "pwritev", stalling_pwritev)
     worker = make_worker(planes, slab)
     worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, 5),))])
-    assert stalled.wait(5)
+    assert stalled.wait(30)
     worker.close(timeout_s=0.1)
     try:
         os.fstat(slab._fd)  # still this slab's descriptor: the late write lands in it
@@ -452,6 +456,9 @@ def test_close_leaves_the_slab_open_while_a_write_outlives_its_deadline(planes, 
         release.set()
     wait_until(lambda: os.path.getsize(slab.path) == 6 * SLOT_BYTES)
     slab.close()
+
+
+HOLD_S = 60.0  # how long HeldStoreEngine holds at most: longer than any drain below
 
 
 class HeldStoreEngine:
@@ -465,7 +472,7 @@ class HeldStoreEngine:
 
     def store(self, block_ids, slots, *, after=None):
         if not self.stream:
-            assert self.release.wait(10), "the test never released the store copies"
+            assert self.release.wait(HOLD_S), "the test never released the store copies"
         return self.unheld.store(block_ids, slots)
 
     def is_done(self, handle) -> bool:
@@ -474,7 +481,7 @@ class HeldStoreEngine:
 
     def wait(self, handle) -> None:
         if self.stream and handle.direction is Direction.STORE:
-            assert self.release.wait(10), "the test never released the store copies"
+            assert self.release.wait(HOLD_S), "the test never released the store copies"
         self.unheld.wait(handle)
 
     def __getattr__(self, name):
@@ -499,7 +506,9 @@ def test_a_disk_load_finishes_while_many_store_copies_are_held_back(planes, tmp_
     worker.run_stores(stores)
     try:
         worker.start_loads([LoadJob(100, "req", (ChunkMove((12, 13), 0, 0, (checksum,)),))])
-        _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f, timeout=3.0)
+        # While the copies are held (release is set only below): the drain's deadline
+        # only bounds a hang and ends well before HOLD_S.
+        _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f, timeout=30.0)
         assert not failed
         assert all(bytes(p[[12, 13]].numpy().tobytes()) == payload[i * 2 * PLANE_BYTES:
                                                                    (i + 1) * 2 * PLANE_BYTES]

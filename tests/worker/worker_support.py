@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 
-def drain(worker, *, until, timeout=10.0):
+def drain(worker, *, until, timeout=30.0):
     """Poll until ``until(reports, finished, failed)`` holds; returns those three (the
-    worker's reports, the finished request ids and the failed block ids so far)."""
+    worker's reports, the finished request ids and the failed block ids so far).
+    ``timeout`` bounds a hang only."""
     finished, failed, reports = set(), set(), []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
