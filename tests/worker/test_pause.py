@@ -10,7 +10,6 @@ no copy can touch that memory, and what was in flight is reported by the next po
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from test_runner import (
     make_worker,
     wait_until,
 )
-from worker_support import drain
+from worker_support import drain, wait_until_blocked
 
 from kv_offload.copy import make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
@@ -75,11 +74,11 @@ def test_pause_returns_once_the_store_copies_in_flight_have_ended(planes, tmp_pa
     worker.hold(["held"])
     try:
         pausing = pause_in_background(worker)
-        time.sleep(0.1)
+        wait_until_blocked(pausing)
         assert pausing.is_alive(), "pause returned while a store copy could still run"
     finally:
         engine.release.set()
-    pausing.join(5)
+    pausing.join(30)  # bounds a hang only
     assert not pausing.is_alive()
     assert worker.paused
     result = worker.poll()
@@ -163,19 +162,19 @@ def test_pause_waits_for_a_load_copy_in_progress(planes, monkeypatch):
 
     def gated_load(slots, block_ids, *, after=None):
         copying.set()
-        assert release.wait(10), "the test never released the load copy"
+        assert release.wait(60), "the test never released the load copy"
         return real_load(slots, block_ids, after=after)
 
     worker.engine.load = gated_load
     worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 0),))])
-    assert copying.wait(5)
+    assert copying.wait(30)
     try:
         pausing = pause_in_background(worker)
-        time.sleep(0.1)
+        wait_until_blocked(pausing)
         assert pausing.is_alive(), "pause returned while a load copy was running"
     finally:
         release.set()
-    pausing.join(5)
+    pausing.join(30)  # bounds a hang only
     assert not pausing.is_alive()
     _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
     assert not failed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 
@@ -22,3 +24,18 @@ def drain(worker, *, until, timeout=30.0):
             return reports, finished, failed
         time.sleep(0.01)
     raise AssertionError("worker did not finish in time")
+
+
+def wait_until_blocked(thread: threading.Thread, timeout: float = 30.0) -> None:
+    """Return once ``thread`` waits on an event, condition or future (its innermost
+    Python frame is a ``wait`` of the threading module) or has ended. For checks that
+    something is still waiting: no grace period that a busy host could outlast.
+    ``timeout`` bounds a hang only."""
+    deadline = time.monotonic() + timeout
+    while thread.is_alive():
+        frame = sys._current_frames().get(thread.ident)
+        if (frame is not None and frame.f_code.co_name == "wait"
+                and frame.f_code.co_filename == threading.__file__):
+            return
+        assert time.monotonic() < deadline, f"{thread.name} neither waits nor ends"
+        time.sleep(0.001)
