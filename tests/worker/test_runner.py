@@ -155,7 +155,7 @@ class BlockingSlab:
         self.release = threading.Event()
 
     def read(self, slot, buf, expected):
-        self.release.wait(10)
+        self.release.wait(60)  # bounds a hang only: longer than any drain
         np.frombuffer(buf, dtype=np.uint8)[:] = 7
         return True
 
