@@ -148,11 +148,13 @@ def group_kind(spec: Any) -> str:
     if name == "MambaSpec" and getattr(spec, "mamba_cache_mode", None) == "align":
         return "mamba"  # its states at chunk ends; refused for now: refuse_mamba_hybrids
     if "Mamba" in name or "ShortConv" in name or "LinearAttention" in name:
+        mode = getattr(spec, "mamba_cache_mode", None)
         raise UnsupportedEngineError(
             f"kv-offload does not serve models with mamba or linear-attention layers "
-            f"({name}) yet: their state at a chunk boundary is not stored, and vLLM "
-            f"0.32's CPU backend cannot run them with prefix caching to test it. Remove "
-            f"the --kv-transfer-config for this model (README, Limits).")
+            f"({name}) outside vLLM's 'align' prefix-caching mode (this engine: "
+            f"mamba_cache_mode={mode!r}): only there does vLLM hand a connector the "
+            f"state at chunk boundaries, and mamba hybrids are refused in that mode too "
+            f"for now. Remove the --kv-transfer-config for this model (README, Limits).")
     raise UnsupportedEngineError(
         f"kv-offload stores full-attention, MLA and sliding-window KV caches; this model "
         f"has a {name} KV cache group (chunked-local, encoder, cross-attention, sink "

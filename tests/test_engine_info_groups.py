@@ -96,3 +96,55 @@ def test_a_kv_cache_whose_new_blocks_vllm_zeroes_is_refused(vllm_config, monkeyp
     monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: True))
     with pytest.raises(UnsupportedEngineError, match="zeroes"):
         layout_from_vllm(vllm_config, config, OffloadConfig(chunk_tokens=64))
+
+
+def _mamba(mode: str = "align", block: int = BLOCK):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    page = _full(block).page_size_bytes  # vLLM pads the mamba page to the attention page
+    return MambaSpec(block_size=block, shapes=((3, 32), (2, 8, 8)),
+                     dtypes=(torch.bfloat16, torch.float32), page_size_padded=page,
+                     mamba_cache_mode=mode)
+
+
+def _mamba_hybrid(mode: str = "align") -> KVCacheConfig:
+    return _config(KVCacheGroupSpec(_layers(0, 1), _full()),
+                   KVCacheGroupSpec([f"model.layers.{i}.mixer" for i in (2, 3)], _mamba(mode)))
+
+
+def test_a_mamba_hybrid_is_refused_on_the_cpu_backend_naming_vllms_limitation(vllm_config):
+    """vLLM's CPU chunk scan ignores return_intermediate_states: no prefix caching for
+    mamba layers there, so kv-offload refuses them, saying so (docs/bad-input.md)."""
+    with pytest.raises(UnsupportedEngineError, match="CPU chunk scan ignores "
+                       "return_intermediate_states"):
+        layout_from_vllm(vllm_config, _mamba_hybrid(), OffloadConfig(chunk_tokens=64))
+
+
+def test_a_mamba_hybrid_is_refused_on_gpus_until_gpu_check_covers_it(vllm_config,
+                                                                      monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(UnsupportedEngineError, match="until benchmarks/gpu_check.sh covers"):
+        layout_from_vllm(vllm_config, _mamba_hybrid(), OffloadConfig(chunk_tokens=64))
+
+
+def test_mamba_outside_align_mode_is_refused_with_its_mode(vllm_config):
+    with pytest.raises(UnsupportedEngineError, match="mamba_cache_mode='none'"):
+        layout_from_vllm(vllm_config, _mamba_hybrid("none"), OffloadConfig(chunk_tokens=64))
+
+
+def test_a_mamba_group_is_named_by_its_state_layout_where_accepted(vllm_config, monkeypatch):
+    """What the scheduler harness runs (it replaces refuse_mamba_hybrids): the namespace
+    names the mamba group by its state tensors, and vLLM's mamba zeroing alone is not a
+    refusal of its own (docs/architecture.md, Mamba state entries)."""
+    import kv_offload.engine_info as engine_info
+
+    monkeypatch.setattr(engine_info, "refuse_mamba_hybrids", lambda config: None)
+    config = _mamba_hybrid()
+    assert config.needs_kv_cache_zeroing
+    layout = layout_from_vllm(vllm_config, config, OffloadConfig(chunk_tokens=64))
+    assert layout.groups == (KVGroup("full_attention", 2, BLOCK),
+                             KVGroup("mamba", 2, BLOCK,
+                                     state="MAMBA2:(3,32)bfloat16+(2,8,8)float32"))
+    assert layout.chunk_map.positions == 64 // BLOCK + 1
