@@ -61,7 +61,7 @@ def remote_scheduler(remote, **kwargs):
 def matched(sched, request, num_computed_tokens: int = 0) -> tuple[int, int]:
     """(the answer, how many times vLLM was told to ask again first): what vLLM does,
     one step after another, while the remote answer is pending."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # bounds a hang only
     pending = 0
     while (answer := sched.num_matched_tokens(request, num_computed_tokens)) is None:
         pending += 1
