@@ -127,8 +127,10 @@ def cuda_available() -> bool:
 
 def nvrtc_version() -> tuple[int, int] | None:
     """The NVRTC version CuPy loads (the tile-copy kernel of ``kernel`` mode is compiled
-    with it), or None when it cannot be loaded: ``auto`` then copies with
-    cudaMemcpyAsync only and ``kernel`` mode is refused. Never raises."""
+    with it), or None when it cannot be loaded. The engine does not ask: it compiles the
+    kernel when ``kernel`` mode is chosen, so a missing NVRTC fails then; the GPU check
+    (``testing/gpu_check.py``) and the tests ask, to skip that mode. Here because every
+    CuPy call is. Never raises."""
     try:
         _cupy()
         from cupy_backends.cuda.libs import nvrtc
