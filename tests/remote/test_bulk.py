@@ -13,19 +13,10 @@ import pytest
 
 from kv_offload.remote.bulk import RespErrorReply, RespProtocolError, read_value_into
 from kv_offload.remote.values import ValueCheck, encode_header
+from kv_offload.testing.clock import FakeClock
 
 NAME = b"kvo:{ns:00}:r0of1"
 SLOT = 4096
-
-
-class FakeClock:
-    """Seconds that pass only when the fake socket says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeSock:

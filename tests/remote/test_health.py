@@ -6,18 +6,11 @@ import logging
 import threading
 
 from kv_offload.remote.health import RemoteHealth
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from kv_offload.testing.clock import FakeClock
 
 
 def test_backoff_doubles_until_the_cap_and_resets_on_success():
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = RemoteHealth("test", min_backoff_s=1, max_backoff_s=4, clock=clock)
     assert health.should_try() and health.up
     waits = []
@@ -36,7 +29,7 @@ def test_backoff_doubles_until_the_cap_and_resets_on_success():
 
 
 def test_only_one_probe_at_a_time_while_down():
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = RemoteHealth("test", min_backoff_s=1, clock=clock)
     health.record_failure("timeout")
     clock.now += 2
@@ -51,7 +44,7 @@ def test_only_one_probe_at_a_time_while_down():
 
 
 def test_a_burst_of_failures_logs_once_and_recovery_once(caplog):
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = RemoteHealth("redis://x", clock=clock)
     with caplog.at_level(logging.WARNING, logger="kv_offload.remote.health"):
         for _ in range(50):
@@ -67,7 +60,7 @@ def test_a_burst_of_failures_logs_once_and_recovery_once(caplog):
 def test_calls_in_flight_when_the_server_goes_away_count_as_one_outage():
     """Eight reads failing together backed off 30 s (doubling per failed call) instead
     of 0.5 s: one server restart took the tier off for half a minute."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = RemoteHealth("t", min_backoff_s=0.5, max_backoff_s=30, clock=clock)
     assert all(health.should_try() for _ in range(8))
     for _ in range(8):

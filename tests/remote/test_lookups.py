@@ -16,22 +16,15 @@ import pytest
 
 from kv_offload.remote.health import RemoteHealth
 from kv_offload.remote.lookups import MAX_BATCH, RemoteLookups
+from kv_offload.testing.clock import FakeClock
 
 BUDGET = 0.020
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeTier:
     """Holds ``keys``; each round trip takes ``rtt`` on the fake clock."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.keys: set[bytes] = set()
         self.health = RemoteHealth("fake", clock=clock)
@@ -71,7 +64,7 @@ def keys(tag: str, n: int) -> list[bytes]:
 
 @pytest.fixture
 def setup():
-    clock = Clock()
+    clock = FakeClock(100.0)
     tier = FakeTier(clock)
     lookups = RemoteLookups(tier, budget_s=BUDGET, clock=clock, start=False)
     return lookups, tier, clock
@@ -158,7 +151,7 @@ def test_a_miss_is_not_remembered_for_the_next_request():
     answered a prefix this engine computed and stored right after its lookup, then
     dropped from the CPU tier (reset_connector), a miss again when asked about within
     it: no remote hit."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     tier = FakeTier(clock)
     lookups = RemoteLookups(tier, budget_s=BUDGET, clock=clock, start=False)
     lookups.ask("cold", keys("m", 3))

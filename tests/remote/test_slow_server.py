@@ -17,6 +17,7 @@ import pytest
 
 from kv_offload.remote import RemoteTarget, RemoteTier
 from kv_offload.remote.lookups import RemoteLookups
+from kv_offload.testing.clock import FakeClock
 from kv_offload.testing.redis_server import SlowProxy
 
 NS = "5e" * 16
@@ -42,16 +43,6 @@ def slow(redis_server):
         tier.health.min_backoff_s = 0.05
         yield proxy, tier
         tier.close()
-
-
-class FakeClock:
-    """The lookups' clock: the budget passes only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def gate_lookups(tier: RemoteTier) -> tuple[threading.Event, threading.Event]:

@@ -17,6 +17,7 @@ import redis
 from kv_offload.remote import RemoteTarget, RemoteTier, ValueCheck
 from kv_offload.remote import cluster as cluster_module
 from kv_offload.remote import tier as tier_module
+from kv_offload.testing.clock import FakeClock
 
 NS = "ab" * 16
 SLOT = 64 * 1024
@@ -36,16 +37,6 @@ def tier_for(target: RemoteTarget, *, num_ranks: int = 1, timeout_s: float = 1.0
                    timeout_s=timeout_s, key_prefix="kvo-test", **kwargs)
     t.health.min_backoff_s = 0.05
     return t
-
-
-class FakeClock:
-    """The tier's clock (its backoff's): seconds pass only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class CountingConnect:
