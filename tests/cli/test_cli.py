@@ -238,7 +238,7 @@ def test_an_index_cut_short_is_an_error_not_a_crash_and_can_be_cleared(store, ca
 
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import sys
     from kv_offload.disk import DiskIndex, SlabFile
     root, ns, what, slot = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     if what == "index":
@@ -247,7 +247,7 @@ HOLDER = textwrap.dedent("""
     else:
         held = SlabFile(root, namespace_id=ns, rank=0, num_ranks=1, slot_bytes=slot)
     print("ready", flush=True)
-    time.sleep(120)
+    sys.stdin.read()  # holds the store until the test ends (kills it or closes stdin)
 """)
 
 
@@ -258,7 +258,7 @@ def holder(store):
 
     def start(ns: str, what: str) -> int:
         proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(store), ns, what, str(SLOT)],
-                                stdout=subprocess.PIPE, text=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         procs.append(proc)
         assert proc.stdout.readline().strip() == "ready"
         return proc.pid
