@@ -114,6 +114,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_placement: KVPlacement = ()
         self._pending_failed_blocks: set[int] = set()
         self._pending_failed_reqs: set[str] = set()
+        self._stores_issued_for: StepPlan | None = None  # the last plan _issue_stores ran
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
             if (self.persistent or self.remote_enabled) and not self.config.verify_checksums:
@@ -471,11 +472,27 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return  # loads are asynchronous: requests wait outside the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kw: Any) -> None:
-        return  # stores run once per step in wait_for_save, after the whole forward
+        return  # stores are issued once per step, after the whole forward (_issue_stores)
+
+    def finish_forward(self) -> None:
+        # Model Runner V2 (vLLM 0.32+ on CUDA with Triton, the only runner from 0.34):
+        # right after the forward, before sampling and drafting, the earliest point the
+        # step's KV is all written. docs/architecture.md, "Hook order on both model runners".
+        self._issue_stores()
 
     def wait_for_save(self) -> None:
+        # The V1 runner never calls finish_forward: its stores are issued here. On V2
+        # they were, and this does nothing.
+        self._issue_stores()
+
+    def _issue_stores(self) -> None:
+        """Start the store copies of the bound plan, once per plan whichever hook comes
+        first (the worker never waits for them: invariant 3)."""
         plan = self._plan()
-        if plan is not None and plan.stores and self._worker is not None:
+        if plan is None or plan is self._stores_issued_for:
+            return
+        self._stores_issued_for = plan
+        if plan.stores and self._worker is not None:
             self._worker.run_stores(plan.stores)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

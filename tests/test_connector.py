@@ -247,13 +247,19 @@ def worker_connector():
     conn.shutdown()
 
 
-def worker_step(conn, plan: StepPlan) -> tuple[set[str], WorkerReport]:
-    """One step of the worker-side hooks (V1's order) with ``plan``: the requests reported
-    loaded and the report. The CPU backend's engine copies stores in ``wait_for_save`` and
-    CPU-tier loads in ``start_load_kv``, so one step reports both."""
+def worker_step(conn, plan: StepPlan, *, runner: str = "v1",
+                after_forward=lambda: None) -> tuple[set[str], WorkerReport]:
+    """One step of the worker-side hooks in ``runner``'s order with ``plan``: the requests
+    reported loaded and the report. The CPU backend's engine copies stores where they are
+    issued and CPU-tier loads in ``start_load_kv``, so one step reports both.
+    ``after_forward``: what the runner does between the forward and ``wait_for_save``
+    (V2: ``finish_forward`` first, then sampling and drafting)."""
     meta = OffloadConnectorMetadata(plan)
     conn.handle_preemptions(meta)
     conn.bind_connector_metadata(meta)
+    if runner == "v2":
+        conn.finish_forward()
+    after_forward()
     conn.start_load_kv(None)
     conn.wait_for_save()
     _, recving = conn.get_finished(set())
@@ -315,3 +321,41 @@ def test_a_kv_cache_restored_in_another_shape_is_refused_and_stays_paused(worker
         conn.restore_kv_caches()
     _, report = worker_step(conn, StepPlan(stores=(StoreJob(1, (ChunkMove((2, 3), 0),)),)))
     assert report.host_failed == {1: 1}
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_stores_are_issued_at_finish_forward_on_v2_and_at_wait_for_save_on_v1(
+        worker_connector, runner):
+    """Issue 32 §3: Model Runner V2 calls ``finish_forward`` right after the forward, before
+    sampling, drafting and ``wait_for_save``; the store copies start there, once. The V1
+    runner never calls it: they start in ``wait_for_save``. Either way the chunk holds the
+    bytes the forward wrote, even when the blocks change after the issue point (on V2,
+    after finish_forward: nothing may write them then, and the copy must not see it)."""
+    conn, kv = worker_connector
+    issued: list[str] = []
+    run_stores = conn._worker.run_stores
+    hook = ["forward"]
+
+    def spy(jobs):
+        issued.append(hook[0])
+        run_stores(jobs)
+
+    conn._worker.run_stores = spy
+    real_finish, real_wait = conn.finish_forward, conn.wait_for_save
+    conn.finish_forward = lambda: (hook.__setitem__(0, "finish_forward"), real_finish())[1]
+    conn.wait_for_save = lambda: (hook.__setitem__(0, "wait_for_save"), real_wait())[1]
+    forward_wrote = [layer[[2, 3]].clone() for layer in kv]
+
+    def overwrite():  # past the issue point on V2, before it on V1
+        for layer in kv:
+            layer[[2, 3]] = -1.0
+
+    store = StoreJob(1, (ChunkMove((2, 3), 0),))
+    _, report = worker_step(conn, StepPlan(stores=(store,)), runner=runner,
+                            after_forward=overwrite if runner == "v2" else lambda: None)
+    assert issued == ["finish_forward" if runner == "v2" else "wait_for_save"]
+    assert report.host_stored == {1: 1}
+    load = LoadJob(2, "r", (ChunkMove((4, 5), 0),))
+    loaded, _ = worker_step(conn, StepPlan(loads=(load,)), runner=runner)
+    assert loaded == {"r"} and issued == issued[:1]  # a plan without stores issues none
+    assert all(torch.equal(layer[[4, 5]], want) for layer, want in zip(kv, forward_wrote))

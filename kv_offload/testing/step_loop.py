@@ -7,13 +7,14 @@ outputs (async scheduling: vLLM schedules step N+1 before it sees step N's), the
 worker in one model runner's order (``runner``):
 
 - ``"v1"`` (``gpu_model_runner.py``): ``fence`` preempted requests (handle_preemptions),
-  ``hold`` finished ones, the forward and sampling, ``start_loads`` (before the forward
-  every other step, as vLLM before 0.32 did), ``run_stores``, ``poll``;
+  ``hold`` finished ones, the forward, ``start_loads`` (before the forward every other
+  step, as vLLM before 0.32 did), ``run_stores`` (wait_for_save), ``poll``, sampling;
 - ``"v2"`` (``gpu/model_runner.py``, vLLM 0.32's default on CUDA): ``update_requests``
   first (with ``zero_new_blocks``, it zeroes the blocks allocated this step, as vLLM
   does for caches that need it: mamba layers, mixed precisions), then ``pre_forward``'s
-  ``fence`` and ``hold``, the forward and sampling, then ``post_forward``:
-  ``start_loads``, ``run_stores``, ``poll``.
+  ``fence`` and ``hold``, the forward, ``run_stores`` (finish_forward, where the
+  connector issues V2's stores), sampling, then ``post_forward``: ``start_loads``,
+  ``poll``.
 
 The forward (kernels on the compute stream) writes every scheduled token's KV and checks
 the KV of every loaded token. Freed blocks go back LIFO, so the next request reuses them
@@ -223,12 +224,19 @@ class StepLoop:
         loads_first = self.runner == "v1" and self.counts["steps"] % 2 == 1
         if loads_first:
             self.worker.start_loads(plan.loads)
-        finished = self._forward(scheduled)  # the forward and sampling
+        self._forward(scheduled)
+        finished: list[str] = []
+        if self.runner == "v2":  # finish_forward: before sampling and post_forward
+            self.worker.run_stores(plan.stores)
+            finished = self._sample(scheduled)
         if not loads_first:
             self.worker.start_loads(plan.loads)
-        self.worker.run_stores(plan.stores)
+        if self.runner == "v1":  # wait_for_save, after the async loads start
+            self.worker.run_stores(plan.stores)
         self.counts["chunks_stored"] += sum(len(j.chunks) for j in plan.stores)
         result, report = self.worker.poll(), self.worker.take_report()
+        if self.runner == "v1":  # sampling comes last on V1
+            finished = self._sample(scheduled)
         for name, value in self.worker.take_stats().items():
             self.stats[name] = self.stats.get(name, 0) + value
         news = (result.finished_req_ids or result.finished_sending or result.failed_block_ids
@@ -236,12 +244,10 @@ class StepLoop:
         self._outputs = (result, report, finished) if news else None
         self.counts["steps"] += 1
 
-    def _forward(self, scheduled: list[tuple[str, int]]) -> list[str]:
-        """Check loaded KV, write the KV of the scheduled tokens (on the current stream),
-        sample one token per request. Returns the requests that finished."""
+    def _forward(self, scheduled: list[tuple[str, int]]) -> None:
+        """Check loaded KV, write the KV of the scheduled tokens (on the current stream)."""
         if self.slow and self.device.type == "cuda":
             torch.cuda._sleep(self.slow)  # the GPU lags behind the host, as in real runs
-        finished = []
         for rid, _ in scheduled:
             req = self.requests[rid]
             if req.loaded:
@@ -250,6 +256,13 @@ class StepLoop:
                 req.loaded = 0
             self._write(req, req.computed, req.num_tokens)
             req.computed = req.num_tokens
+
+    def _sample(self, scheduled: list[tuple[str, int]]) -> list[str]:
+        """One token per scheduled request (host only: no KV is written). Returns the
+        requests that finished."""
+        finished = []
+        for rid, _ in scheduled:
+            req = self.requests[rid]
             h = int(kv_values(req.tokens)[-1])
             req.tokens.append(1 + (h * 7919) % 29_999)
             req.rehash()

@@ -137,7 +137,7 @@ def requests_with_reserved_blocks(scheduler: Any) -> set[Any]:
 
 def finish_forward(connector: Any) -> None:
     """V2's ``finish_forward`` hook, right after the forward, where the installed vLLM's
-    connector base class has it (0.34); nothing elsewhere."""
+    connector base class has it (0.32 on); nothing elsewhere."""
     hook = getattr(connector, "finish_forward", None)
     if hook is not None:
         hook()

@@ -31,7 +31,7 @@ def _record_hooks(harness: SchedulerHarness, req_id: str) -> list[tuple[str, boo
     conn = harness.runner.connector
     for name in HOOKS:
         real = getattr(conn, name, None)
-        if real is None:  # finish_forward: only where vLLM's base class has it (0.34)
+        if real is None:  # finish_forward: only where vLLM's base class has it (0.32 on)
             continue
 
         def hook(*args, _real=real, _name=name, **kwargs):
@@ -91,3 +91,39 @@ def test_the_default_order_is_the_installed_cpu_backends_and_others_are_refused(
     with pytest.raises(ValueError, match="model_runner must be one of"):
         FakeModelRunner(None, [], 8, async_scheduling=False, on_background=lambda: None,
                         model_runner="v3")
+
+
+@pytest.mark.parametrize("model_runner", installed_model_runners())
+def test_store_copies_start_at_finish_forward_on_v2_and_at_wait_for_save_on_v1(
+        make_harness, model_runner):
+    """Issue 32 §3: on V2 the step's store copies start in ``finish_forward``, right after
+    the forward (before sampling and ``post_forward``); on V1, which never calls it, in
+    ``wait_for_save``; once either way. The next request loads what they copied (the
+    fake forward checks every loaded token's KV) and the engine ends idle."""
+    harness = make_harness(model_runner=model_runner, disk=False, copy_thread=False)
+    events: list[str] = []
+    conn = harness.runner.connector
+    for name in ("finish_forward", "wait_for_save"):
+        real = getattr(conn, name)
+
+        def hook(*args, _real=real, _name=name, **kwargs):
+            events.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(conn, name, hook)
+    note_copy = harness.note_copy
+    harness.note_copy = lambda what: (events.append(what), note_copy(what))[1]
+    prompt = list(range(3, 3 + 2 * harness.chunk_tokens + 1))
+    harness.add("a", prompt, max_tokens=2)
+    harness.step()  # the prefill: both chunks complete, one store job
+    if model_runner == "v2":
+        assert events == ["finish_forward", "store", "wait_for_save"]
+    else:
+        assert events == ["wait_for_save", "store"]
+    harness.run()
+    assert harness.reset_prefix_cache(reset_connector=False)  # b must load, not hit locally
+    harness.add("b", prompt + [7], max_tokens=2)
+    harness.run()
+    assert harness.scheduler_side.counters.hit_tokens_cpu == 2 * harness.chunk_tokens
+    assert events.count("store") == 1 and events.count("load") == 1
+    assert harness.check_idle() == []

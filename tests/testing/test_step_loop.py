@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_offload.testing.step_loop import run_step_loop
+from kv_offload.testing.step_loop import StepLoop, run_step_loop
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("background_stores", [False, True], ids=["inline", "background"])
 def test_step_loop_moves_every_byte_right(background_stores, runner):
     """Both model runners' orders of calls: V1's, and V2's (vLLM 0.32's default on CUDA:
-    handle_preemptions in pre_forward, loads, stores and get_finished after sampling)."""
+    handle_preemptions in pre_forward, stores issued in finish_forward before sampling,
+    loads and get_finished after it)."""
     # Loads finish on real threads, so a run's path depends on timing; at 150 steps a
     # loaded machine saw no held request in one run (about 2 expected), at 500 about 10.
     out = run_step_loop("cpu", steps=500, seed=3, background_stores=background_stores,
@@ -30,6 +31,36 @@ def test_step_loop_moves_every_byte_right(background_stores, runner):
     assert out["mismatches"] == 0 and out["stored_mismatches"] == 0, out
     assert out["tokens_loaded"] > 0 and out["chunks_stored"] > 0, out  # both paths ran
     assert out["held"] > 0 and out["preempted"] > 0, out
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_step_loop_issues_stores_where_each_runner_does(runner):
+    """V2 issues a step's stores in finish_forward: after the forward, before sampling and
+    post_forward's loads; V1 in wait_for_save, after the loads start. Either way the
+    forward has written every scheduled token and none is sampled yet."""
+    loop = StepLoop("cpu", seed=4, runner=runner)
+    calls: list[str] = []
+    worker = loop.worker
+    real_start, real_store = worker.start_loads, worker.run_stores
+
+    def run_stores(jobs):
+        calls.append("stores")
+        storing = [loop.requests[r] for job in jobs for r in job.req_ids]
+        assert all(r.computed == r.num_tokens for r in storing)  # not sampled yet
+        real_store(jobs)
+
+    worker.start_loads = lambda jobs: (calls.append("loads"), real_start(jobs))[1]
+    worker.run_stores = run_stores
+    try:
+        for _ in range(40):
+            calls.clear()
+            loop.step()
+            if loop.counts["steps"] % 2 == 1:  # V1 starts loads first every other step
+                assert calls == (["stores", "loads"] if runner == "v2" else ["loads", "stores"])
+        loop.drain()
+    finally:
+        loop.close()
+    assert loop.counts["chunks_stored"] > 0 and loop.stored_mismatches() == 0
 
 
 def test_step_loop_with_every_copy_audited_finds_nothing_wrong():
