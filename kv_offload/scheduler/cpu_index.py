@@ -118,7 +118,8 @@ class CpuIndex:
 
     def counts(self) -> dict[str, int]:
         """Entries per state, pinned entries, free slots and discarded slots still
-        pinned (for tests and metrics)."""
+        pinned: what the leak checks read (``testing/engine_state.py``, the soak, the
+        scheduler harness and tests); no metric uses it."""
         out = {s.value: 0 for s in SlotState}
         pinned = 0
         for entry in self._entries.values():
