@@ -119,6 +119,13 @@ class OffloadConfig:
             at run time (the device blocks re-read and compared with the host slot); a
             mismatch discards the chunk and falls back to the plainest copy path.
             Default 0.01; 0 turns the audit off.
+        sync_load_budget_ms: copy time a step may spend loading CPU-tier hits before its
+            forward, so that their requests run in the step that schedules them (a
+            same-step load) instead of waiting a step outside the batch. The whole batch's
+            forward waits for these copies: the budget bounds that wait, at the load
+            bandwidth the workers measure. Hits past it, and disk and remote hits, load
+            asynchronously. Default 20; 0 turns same-step loads off. Models with several
+            KV cache groups (hybrids) always load asynchronously.
     """
 
     cpu_size: int | str = "4GiB"
@@ -147,6 +154,7 @@ class OffloadConfig:
     connector_reset: str = "all"
     copy_mode: str = "auto"
     audit_rate: float = 0.01
+    sync_load_budget_ms: float = 20.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -190,6 +198,10 @@ class OffloadConfig:
         if (isinstance(rate, bool) or not isinstance(rate, (int, float))
                 or not math.isfinite(rate) or not 0 <= rate <= 1):
             raise ValueError(f"audit_rate: expected a fraction from 0 (off) to 1, got {rate!r}")
+        budget = self.sync_load_budget_ms
+        if budget != 0:
+            _check_seconds(budget, "sync_load_budget_ms (0 turns same-step loads off)",
+                           maximum=10_000, unit="milliseconds")
         self._check_remote()
 
     def _check_remote(self) -> None:

@@ -115,6 +115,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_failed_blocks: set[int] = set()
         self._pending_failed_reqs: set[str] = set()
         self._stores_issued_for: StepPlan | None = None  # the last plan _issue_stores ran
+        self._read_failed_load: StepPlan | None = None  # a plan whose same-step load failed
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
             if (self.persistent or self.remote_enabled) and not self.config.verify_checksums:
@@ -210,7 +211,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,
             num_cpu_slots=num_cpu_slots(self.config, self.layout),
             store_generated=self.config.store_generated,
-            eviction_policy=self.config.eviction_policy, groups=self.layout.groups)
+            eviction_policy=self.config.eviction_policy, groups=self.layout.groups,
+            same_step_budget_s=self._same_step_budget_s(),
+            chunk_bytes=self.layout.slot_bytes)
         self._scheduler = OffloadScheduler(
             planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
             remote=remote)
@@ -220,6 +223,18 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._summary_totals: dict[str, float] = {}
         self._disk_gauges: dict[str, int] = {}
         self._disk_gauges_at = 0.0
+
+    def _same_step_budget_s(self) -> float:
+        """``sync_load_budget_ms`` in seconds; 0 (same-step loads off) with async
+        scheduling: vLLM (0.32-0.34) recovers from a failed same-step load only in the step
+        that ran it, and with async scheduling the next step, already scheduled, computes
+        the request again on the failed KV and keeps its token (docs/vllm-bugs.md)."""
+        if self.config.sync_load_budget_ms and getattr(
+                self._vllm_config.scheduler_config, "async_scheduling", False):
+            logger.info("kv-offload: same-step loads are off with async scheduling; hits "
+                        "load asynchronously (docs/vllm-bugs.md)")
+            return 0.0
+        return self.config.sync_load_budget_ms / 1000
 
     @property
     def _sched(self) -> OffloadScheduler:
@@ -240,7 +255,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                    ) -> tuple[int | None, bool]:
         hit = self._guard.call("get_num_new_matched_tokens", lambda: 0,
                                self._sched.num_matched_tokens, request, num_computed_tokens)
-        return (None, False) if hit is None else (hit, hit > 0)
+        if hit is None:
+            return None, False
+        # A same-step hit runs in this step: loaded in start_load_kv, before the forward.
+        return hit, hit > 0 and self._guard.call(
+            "get_num_new_matched_tokens (async)", lambda: True, self._sched.load_is_async,
+            request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -297,6 +317,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         stats = connector_output.kv_connector_stats
         if isinstance(stats, OffloadStats):  # worker-side deltas, for the log summary
             _add(self._summary_totals, stats.data)
+            budget = self._sched.same_step
+            if budget is not None:  # the load bandwidth that sizes same-step loads
+                budget.observe(stats.data.get("bytes_load", 0),
+                               stats.data.get("seconds_load", 0))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -464,12 +488,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.resume(engine=engine, audit=audit)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # Before the forward when the step has same-step loads (has_sync_kv_loads), after
+        # it otherwise, on both model runners: same-step jobs are in the engine (or
+        # ordered before the forward on the device) when this returns.
         plan = self._plan()
         if plan is not None and plan.loads and self._worker is not None:
-            self._worker.start_loads(plan.loads)
+            if not self._worker.start_loads(plan.loads):  # a same-step load failed
+                self._read_failed_load = plan  # its stores would copy KV computed on it
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: requests wait outside the forward pass
+        return  # same-step loads are whole before the forward (start_load_kv)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kw: Any) -> None:
         return  # stores are issued once per step, after the whole forward (_issue_stores)
@@ -493,7 +521,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._stores_issued_for = plan
         if plan.stores and self._worker is not None:
-            self._worker.run_stores(plan.stores)
+            if plan is self._read_failed_load:
+                self._worker.run_stores(plan.stores, discard=True)
+            else:
+                self._worker.run_stores(plan.stores)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Before this step's forward and before it starts loads, on both model runners

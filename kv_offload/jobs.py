@@ -42,11 +42,17 @@ class ChunkMove:
 @dataclass(frozen=True, slots=True)
 class LoadJob:
     """Disk or remote -> host (when ``disk_slot`` or ``remote_key`` is set) -> engine
-    blocks, for one request."""
+    blocks, for one request.
+
+    ``same_step``: every chunk is in a READY CPU slot and vLLM runs the request in this
+    very step (the connector answered its lookup with a synchronous hit): the workers copy
+    it in ``start_load_kv``, before the step's forward, and report a failed chunk's blocks
+    as load errors of this step, never as a finished receive."""
 
     job_id: int
     req_id: str
     chunks: tuple[ChunkMove, ...]
+    same_step: bool = False
 
 
 @dataclass(frozen=True, slots=True)

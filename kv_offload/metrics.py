@@ -49,6 +49,9 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "stores_without_state": ("kv_offload_stores_without_state_total",
                              "Chunks not stored because vLLM handed over no mamba state "
                              "for their end boundary", {}),
+    "loads_same_step": ("kv_offload_loads_same_step_total",
+                        "Loads copied before the forward of the step that runs their "
+                        "request (no wait outside the batch)", {}),
     "load_errors": ("kv_offload_load_errors_total",
                     "Chunks whose load failed and were recomputed", {}),
     "checksum_failures": ("kv_offload_checksum_failures_total",

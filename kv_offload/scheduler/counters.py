@@ -29,6 +29,7 @@ class SchedulerCounters:
     stores_without_state: int = 0  # chunks not stored: no mamba state handed over for its end
     evictions_cpu: int = 0
     load_errors: int = 0  # chunks whose load failed or vanished (recomputed)
+    loads_same_step: int = 0  # loads copied before the forward of the step that ran them
     loads_given_up: int = 0  # loads vLLM dropped as a whole (answered a miss on retry)
     hook_errors: int = 0  # exceptions caught in connector hooks (degraded to a miss)
     remote_lookups: int = 0  # existence checks sent to the remote tier (one per request)

@@ -33,7 +33,8 @@ class LoadPlanner:
     # -- planning --------------------------------------------------------------------------
 
     def plan(self, req_id: str, keys: Sequence[ChunkKey], run: Sequence[Source],
-             blocks: Sequence[tuple[int, ...]]) -> list[str | None]:
+             blocks: Sequence[tuple[int, ...]], *, same_step: bool = False
+             ) -> list[str | None]:
         """Queue a LoadJob of ``keys`` (engine blocks ``blocks`` per chunk) from the
         sources of ``run`` (a prefix of ``keys``; the chunks past it vanished since the
         lookup and become failed moves, so vLLM recomputes them). Pins every source; a
@@ -72,7 +73,7 @@ class LoadPlanner:
         self.counters.chunks_loaded_remote += chunk_tiers.count("remote")
         staged = frozenset(i for i, t in enumerate(chunk_tiers) if t in ("disk", "remote"))
         self.records[job_id] = LoadRecord(tuple(keys), tuple(moves), staged)
-        self._pending.append(LoadJob(job_id, req_id, tuple(moves)))
+        self._pending.append(LoadJob(job_id, req_id, tuple(moves), same_step=same_step))
         return chunk_tiers
 
     def _plan_move(self, source: Source | None, blocks: tuple[int, ...], job_id: int,
@@ -100,11 +101,12 @@ class LoadPlanner:
         slots = self.disk.allocate(keys)
         return {k: s for k, s in zip(keys, slots) if s is not None}
 
-    def fail(self, req_id: str, blocks: tuple[int, ...]) -> None:
+    def fail(self, req_id: str, blocks: tuple[int, ...], *, same_step: bool = False) -> None:
         """Queue a load of ``blocks`` that fails at once (the workers report them as load
         errors, vLLM recomputes them). Holds no pin and no record."""
         self.counters.load_errors += 1
-        self._pending.append(LoadJob(next(self._job_ids), req_id, (ChunkMove(blocks, None),)))
+        self._pending.append(LoadJob(next(self._job_ids), req_id, (ChunkMove(blocks, None),),
+                                     same_step=same_step))
 
     def take_pending(self) -> tuple[LoadJob, ...]:
         """Hand out the queued loads."""

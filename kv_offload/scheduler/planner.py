@@ -32,6 +32,7 @@ from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source, hits_discarded, loadable_run
 from kv_offload.scheduler.records import RequestState
+from kv_offload.scheduler.same_step import SameStepBudget, all_ready_in_cpu
 from kv_offload.scheduler.stores import StorePlanner
 from kv_offload.scheduler.tiers import (
     DiskIndexLike,
@@ -66,6 +67,8 @@ class PlannerConfig:
     store_generated: bool = False
     eviction_policy: str = "lru"
     groups: tuple[KVGroup, ...] = ()  # a hybrid engine's KV cache groups (KVLayout.groups)
+    same_step_budget_s: float = 0.0  # copy time a step may spend on same-step loads (0: off)
+    chunk_bytes: int = 0  # one chunk's bytes on one rank (KVLayout.slot_bytes)
 
 
 class OffloadScheduler:
@@ -118,6 +121,9 @@ class OffloadScheduler:
         self._fence_next: set[str] = set()  # finished requests whose copies need a fence
         self._paused_ranks: set[int] = set()  # ranks whose KV cache vLLM took away
         self._last_access_flush = clock()
+        # Same-step loads (issue 29) need vLLM's invalid_block_ids, one KV cache group only.
+        self.same_step = (SameStepBudget(config.same_step_budget_s, config.chunk_bytes)
+                          if config.same_step_budget_s > 0 and not config.groups else None)
 
     @property
     def disk_enabled(self) -> bool:
@@ -162,6 +168,7 @@ class OffloadScheduler:
             return None
         keys = self._keys(request, for_load=True)
         first = num_computed_tokens // self.config.chunk_tokens
+        state.same_step = False
         if first >= len(keys) or state.load_given_up or self.paused:
             hit_tokens = 0
         else:
@@ -173,8 +180,17 @@ class OffloadScheduler:
                 state.disk_outcome = (disk_hits, len(keys) - first - len(run))
             end = (first + len(run)) * self.config.chunk_tokens
             hit_tokens = max(0, end - num_computed_tokens)
+            state.same_step = (hit_tokens > 0 and self.same_step is not None
+                               and all_ready_in_cpu(run) and self.same_step.take(len(run)))
         state.lookup = (num_computed_tokens, hit_tokens)
         return hit_tokens
+
+    def load_is_async(self, req_id: str) -> bool:
+        """Whether the hit the last lookup of ``req_id`` reported loads asynchronously
+        (the request waits outside the batch) rather than in the step that schedules it:
+        ``same_step.SameStepBudget``."""
+        state = self._requests.get(req_id)
+        return state is None or not state.same_step
 
     def _loadable_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int
                       ) -> list[Source] | None:
@@ -248,6 +264,10 @@ class OffloadScheduler:
         keys = self._keys(request, for_load=True)
         # A question asked anew here (the local run changed since) is not waited for.
         run = (self._loadable_run(state, keys, first) or [])[:last - first]
+        same_step = state.same_step
+        if same_step:  # nothing can be staged before this step's forward: the rest fails
+            run = run[:next((i for i, s in enumerate(run) if not all_ready_in_cpu((s,))),
+                            len(run))]
         tables = block_tables(block_ids)
         blocks = []
         for c in range(first, last):
@@ -258,7 +278,9 @@ class OffloadScheduler:
                 logger.warning("kv-offload: %s; recomputing from there", exc)
                 run = run[:c - first]  # this chunk and the rest fail (vLLM recomputes)
                 blocks.append(self.chunk_map.store_blocks(tables, c) or (SKIP_BLOCK,))
-        tiers = self.loads.plan(request.request_id, keys[first:last], run, blocks)
+        tiers = self.loads.plan(request.request_id, keys[first:last], run, blocks,
+                                same_step=same_step)
+        self.counters.loads_same_step += same_step
         state.tier_tokens = {}
         for c, tier in zip(range(first, last), tiers):
             if tier is not None:
@@ -267,7 +289,7 @@ class OffloadScheduler:
         for tier, tokens in state.tier_tokens.items():
             name = f"hit_tokens_{tier}"
             setattr(self.counters, name, getattr(self.counters, name) + tokens)
-        state.loading = True
+        state.loading = not same_step  # a same-step load's request runs in this step
 
     def fail_load(self, req_id: str, block_ids: BlockTables, num_external_tokens: int
                   ) -> None:
@@ -280,9 +302,10 @@ class OffloadScheduler:
             return
         state = self._requests.get(req_id)
         if state is not None:
-            state.loading, state.lookup = True, None
+            state.loading, state.lookup = not state.same_step, None
         table = block_tables(block_ids)[0]  # with groups, vLLM recomputes the request
-        self.loads.fail(req_id, tuple(int(b) for b in table[-num_blocks:]))
+        self.loads.fail(req_id, tuple(int(b) for b in table[-num_blocks:]),
+                        same_step=state is not None and state.same_step)
 
     def take_pending_loads(self) -> tuple:
         """Hand out the queued loads (what ``plan_step`` does first; the fallback plan
@@ -325,6 +348,8 @@ class OffloadScheduler:
         fenced += self._window_freed(exclude=preempted)
         fenced += tuple(sorted(self._fence_next - set(fenced)))  # finished, see request_finished
         self._fence_next.clear()
+        if self.same_step is not None:
+            self.same_step.new_step()
         self.holds.forget(fenced)  # the fence protects their freed blocks: never held later
         store_job = self.stores.plan(stores) if stores else None
         if store_job is not None:

@@ -133,6 +133,11 @@ class FakeModelRunner:
         self.on_background = on_background
         self.requests: dict[str, _RequestState] = {}
         self.num_checked_tokens = 0
+        # This step's requests computed on wrong KV, with the blocks before their first
+        # scheduled position: excused only if the step reports one of those blocks as a
+        # load error (a failed same-step load: vLLM then discards the step's output and
+        # recomputes from the failed block).
+        self._suspects: dict[str, tuple[KVMismatchError, set[int]]] = {}
 
     def execute(self, so: Any) -> Any:
         """Run one step of ``so`` (a SchedulerOutput); returns its ModelRunnerOutput."""
@@ -155,6 +160,7 @@ class FakeModelRunner:
             vllm_compat.finish_forward(conn)
             sampled = self._sample(last_hashes)
             out = self._after_forward(so)
+        self._settle_suspects(set(out.invalid_block_ids or ()))
         req_ids = list(sampled)
         return vllm_compat.model_runner_output(req_ids, [sampled[r] for r in req_ids], out)
 
@@ -231,10 +237,34 @@ class FakeModelRunner:
                 raise KVMismatchError(f"{req_id}: scheduled up to position {end} but only "
                                       f"{len(tokens)} tokens are known")
             hashes = prefix_hashes(tokens, state.hashes)
-            self._check(req_id, state, hashes, start)
-            self._write(state, hashes, start, end)
+            try:
+                self._check(req_id, state, hashes, start)
+            except KVMismatchError as exc:
+                read = state.block_ids[0][:-(-start // self.block_size)]
+                self._suspects[req_id] = (exc, {int(b) for b in read})
+                self._write_garbage(state, start, end)  # computed on wrong KV
+            else:
+                self._write(state, hashes, start, end)
             last[req_id] = hashes[end - 1] if end == len(tokens) else None
         return last
+
+    def _settle_suspects(self, invalid_block_ids: set[int]) -> None:
+        """Raise for a request computed on wrong KV unless the step reported a block it
+        read as a load error: vLLM then drops its output and recomputes it (its next
+        ``SchedulerOutput`` says how many output tokens it kept)."""
+        suspects, self._suspects = self._suspects, {}
+        for exc, read in suspects.values():
+            if not read & invalid_block_ids:
+                raise exc
+
+    def _write_garbage(self, state: _RequestState, start: int, end: int) -> None:
+        """What a forward on wrong KV writes for ``[start, end)``: KV of no tokens."""
+        for g, group in enumerate(self.groups):
+            if group.mamba or end <= start:
+                continue
+            blocks, offsets = self._positions(state, g, start, end)
+            for tensor, _ in zip(self.kv, group.layers):
+                tensor.numpy()[blocks, 0, offsets, :] = -1.0
 
     def _sample(self, last_hashes: dict[str, int | None]) -> dict[str, list[int]]:
         sampled: dict[str, list[int]] = {}

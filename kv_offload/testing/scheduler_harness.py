@@ -131,7 +131,8 @@ class SchedulerHarness:
                  delay_rule: Callable[[Callable, tuple], int | None] | None = None,
                  background_stores: bool = False, copy_thread: bool = True,
                  connector_reset: str = "cpu", windows: tuple[int, ...] = (),
-                 mamba: bool = False, model_runner: str | None = None) -> None:
+                 mamba: bool = False, model_runner: str | None = None,
+                 sync_load_budget_ms: float = 20.0) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
         with the CPU backend's synchronous engine. ``connector_reset``: the option of that
@@ -164,7 +165,8 @@ class SchedulerHarness:
             cpu_size=cpu_slots * slot_bytes, chunk_tokens=self.chunk_tokens,
             disk_path=str(tmp_path / "store") if disk else None, disk_size=256 * slot_bytes,
             load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1,
-            cpu_background_stores=background_stores, connector_reset=connector_reset)
+            cpu_background_stores=background_stores, connector_reset=connector_reset,
+            sync_load_budget_ms=sync_load_budget_ms)
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)

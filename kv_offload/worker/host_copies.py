@@ -43,6 +43,11 @@ class KVCacheReleasedError(RuntimeError):
     nothing was copied."""
 
 
+class ComputedOnFailedLoadError(RuntimeError):
+    """A store job of a step whose forward read a same-step load that failed: its blocks
+    may hold KV computed on wrong KV (vLLM recomputes them), so nothing is copied."""
+
+
 class StoreThread(Protocol):
     """Where background store copies, or waits for copies, run: a one-thread pool (or a
     test's executor)."""
@@ -153,10 +158,8 @@ class HostCopies:
         after the compute issued so far; the blocks belong to ``req_ids``. While paused,
         a copy that failed with ``KVCacheReleasedError`` (no block is read)."""
         if self._paused:
-            refused: Future[CopyHandle] = Future()
-            refused.set_exception(KVCacheReleasedError(
+            return self.refused(KVCacheReleasedError(
                 "vLLM released the KV cache (unregister_kv_caches): nothing was copied"))
-            return HostCopy(self.engine, refused)
         if self._thread is None:
             future: Future[CopyHandle] = Future()
             try:
@@ -175,6 +178,12 @@ class HostCopies:
         self._issued = [c for c in self._issued if not c.done()]
         self._issued.append(copy)
         return copy
+
+    def refused(self, reason: Exception) -> HostCopy:
+        """A copy that failed with ``reason`` before reading any block."""
+        failed: Future[CopyHandle] = Future()
+        failed.set_exception(reason)
+        return HostCopy(self.engine, failed)
 
     def when_done(self, copy: HostCopy, fn: Callable[[bool], None]) -> None:
         """Call ``fn(ok)`` once ``copy`` has ended, ``ok`` whether its bytes are in the host

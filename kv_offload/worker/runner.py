@@ -159,16 +159,24 @@ class OffloadWorker:
 
     # -- loads -----------------------------------------------------------------------------
 
-    def start_loads(self, jobs: Sequence[LoadJob]) -> None:
+    def start_loads(self, jobs: Sequence[LoadJob]) -> bool:
         """Start ``jobs`` in the background: disk and remote reads on the read lane (the
         disk fills of remote chunks on the write lane once read), then the engine copy of
         each job, once the reads it needs (its own and those of jobs it shares chunks
         with) are done, so a slow disk never holds up the copies of other jobs. Returns at
         once, except that a synchronous engine copies a job that needs no read right here.
         While paused, each job is cancelled at once (its blocks are reported failed by the
-        next poll, vLLM recomputes them); its reads still fill the host slots it stages."""
+        next poll, vLLM recomputes them); its reads still fill the host slots it stages.
+
+        Same-step jobs (``LoadJob.same_step``) are copied, or issued before the forward,
+        here (``_load_same_step``). Returns False when one of them failed: this step's
+        forward then reads wrong KV for its request (vLLM recomputes it)."""
         now = self._clock()
+        all_loaded = True
         for job in jobs:
+            if job.same_step:
+                all_loaded &= self._load_same_step(job, now)
+                continue
             # Its copy waits for the compute queued before this mark (one per job: each
             # load releases its own once its copy is issued).
             load = WorkerLoad(job, now, None if self._paused else self.engine.compute_mark())
@@ -198,6 +206,72 @@ class OffloadWorker:
                     self._fills[job.job_id] = fills
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
         self._copy_ready()
+        return all_loaded
+
+    def _load_same_step(self, job: LoadJob, now: float) -> bool:
+        """Copy ``job`` (READY CPU slots only) into the engine before this step's forward:
+        a synchronous engine copies here; an engine with streams issues the copy here,
+        after the compute queued so far, and orders the forward after it device-side (no
+        host wait); its completion is tracked on the copy thread. Chunks that cannot be
+        copied are failed now, so the step's ``poll`` reports their blocks as load errors
+        (vLLM then recomputes them before it uses the step's tokens)."""
+        load = WorkerLoad(job, now)
+        with self._lock:
+            self._loads[job.job_id] = load
+            if self._paused:
+                load.cancel()  # its blocks are reported failed by this step's poll
+                return False
+            load.begin_copy()
+        rows = [i for i, m in enumerate(job.chunks) if m.cpu_slot is not None
+                and m.disk_slot is None and m.remote_key is None]
+        load.failed.update(set(range(len(job.chunks))) - set(rows))
+        if not rows:
+            self._end_same_step(load)
+            return False
+        if self.engine.synchronous:
+            try:
+                self._copy_rows(load, rows)
+            finally:
+                self._end_same_step(load)
+            return not load.failed
+        slots, blocks = self._rows_arrays(load, rows)
+        try:
+            start = self._clock()
+            handle = self.engine.load(slots, blocks)
+            self.engine.fence(handle)  # the forward starts after the copy, on the device
+        except Exception:
+            logger.exception("kv-offload: issuing same-step load job %d failed", job.job_id)
+            load.failed.update(rows)
+            self._end_same_step(load)
+            return False
+
+        def settle() -> None:
+            try:
+                self.engine.wait(handle)
+                self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
+                            seconds_load=self._clock() - start)
+            except Exception:  # a device error: too late for this step's load errors
+                logger.exception("kv-offload: same-step load job %d failed after the step "
+                                 "used it", job.job_id)
+                load.failed.update(rows)
+            with self._lock:
+                load.end_copy()
+
+        try:
+            future = self._copier.submit(settle)
+        except RuntimeError:  # shut down by close(), which waited for the engine
+            future = completed()
+            with self._lock:
+                load.end_copy()
+        with self._lock:
+            load.future = future
+        future.add_done_callback(lambda _: self._progress.set())
+        return not load.failed  # the chunks that could not be issued
+
+    def _end_same_step(self, load: WorkerLoad) -> None:
+        with self._lock:
+            load.end_copy()
+            load.future = completed()
 
     def _copy_ready(self) -> None:
         """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
@@ -302,22 +376,31 @@ class OffloadWorker:
             if not load.begin_copy():
                 return
         if ok_rows:
-            chunks = load.job.chunks
-            slots = np.array([chunks[i].cpu_slot for i in ok_rows], dtype=np.int64)
-            blocks = np.array([chunks[i].block_ids for i in ok_rows], dtype=np.int64)
-            try:
-                start = self._clock()
-                self.engine.wait(self.engine.load(slots, blocks, after=load.mark))
-                self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
-                            seconds_load=self._clock() - start)
-                if self._audit is not None:  # a mismatch: a load error, vLLM recomputes
-                    load.failed.update(ok_rows[i] for i in self._audit.check_load(blocks, slots))
-            except Exception:
-                logger.exception("kv-offload: copying job %d into the engine failed",
-                                 load.job.job_id)
-                load.failed.update(ok_rows)
+            self._copy_rows(load, ok_rows)
         with self._lock:
             load.end_copy()
+
+    @staticmethod
+    def _rows_arrays(load: WorkerLoad, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        chunks = load.job.chunks
+        return (np.array([chunks[i].cpu_slot for i in rows], dtype=np.int64),
+                np.array([chunks[i].block_ids for i in rows], dtype=np.int64))
+
+    def _copy_rows(self, load: WorkerLoad, rows: Sequence[int]) -> None:
+        """Copy these chunks of ``load`` from their host slots into the engine and wait;
+        failures (and audit mismatches) go to ``load.failed``."""
+        slots, blocks = self._rows_arrays(load, rows)
+        try:
+            start = self._clock()
+            self.engine.wait(self.engine.load(slots, blocks, after=load.mark))
+            self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
+                        seconds_load=self._clock() - start)
+            if self._audit is not None:  # a mismatch: a load error, vLLM recomputes
+                load.failed.update(rows[i] for i in self._audit.check_load(blocks, slots))
+        except Exception:
+            logger.exception("kv-offload: copying job %d into the engine failed",
+                             load.job.job_id)
+            load.failed.update(rows)
 
     def _wait_staged(self, job_id: int, cpu_slot: int) -> bool:
         entry = self._staged.get((job_id, cpu_slot))
@@ -330,12 +413,14 @@ class OffloadWorker:
 
     # -- stores ----------------------------------------------------------------------------
 
-    def run_stores(self, jobs: Sequence[StoreJob]) -> None:
+    def run_stores(self, jobs: Sequence[StoreJob], *, discard: bool = False) -> None:
         """Start copying engine blocks to host slots for ``jobs`` (ordered after this
         step's compute), then queue slab and remote writes behind each copy
         (``worker/stores.py``). Never waits for a copy: its blocks are protected by
-        ``fence`` and ``hold`` (invariant 3)."""
-        self._stores.run(jobs)
+        ``fence`` and ``hold`` (invariant 3). ``discard``: the step's forward read a
+        same-step load that failed (``start_loads`` returned False): the jobs are
+        reported failed without a copy, so nothing computed on that KV is stored."""
+        self._stores.run(jobs, discard=discard)
 
     def fence(self, req_ids: Sequence[str]) -> None:
         """Order this step's forward after the copies of these (preempted) requests'
@@ -436,10 +521,11 @@ class OffloadWorker:
                                    "recomputing", job_id, self.load_timeout_s)
                 blocks = load.take_failed_blocks()
                 if blocks is not None:
-                    finished.add(load.job.req_id)
                     failed_blocks.update(blocks)
-                    if blocks:
-                        failed_reqs.add(load.job.req_id)
+                    if not load.job.same_step:  # a same-step load's request is running
+                        finished.add(load.job.req_id)
+                        if blocks:
+                            failed_reqs.add(load.job.req_id)
                 if load.copy_ended():
                     self._report.loaded[job_id] = {self.rank: load.failed_rows()}
                     if load.bad_reads:

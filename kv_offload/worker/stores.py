@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, StoreJob, WorkerReport
-from kv_offload.worker.host_copies import KVCacheReleasedError
+from kv_offload.worker.host_copies import ComputedOnFailedLoadError, KVCacheReleasedError
 
 if TYPE_CHECKING:
     from kv_offload.copy.host_buffer import HostSlots
@@ -74,17 +74,21 @@ class WorkerStores:
     def __len__(self) -> int:
         return len(self._stores)
 
-    def run(self, jobs: Sequence[StoreJob]) -> None:
+    def run(self, jobs: Sequence[StoreJob], *, discard: bool = False) -> None:
         """Issue each job's engine copy (ordered after this step's compute); its slab and
-        remote writes are queued once the copy has ended. Never waits for a copy."""
+        remote writes are queued once the copy has ended. Never waits for a copy.
+        ``discard``: the step's forward read a same-step load that failed; each job fails
+        at once without reading a block (reported failed: never published)."""
         for job in jobs:
             slots = np.array([m.cpu_slot for m in job.chunks], dtype=np.int64)
             blocks = np.array([m.block_ids for m in job.chunks], dtype=np.int64)
             start = self._clock()
-            handle = self._copies.issue(blocks, slots, job.req_ids)
-            # Issue time (the copy runs in the background, or inline on a sync engine).
-            self._count(bytes_store=chunk_bytes(blocks, self.host.slot_bytes),
-                        seconds_store=self._clock() - start)
+            handle = (self._copies.refused(ComputedOnFailedLoadError(
+                "this step's forward read a same-step load that failed")) if discard
+                else self._copies.issue(blocks, slots, job.req_ids))
+            if not discard:  # issue time (the copy runs in the background, or inline)
+                self._count(bytes_store=chunk_bytes(blocks, self.host.slot_bytes),
+                            seconds_store=self._clock() - start)
             tasks, writes = self._disk_write_tasks(job.chunks)
             remote_writes: list[Future[bool | None] | None] = [None] * len(job.chunks)
             for i, move in enumerate(job.chunks):  # queued behind the local ones
@@ -195,6 +199,9 @@ def _log_store_failure(job_id: int, copy: HostCopy) -> None:
     except KVCacheReleasedError:  # planned before the scheduler learned of the pause
         logger.debug("kv-offload: store job %d came while vLLM had released the KV cache; "
                      "its chunks are not stored", job_id)
+    except ComputedOnFailedLoadError:
+        logger.info("kv-offload: store job %d not stored: this step's forward read a "
+                    "same-step load that failed (vLLM recomputes those tokens)", job_id)
     except Exception:
         logger.exception("kv-offload: copying store job %d to the CPU tier failed; its "
                          "chunks are not stored", job_id)

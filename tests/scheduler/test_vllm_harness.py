@@ -255,7 +255,7 @@ def test_a_request_aborted_while_loading_is_not_also_held(harness_factory, monke
     monkeypatch.setattr(host_copies.HostCopy, "fence", lambda self: None)
     harness = harness_factory(num_blocks=64, cpu_slots=8, disk=False, background_stores=True,
                               max_num_batched_tokens=32, delay_rule=delays,
-                              load_timeout_steps=50)
+                              load_timeout_steps=50, sync_load_budget_ms=0)  # an async load
     harness.add("a", _doc(56, 0), max_tokens=30)
     while stores["n"] < 2 and harness.step_index < 40:
         harness.step()
