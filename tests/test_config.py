@@ -169,3 +169,10 @@ def test_copy_options_default_to_dma_and_a_small_audit_and_round_trip():
     assert (config.copy_mode, config.audit_rate) == ("auto", 0.01)
     again = OffloadConfig.from_json(OffloadConfig(copy_mode="kernel", audit_rate=0).to_json())
     assert (again.copy_mode, again.audit_rate) == ("kernel", 0)
+
+
+@pytest.mark.parametrize("bad", [-1, "20", float("nan"), 20_000, True])
+def test_sync_load_budget_ms_must_be_a_number_of_milliseconds_or_zero(bad):
+    with pytest.raises(ValueError, match="sync_load_budget_ms"):
+        OffloadConfig(sync_load_budget_ms=bad)
+    assert OffloadConfig(sync_load_budget_ms=0).sync_load_budget_ms == 0
