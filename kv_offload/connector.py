@@ -229,10 +229,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         scheduling: vLLM (0.32-0.34) recovers from a failed same-step load only in the step
         that ran it, and with async scheduling the next step, already scheduled, computes
         the request again on the failed KV and keeps its token (docs/vllm-bugs.md)."""
-        if self.config.sync_load_budget_ms and getattr(
-                self._vllm_config.scheduler_config, "async_scheduling", False):
+        scheduler = self._vllm_config.scheduler_config
+        if self.config.sync_load_budget_ms and getattr(scheduler, "async_scheduling", False):
             logger.info("kv-offload: same-step loads are off with async scheduling; hits "
                         "load asynchronously (docs/vllm-bugs.md)")
+            return 0.0
+        # vLLM 0.34's --max-num-inflight-kv-loads starts asynchronous loads while the batch
+        # is full; a same-step hit needs a batch slot and would wait for one instead.
+        if self.config.sync_load_budget_ms and getattr(
+                scheduler, "max_num_inflight_kv_loads", None):
+            logger.info("kv-offload: same-step loads are off with "
+                        "--max-num-inflight-kv-loads: hits load while the batch is full")
             return 0.0
         return self.config.sync_load_budget_ms / 1000
 
