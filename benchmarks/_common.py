@@ -1,9 +1,6 @@
-"""What the benchmark scripts share: their flags, side-by-side timing, buffers and files,
-machine facts and the JSON they write. Rendering helpers live in ``_markdown.py``.
-
-Importing it puts this working tree first on ``sys.path`` (after benchmarks/), so that a
-script measures this tree's kv_offload, installed or not.
-"""
+"""What the benchmark scripts share: flags, side-by-side timing, buffers and files, machine
+facts and their JSON (rendering: ``_markdown.py``). Importing it puts this working tree
+first on ``sys.path`` (after benchmarks/): a script measures this tree's kv_offload."""
 
 from __future__ import annotations
 
@@ -28,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
 KiB, MiB = 1 << 10, 1 << 20
-BENCHES = ("ttft", "overhead", "copy", "tiers", "lookup", "remote")  # bench_<name>.py, in order
+BENCHES = {  # name -> its script bench_<script>.py and flags, in report order
+    **{name: (name,) for name in ("ttft", "overhead", "copy", "tiers", "lookup", "remote")},
+    "hybrid": ("ttft", "--sliding-window", "64", "--reps", "4")}
 DATA_DIR = "bench-data"  # under the output root: one JSON per benchmark, runs.json, logs
 
 
@@ -98,21 +97,21 @@ def finish(result: dict, json_path: Path | None,
            render: Callable[[dict, Path | None, Targets], list[str]],
            started: float | None = None) -> dict:
     """Add the load average at the end (and the seconds since ``started``, a
-    perf_counter value) to ``result``, print the section ``render`` makes of it (and its
-    target rows), then write it to ``json_path`` when given. Returns ``result``."""
+    perf_counter value) to ``result``, write it to ``json_path`` when given, then print the
+    section ``render`` makes of it (and its target rows). Returns ``result``."""
     if "machine" in result:
         result["machine"].setdefault("loadavg_end", os.getloadavg())
     if started is not None:
         result["seconds"] = round(time.perf_counter() - started, 1)
+    if json_path:  # first: a section that fails to render loses no figures
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_path}")
     targets = Targets()
     lines = render(result, None, targets)
     if targets.rows:
         lines += table(["target", "measured", "limit", "verdict", "from"], targets.rows)
     print("\n".join(["", *lines]))
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {json_path}")
     return result
 
 

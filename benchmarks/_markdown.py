@@ -1,9 +1,5 @@
-"""Markdown pieces of the benchmark report: numbers, tables, verdicts, prose templates, plots.
-
-Each benchmark renders its own section (``render_section(data, img, targets)``) with these;
-``run_all.py`` assembles the page. Prose lives in ``templates/<name>.md``
-(``string.Template``: ``$name`` placeholders, filled by ``fill``).
-"""
+"""Markdown pieces of the benchmark report: numbers, tables, verdicts, prose templates, plots
+(``render_section`` of each benchmark; prose in ``templates/<name>.md``, filled by ``fill``)."""
 
 from __future__ import annotations
 

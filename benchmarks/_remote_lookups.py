@@ -1,7 +1,5 @@
-"""bench_remote's lookup figures: ``RemoteTier.lookup``'s latency per request and per key
-(standalone and cluster), and the scheduler thread's time per request with
-``RemoteLookups`` and a fast, a slowish and a slow server.
-"""
+"""bench_remote's lookup figures: ``RemoteTier.lookup``'s latency (standalone, cluster)
+and the scheduler thread's time per request with ``RemoteLookups`` (templates/remote*.md)."""
 
 from __future__ import annotations
 
@@ -131,9 +129,7 @@ def _simulate(tier: RemoteTier, keys: list[list[bytes]], step_s: float) -> list[
 
 def bench_scheduler_thread(args: argparse.Namespace, server_port: int) -> dict:
     """Scheduler-thread time per request with ``RemoteLookups.ask``, the scheduler's tier
-    built as the connector builds it (``remote_timeout_s`` per call, the default budget). (The synchronous
-    ``RemoteTier.lookup`` it replaced is no longer timed: docs/remote-tier.md has its
-    last figures.)"""
+    built as the connector builds it (``remote_timeout_s`` per call, the default budget)."""
     requests = 20 if args.quick else 100
     rows = []
     for scenario, (label, delay) in SERVERS.items():

@@ -1,8 +1,6 @@
-"""bench_remote's TTFT figures, with their report lines: one engine loading from Redis
-against its own cold prefill, and a slow server (a proxy holding every reply 50-200 ms)
-against no remote tier, two engines request by request, paired (target: <= 1.2x).
-The method in full: templates/remote_ttft.md and remote_slow.md.
-"""
+"""bench_remote's TTFT figures and their report lines: loading from Redis against cold
+prefill, and a slow server against no remote tier, paired (target: <= 1.2x).
+The method: templates/remote_ttft.md and remote_slow.md."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _engine import TTFT_MODEL, benchmark_env
+from _engine import SETTLE_S, TTFT_MODEL, benchmark_env
 from _markdown import Targets, fill, fmt, table, verdict
 
 from kv_offload.testing.engine import EngineProcess, engine_kwargs, offload_transfer, start_engines
@@ -23,7 +21,6 @@ from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 SUFFIX_TOKENS = 16
 SLOW_TARGET = 1.2  # the slow server: TTFT remote / no remote tier, medians
 DELAY_S = (0.05, 0.2)
-ENGINE_SWITCH_S = 1.2  # see "Engine switches" in templates/page.md
 
 
 def engine_parts(args: argparse.Namespace, server: Any, base: Path, result: dict) -> str | None:
@@ -178,7 +175,7 @@ def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
                     # that just ran would slow the other one down, so wait it out.
                     names = list(engines) if (rnd + i) % 2 == 0 else list(engines)[::-1]
                     for name in names:
-                        time.sleep(ENGINE_SWITCH_S)
+                        time.sleep(SETTLE_S)
                         out = engines[name].generate([prompt], max_tokens=1, one_by_one=True)
                         tokens[name].append(out["tokens"])
                         if kind == "local":

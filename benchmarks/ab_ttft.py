@@ -1,13 +1,9 @@
 """Interleaved TTFT A/B of two kv-offload checkouts: what a change does to a hit's TTFT.
 
-Two engines side by side, one per checkout (``NAME=PATH``: that engine imports
-kv_offload from PATH), each with the CPU and disk tier, on one prompt of ``--length``
-tokens. Every round, engine by engine (the order alternating): a vLLM prefix-cache hit,
-a CPU-tier hit after ``reset_prefix_cache``, and a disk-tier hit after the CPU tier was
-dropped too (``reset_prefix_cache(reset_connector=True)``: the slab stays in the page
-cache, as after a restart). Prints medians and paired medians (each hit over the same
-round's vLLM hit on the same engine; the second checkout over the first), which hold
-up on a noisy machine where two runs of ``bench_ttft.py`` do not. Not in ``make bench``.
+One engine per checkout (``NAME=PATH``), side by side on one prompt; every round a vLLM
+hit, a CPU-tier hit and a disk-tier hit (after ``reset_prefix_cache(reset_connector=True)``)
+on each, in alternating order. Prints medians and paired medians, which hold up on a
+noisy machine where two runs of ``bench_ttft.py`` do not. Not in ``make bench``.
 
     git worktree add /tmp/base HEAD~1
     python benchmarks/ab_ttft.py --rounds 20 base=/tmp/base new=.

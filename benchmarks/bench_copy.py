@@ -1,9 +1,7 @@
 """Copy-engine throughput against a plain memcpy of the same bytes, side by side.
 
-The torch engine (KV in host memory, vLLM CPU layout) moves chunks between engine planes
-and host slots both ways, with contiguous and shuffled block ids, against the fastest
-memcpy of the same bytes (templates/copy.md). Targets: >= 0.8x memcpy for chunks of 2 MiB
-and more, >= 0.6x below. The CuPy engine's figures come from benchmarks/gpu_check.sh.
+Targets: >= 0.8x memcpy for chunks of 2 MiB and more, >= 0.6x below (templates/copy.md).
+The CuPy engine's figures come from benchmarks/gpu_check.sh.
 
     python benchmarks/bench_copy.py            # default sizes, ~30 s on 2 cores
     python benchmarks/bench_copy.py --quick    # toy sizes, seconds

@@ -1,10 +1,7 @@
 """Scheduler-side cost of lookups and planning as the store grows (10k, 100k, 1M chunks).
 
-An ``OffloadScheduler`` over a full CPU index and a full ``DiskIndex`` of N chunks each,
-driven with fake 4k-token requests: lookups (CPU hit, disk hit, miss), load and store
-planning and their completion, the batched LRU access flush, and a decode step's
-``plan_step``; medians per call. Targets: lookup <= 5 us per chunk at 1M chunks, and
-every cost flat (1M within 2x of 10k). The method in full: templates/lookup.md.
+Targets: lookup <= 5 us per chunk at 1M chunks, every cost flat (1M within 2x of 10k).
+The method: templates/lookup.md.
 
     python benchmarks/bench_lookup.py --quick --json /tmp/lookup.json   # 10k only, seconds
     python benchmarks/bench_lookup.py --json lookup.json                # 10k, 100k, 1M

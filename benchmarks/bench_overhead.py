@@ -1,11 +1,8 @@
 """What our connector costs with no reuse or every request storing; what it gains at 50% reuse.
 
-Plain vLLM, ours (synchronous store copies), ours_bg (``cpu_background_stores``), ours_cpu
-(no disk tier), ours_noaudit (``audit_rate`` 0) side by side, the same batches each round in
-rotating order (``_engine.Turns``), new prompts each round; workloads no_reuse, reuse_50
-(after reset_prefix_cache), store_heavy (staggered long prompts, generated tokens stored).
-Throughput and mean TTFT per batch, ratios paired per round (median). Targets: no_reuse and
-store_heavy throughput >= 0.97x plain. The method in full: templates/overhead.md.
+Plain vLLM and kv-offload variants (``VARIANTS``) side by side on the same batches, rotating
+order; ratios paired per round. Targets: no_reuse and store_heavy throughput >= 0.97x
+plain. The method: templates/overhead.md.
 
     python benchmarks/bench_overhead.py --quick --json /tmp/overhead.json
     python benchmarks/bench_overhead.py --json overhead.json          # ~10 min, 2 cores

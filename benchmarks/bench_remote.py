@@ -1,11 +1,8 @@
 """Remote tier (Redis/Valkey) benchmarks, next to the disk tier, in one run on one machine.
 
-On a throwaway loopback ``redis-server``: store/load GB/s and client CPU of ours against
-raw SET/GET and the disk slab; lookup latency (standalone and a 3-node cluster) and the
-scheduler thread's time with ``RemoteLookups`` (``_remote_lookups``); TTFT loading from
-Redis against cold prefill, and with a slow server against no remote tier
-(``_remote_ttft``). --quick runs the engine in one process (its remote TTFT means
-nothing). The method in full: templates/remote*.md.
+On a throwaway loopback ``redis-server``: I/O against raw SET/GET and the disk slab,
+lookups (``_remote_lookups``), TTFT (``_remote_ttft``; --quick runs the engine in one
+process: its TTFT means nothing). The method: templates/remote*.md.
 
     python benchmarks/bench_remote.py --quick --json /tmp/remote.json   # ~1 min
     python benchmarks/bench_remote.py --json remote.json                # ~5 min, 2 cores

@@ -1,10 +1,9 @@
 """Disk-tier I/O, every contender measured side by side in one run.
 
-Store and load chunks of 256 KiB, 2 MiB and 8 MiB: our DiskIndex + SlabFile path (and
-the SlabFile calls alone) against raw sequential file I/O and vLLM's filesystem tier I/O;
-writes with and without fsync, reads warm and cold (POSIX_FADV_DONTNEED per file;
---drop-caches also tries /proc/sys/vm/drop_caches). Targets: the slab >= 0.85x the raw
-file (reads 0.9x), the whole path >= 1.0x vLLM's. The method in full: templates/tiers.md.
+Our DiskIndex + SlabFile path (and the slab alone) against a raw file and vLLM's
+filesystem tier, writes with and without fsync, reads warm and cold. Targets: the slab
+>= 0.85x the raw file (reads 0.9x), the whole path >= 1.0x vLLM's. The method:
+templates/tiers.md.
 
     python benchmarks/bench_tiers.py --quick --json /tmp/tiers.json   # seconds
     python benchmarks/bench_tiers.py --json tiers.json                # ~2 min, 2 cores

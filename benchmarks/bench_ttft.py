@@ -1,15 +1,10 @@
 """Time to first token on vLLM's CPU backend: cold, vLLM's prefix cache, our tiers, the peer.
 
-For each prefix length L, ``--reps`` prompts (L tokens + a 16-token suffix), one request
-at a time with max_tokens=1, in the modes of ``MODES``. Wave one: plain vLLM, ours (CPU +
-disk tier) and the peer (vLLM's ExampleConnector) side by side, in short rotating blocks
-of requests (``_engine.Turns``); wave two: fresh processes of ours and the peer on the
-same stores (a restart: disk tier, peer warm). Medians; ratios to cold and to the peer,
-graded at 4k tokens. Against vLLM's own prefix-cache hit (graded at 8k): each block of
-our CPU-tier (disk-tier) hits is followed by a block of vLLM hits of the same prompts on
-the same engine, and the ratio is the median of the per-prompt ratios (``PAIRED``), so a
-slow minute or another engine's process does not land on one side only (``TARGETS``).
-The method in full: templates/ttft.md.
+Prompts of L + 16 tokens, one request at a time, in the modes of ``MODES``; engines side
+by side in rotating blocks (``_engine.Turns``), then ours and the peer restarted. Our hits
+are paired with vLLM hits of the same prompts on the same engine (``PAIRED``); targets in
+``TARGETS``. ``--sliding-window``: a Gemma-3-style model and its device KV capacity
+(templates/hybrid.md), no peer. The method: templates/ttft.md.
 
     python benchmarks/bench_ttft.py --quick --json /tmp/ttft.json   # tiny, 2 short lengths
     python benchmarks/bench_ttft.py --json ttft.json                  # 1k-8k, ~6 min
@@ -25,22 +20,26 @@ import time
 from pathlib import Path
 
 from _common import BenchParser, add_engine_flags, csv, finish, new_result, rotated, workdir
-from _engine import TTFT_MODEL, Turns, benchmark_env, example_transfer_config
+from _engine import TTFT_MODEL, Turns, benchmark_env
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
+from kv_offload.testing import kv_capacity as kv
 from kv_offload.testing.engine import (
     EngineError,
     EngineProcess,
     engine_kwargs,
+    example_transfer_config,
     offload_transfer,
     start_engines,
 )
-from kv_offload.testing.tiny_model import BENCH_MODEL_KWARGS, make_prompt, make_tiny_model
+from kv_offload.testing.tiny_model import (
+    BENCH_MODEL_KWARGS,
+    make_prompt,
+    make_tiny_hybrid_model,
+    make_tiny_model,
+)
 
-# The bench model (BENCH_MODEL_KWARGS) needs minutes per 8k-token cold prefill on two
-# cores, and every cold prompt runs in three engines: `make bench` would take an hour.
-# The default is the test model's geometry with room for 8k positions.
-MODELS = {
+MODELS = {  # why the default is tiny: "Model" in templates/page.md
     "tiny": TTFT_MODEL,
     "small": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64,
                   intermediate_size=1408, max_position=16384),
@@ -69,6 +68,9 @@ RATIOS = (  # (name, numerator mode, denominator mode), in table order
 PAIRED = (  # (name, mode, its vLLM-hit mode): median of per-prompt ratios, same engine
     ("cpu_vs_own_hit", "cpu", "own_hit"), ("disk_vs_own_hit", "disk", "own_hit_restarted"))
 SUFFIX_TOKENS = 16
+# --sliding-window: vLLM's device KV plan with its hybrid manager off and on (templates/hybrid.md)
+CAPACITY_ENGINE = dict(max_num_batched_tokens=2048, kv_cache_memory_bytes=512 << 20)
+CONTEXTS, IN_FLIGHT, BUDGET_GIB = (32768, 131072), (2048, 8192, 16384), 64
 TARGETS = (  # (ratio key, limit, what, prompt length graded)
     ("cpu_vs_cold", 0.15, "CPU-tier hit <= 0.15x cold prefill", 4096),
     ("disk_vs_cold", 0.25, "disk-tier hit after restart <= 0.25x cold prefill", 4096),
@@ -89,11 +91,8 @@ def prompt(length: int, rep: int, *, suffix: int = 0) -> str:
 
 
 class Recorder:
-    """TTFT samples per (mode, length), with the hit metrics of each request.
-
-    An engine that fails is recorded (``errors``) and skipped from then on, so one
-    broken contender costs its own figures, not the whole run.
-    """
+    """TTFT samples per (mode, length), with the hit metrics of each request. An engine
+    that fails is recorded (``errors``) and skipped from then on: it costs its own figures."""
 
     def __init__(self, turns: Turns) -> None:
         self.samples: dict[str, dict[int, list[dict]]] = {}
@@ -107,10 +106,11 @@ class Recorder:
             self.turns.take(engine)
             engine.generate([make_prompt(64, seed=7 + i)], max_tokens=1)
 
-    def block(self, engine: EngineProcess, mode: str, prompts: list[tuple[int, str]]) -> None:
+    def block(self, engine: EngineProcess | None, mode: str, prompts: list[tuple[int, str]]
+              ) -> None:
         """Run (length, text) requests one by one on ``engine``, recorded as ``mode``."""
         for length, text in prompts:
-            if id(engine) in self._dead:
+            if engine is None or id(engine) in self._dead:  # None: not in this run
                 return
             self.turns.take(engine)
             try:
@@ -130,7 +130,7 @@ class Recorder:
     def reset(self, *engines: EngineProcess) -> None:
         """reset_prefix_cache() on the engines still alive."""
         for engine in engines:
-            if id(engine) not in self._dead:
+            if engine is not None and id(engine) not in self._dead:
                 self.turns.take(engine)
                 try:
                     if not engine.reset():
@@ -162,15 +162,11 @@ def spawn(args: argparse.Namespace, model: Path, name: str, transfer: dict | Non
 def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
              model: Path) -> dict[str, float]:
     """Plain, ours and the peer side by side: cold, vLLM hit, CPU tier, peer in-process."""
-    engines = [
-        spawn(args, model, "ours-1", offload_transfer(args.ours), dirs),
-        spawn(args, model, "peer-1", example_transfer_config(dirs["peer"]), dirs),
-    ]
-    if not args.no_plain:
-        engines.append(spawn(args, model, "plain", None, dirs))
-    start_engines(engines)
-    ours, peer = engines[:2]
-    plain = engines[2] if len(engines) > 2 else None
+    ours = spawn(args, model, "ours-1", offload_transfer(args.ours), dirs)
+    peer = None if args.no_peer else spawn(args, model, "peer-1",
+                                           example_transfer_config(dirs["peer"]), dirs)
+    plain = None if args.no_plain else spawn(args, model, "plain", None, dirs)
+    engines = start_engines([e for e in (ours, peer, plain) if e is not None])
     try:
         rec.warm_up(engines)
         cold = [(plain, "cold"), (ours, "cold_ours"), (peer, "cold_peer")]
@@ -202,9 +198,9 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
 def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProcess]
              ) -> dict[str, float]:
     """Fresh processes on the same stores: our disk tier against the peer's warm TTFT."""
-    ours, peer = start_engines(engines)
+    ours, peer = [*start_engines(engines), None][:2]
     try:
-        rec.warm_up([ours, peer])
+        rec.warm_up(engines)
         exact = [(n, prompt(n, rep)) for rep in range(args.reps) for n in args.lengths]
         for k in range(args.passes):
             if k:
@@ -214,10 +210,10 @@ def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProces
                 rec.block(engine, mode, exact)
                 if mode == "disk":
                     rec.block(ours, "own_hit_restarted", exact)
-        return {"ours_restarted": ours.startup_s, "peer_restarted": peer.startup_s}
+        return {f"{name}_restarted": e.startup_s for name, e in zip(("ours", "peer"), engines)}
     finally:
-        ours.close()
-        peer.close()
+        for e in engines:
+            e.close()
 
 
 def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
@@ -257,8 +253,48 @@ def verdicts(result: dict) -> list[dict]:
     return out
 
 
+def capacity(model: Path, max_model_len: int, logs: Path) -> dict:
+    """vLLM's device KV plan with its hybrid manager off and on: what two in-process
+    kv-offload engines on ``model`` report, beside kv_capacity's plan of the same
+    geometry; and kv_capacity's plan of real geometries (BUDGET_GIB of KV)."""
+    engine = {**CAPACITY_ENGINE, "max_model_len": max_model_len}
+    return {"engine": engine, "budget_gib": BUDGET_GIB, "measured": [kv.engine_against_plan(
+        model, engine={**engine, **extra}, log_path=logs / f"capacity-{i}.log",
+        lengths=[1024, 4096, max_model_len])
+        for i, extra in enumerate(({"disable_hybrid_kv_cache_manager": True}, {}))],
+        "computed": [{"geometry": g.name, "context": c, "in_flight": n, **kv.off_and_on(
+            g, kv_cache_bytes=BUDGET_GIB << 30, max_model_len=c, max_num_batched_tokens=n,
+            lengths=[c])}
+            for g in (kv.GEMMA3_27B_LIKE, kv.GPT_OSS_120B_LIKE) for c in CONTEXTS
+            for n in IN_FLIGHT]}
+
+
+def capacity_lines(data: dict) -> list[str]:
+    """The capacity part of the --sliding-window section."""
+    cap = data["capacity"]
+    (off, off_plan), (on, on_plan) = ((r["engine"], r["computed"]) for r in cap["measured"])
+    rows = [("the TTFT model, engines", off["max_model_len"], off["max_num_batched_tokens"],
+             off["max_concurrency"], on["max_concurrency"], cap["engine"]["kv_cache_memory_bytes"])]
+    rows += [(r["geometry"], r["context"], r["in_flight"], r["off"]["max_concurrency"],
+              r["on"]["max_concurrency"], cap["budget_gib"] << 30) for r in cap["computed"]]
+    return fill("hybrid", cap, window=data["model"]["sliding_window"], **{
+        f"{k}_{side}": fmt(e[k], ",") if k != "groups" else ", ".join(e[k])
+        for side, e in (("off", off), ("on", on))
+        for k in ("groups", "num_blocks", "kv_cache_size_tokens")},
+        planner="yes" if all(e[k] == c[k] for e, c in ((off, off_plan), (on, on_plan))
+                             for k in ("num_blocks", "kv_cache_size_tokens")) else "**no**",
+        gemma_groups=", ".join(next(r["on"]["groups"] for r in cap["computed"])),
+        table="\n".join(table(["model", "context L", "tokens in flight", "requests of L (off)",
+                                "requests of L (on)", "on/off", "GiB of KV per request (off / on)"],
+                               [[name, f"{ctx // 1024}k", n, fmt(a, ".2f"), fmt(b, ".2f"),
+                                 fmt(b / a, ".2f"), f"{gib / 2**30 / a:.2f} / {gib / 2**30 / b:.2f}"]
+                                for name, ctx, n, a, b, gib in rows])))
+
+
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
-    """This benchmark's section of docs/benchmarks.md (plot under ``img`` unless None)."""
+    """This benchmark's section of docs/benchmarks.md (plot under ``img`` unless None);
+    with --sliding-window, the capacity part first and no plot."""
+    hybrid = bool(data.get("capacity"))
     lengths, modes = [str(n) for n in data["lengths"]], data["modes"]
     last = lengths[-1]
     rows = [[f"{mode}: {text}",
@@ -277,12 +313,14 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     ratios_rows = [[key, *[fmt(data["ratios"].get(n, {}).get(key)) for n in lengths]]
                    for key, _, _ in (*RATIOS, *PAIRED)]
     for v in data["verdicts"]:
-        targets.add(f"TTFT: {v['target']} at {v['length']} tokens", v["value"],
-                    f"<= {v['limit']}", v["pass"], "bench_ttft")
+        if v["value"] is not None or not hybrid:  # no peer with a sliding window
+            targets.add(f"TTFT{' (sliding window)' * hybrid}: {v['target']} at {v['length']} "
+                        "tokens", v["value"], f"<= {v['limit']}", v["pass"], "bench_ttft")
     model = data["model"]
-    plotted = img is not None and plot(data, img / "ttft.png")
-    return fill(
-        "ttft", data, model=model["name"],
+    plotted = img is not None and not hybrid and plot(data, img / "ttft.png")
+    lines = fill(
+        "ttft", data, model=model["name"], family="Gemma-3-style (`make_tiny_hybrid_model`, "
+        "vLLM's hybrid KV cache manager on)" if model.get("sliding_window") else "Llama",
         geometry=", ".join(f"{k}={v}" for k, v in model.items() if k not in ("name", "path"))
         or "test default", block_size=data["engine"]["block_size"],
         max_num_batched_tokens=data["engine"].get("max_num_batched_tokens", "default"),
@@ -295,6 +333,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
         startup=", ".join(f"{k} {v:.0f}" for k, v in data["startup_s"].items()),
         seconds=f"{data['seconds']:.0f}",
         notes="".join(f"\n{note}\n" for note in data.get("notes", [])))
+    return capacity_lines(data) + lines[2:] if hybrid else lines
 
 
 def plot(data: dict, path: Path) -> bool:
@@ -327,6 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "comma-separated prefix lengths", type=str)
     parser.sized("--reps", 2, 1, "different prefixes per length")
     parser.sized("--passes", 3, 1, "repeats of each cheap warm measurement")
+    parser.add_argument("--sliding-window", type=int, metavar="TOKENS", help="Gemma-3-style: "
+                        "every other layer a window of TOKENS, vLLM's hybrid manager on, no peer")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="our chunk size (default: kv-offload's default)")
     add_engine_flags(parser)
@@ -336,6 +377,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # --quick: no connector-free engine (cold and vllm_hit measured on ours), and wave
     # two's engines start while wave one runs (not a restart): two start-ups less.
     args.no_plain = args.early_start = args.quick
+    args.no_peer = bool(args.sliding_window)  # ExampleConnector refuses the hybrid manager
     args.in_process = args.in_process or args.quick
     args.env = benchmark_env(in_process=args.in_process,
                              vllm_default_binding=args.vllm_default_binding)
@@ -344,6 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # part of a chunked prefill and then crashes its engine loading it (shape mismatch).
     args.engine = engine_kwargs(max_model_len=max_len, in_process=args.in_process,
                                 max_num_batched_tokens=max_len)
+    if args.sliding_window:  # an engine that cannot keep the manager on fails to start
+        args.engine["disable_hybrid_kv_cache_manager"] = False
     return args
 
 
@@ -356,15 +400,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.chunk_tokens:
         args.ours["chunk_tokens"] = args.chunk_tokens
     model_kwargs = {} if args.quick else MODELS[args.model]
-    model = make_tiny_model(**model_kwargs)
+    if args.sliding_window:
+        model_kwargs = {**model_kwargs, "sliding_window": args.sliding_window}
+    model = (make_tiny_hybrid_model if args.no_peer else make_tiny_model)(**model_kwargs)
     started = time.perf_counter()
     rec = Recorder(Turns(0.0) if args.quick else Turns())  # --quick: no figures to protect
     def spawn_wave_two() -> list[EngineProcess]:  # ours and the peer, fresh processes
-        return [spawn(args, model, "ours-2", offload_transfer(args.ours), dirs),
-                spawn(args, model, "peer-2", example_transfer_config(dirs["peer"]), dirs)]
+        ours = spawn(args, model, "ours-2", offload_transfer(args.ours), dirs)
+        return [ours] if args.no_peer else [ours, spawn(
+            args, model, "peer-2", example_transfer_config(dirs["peer"]), dirs)]
 
     early = spawn_wave_two() if args.early_start else None
     try:
+        cap = args.no_peer and capacity(model, model_kwargs.get("max_position", 8192),
+                                        dirs["logs"])
         startup = wave_one(args, rec, dirs, model)
         startup.update(wave_two(args, rec, early or spawn_wave_two()))
     except BaseException:
@@ -385,7 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
         lengths=args.lengths, suffix_tokens=SUFFIX_TOKENS, reps=args.reps, passes=args.passes,
         plain_engine=not args.no_plain, early_start=args.early_start,
         in_process=args.in_process, startup_s=startup, modes=modes, errors=rec.errors,
-        settle_s=rec.turns.settle_s, engine_switches=rec.turns.num_switches, ratios=ratios(modes))
+        settle_s=rec.turns.settle_s, engine_switches=rec.turns.num_switches, ratios=ratios(modes),
+        capacity=cap)
     result["verdicts"] = verdicts(result)
     return finish(result, args.json, render_section, started)
 

@@ -1,11 +1,9 @@
 """Runs the CPU benchmark set and writes docs/benchmarks.md with plots (what `make bench` runs).
 
-Each benchmark runs as its own subprocess with ``--json``; the report is then rebuilt
-from every JSON file in the data folder, so ``--only NAME`` re-runs one benchmark and
-keeps the others' last results. Each benchmark renders its own section
-(``render_section``, prose in templates/); this module assembles the page around them
-(templates/page.md). A section that fails to render says so in the page instead of
-failing the whole report.
+Each benchmark runs as a subprocess with ``--json``; the report is rebuilt from every JSON
+file in the data folder (``--only NAME`` keeps the others' last results): each benchmark's
+``render_section``, in the page of templates/page.md. A section that fails to render says
+so in the page.
 
     .venv/bin/python benchmarks/run_all.py                  # all, ~20 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --quick          # toy sizes, into a temp dir
@@ -35,7 +33,8 @@ def run_bench(name: str, out: Path, *, quick: bool, timeout_s: float) -> dict:
     json_path, log = out / DATA_DIR / f"{name}.json", out / DATA_DIR / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     json_path.unlink(missing_ok=True)
-    argv = [f"benchmarks/bench_{name}.py", "--json", str(json_path)] + (["--quick"] * quick)
+    script, *flags = BENCHES[name]
+    argv = [f"benchmarks/bench_{script}.py", *flags, "--json", str(json_path)] + ["--quick"] * quick
     shown = " ".join([".venv/bin/python" if ".venv" in sys.executable else "python", *argv]
                      ).replace(f"{ROOT}{os.sep}", "")
     print(f"\n=== {name}: {shown}", flush=True)
@@ -71,7 +70,7 @@ def _section(name: str, out: Path, runs: dict[str, dict], targets: Targets) -> l
         why = "not run" if run is None else f"failed (exit {run.get('exit_code')})"
         return [f"## {name}", "", f"No results: {why}.", ""]
     try:
-        render = importlib.import_module(f"bench_{name}").render_section
+        render = importlib.import_module(f"bench_{BENCHES[name][0]}").render_section
         return render(data, out / "img", targets)
     except Exception as exc:  # another script's format changed: say so, keep going
         return [f"## {name}", "", f"Could not render ({type(exc).__name__}: {exc}).", "",

@@ -85,6 +85,13 @@ def offload_transfer(extra: Mapping[str, Any], **overrides: Any) -> dict[str, An
     return {**OffloadConfig.from_extra_config(dict(extra)).to_kv_transfer_dict(), **overrides}
 
 
+def example_transfer_config(storage_dir: str | os.PathLike) -> dict[str, Any]:
+    """vLLM's ExampleConnector (safetensors files per prompt and layer): the peer that
+    kv-offload's benchmarks compare with."""
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
+
+
 class EngineProcess:
     """One ``vllm.LLM`` in a child process of its own session; a context manager that
     waits for start-up on entry and quits on exit.

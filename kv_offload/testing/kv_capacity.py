@@ -15,10 +15,12 @@ Imports of vLLM happen inside the functions: importing this module imports no vL
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-from kv_offload.testing.tiny_model import hybrid_layer_types
+from kv_offload.testing.tiny_model import hybrid_layer_types, make_tiny_hybrid_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,22 +28,26 @@ class Geometry:
     """The KV-relevant shape of a model: its attention layers, heads and dtype."""
 
     name: str
-    num_layers: int
-    sliding_window_pattern: int  # every Nth layer full attention (Gemma 3 rule), 1: all full
+    layer_types: tuple[str, ...]  # "sliding_attention" or "full_attention", per layer
     sliding_window: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "bfloat16"
 
-    def layer_types(self) -> list[str]:
-        return hybrid_layer_types(self.num_layers, self.sliding_window_pattern)
-
 
 # Computed rows of docs/benchmarks.md: public configurations, rounded to their KV shape.
-GEMMA3_27B_LIKE = Geometry("Gemma-3-27B-like", num_layers=62, sliding_window_pattern=6,
+GEMMA3_27B_LIKE = Geometry("Gemma-3-27B-like", tuple(hybrid_layer_types(62, 6)),
                            sliding_window=1024, num_kv_heads=16, head_dim=128)
-GPT_OSS_120B_LIKE = Geometry("gpt-oss-120b-like", num_layers=36, sliding_window_pattern=2,
+GPT_OSS_120B_LIKE = Geometry("gpt-oss-120b-like", tuple(hybrid_layer_types(36, 2)),
                              sliding_window=128, num_kv_heads=8, head_dim=64)
+
+
+def geometry_of(model: str | Path) -> Geometry:
+    """The Geometry in a Gemma-3-style model directory's config.json (e.g. one made by
+    ``tiny_model.make_tiny_hybrid_model``)."""
+    c = json.loads((Path(model) / "config.json").read_text())
+    return Geometry(Path(model).name, tuple(c["layer_types"]), c["sliding_window"],
+                    c["num_key_value_heads"], c["head_dim"], c["torch_dtype"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +76,7 @@ def layer_specs(geometry: Geometry, block_size: int) -> dict[str, Any]:
     return {f"model.layers.{i}.self_attn.attn":
             SlidingWindowSpec(**common, sliding_window=geometry.sliding_window)
             if kind == "sliding_attention" else FullAttentionSpec(**common)
-            for i, kind in enumerate(geometry.layer_types())}
+            for i, kind in enumerate(geometry.layer_types)}
 
 
 def engine_config(model: str, *, hybrid_manager: bool, max_model_len: int,
@@ -86,14 +92,15 @@ def engine_config(model: str, *, hybrid_manager: bool, max_model_len: int,
         disable_hybrid_kv_cache_manager=not hybrid_manager))
 
 
-def plan_capacity(geometry: Geometry, model: str, *, hybrid_manager: bool,
+def plan_capacity(geometry: Geometry, model: str | None = None, *, hybrid_manager: bool,
                   kv_cache_bytes: int, max_model_len: int, max_num_batched_tokens: int,
                   lengths: list[int], block_size: int = 16,
                   kv_cache_layout: str = "LBNHC") -> Capacity:
     """vLLM's KV cache plan for ``geometry`` in ``kv_cache_bytes`` of device memory, and
     how many requests of each of ``lengths`` tokens it admits (vLLM's figure: a
     sliding-window group reserves window + max_num_batched_tokens per request).
-    ``model`` is any model directory whose max_model_len allows ``max_model_len``;
+    ``model`` is a model directory whose config allows ``max_model_len`` (None: a tiny
+    one made for it; no weights are read);
     ``kv_cache_layout`` is the one the engine's attention backend resolves (FlashAttention:
     LBNHC; vLLM's CPU backend: LBHNC)."""
     from vllm.v1.core.kv_cache_utils import (
@@ -103,6 +110,7 @@ def plan_capacity(geometry: Geometry, model: str, *, hybrid_manager: bool,
         get_max_concurrency_for_kv_cache_config,
     )
 
+    model = model or str(make_tiny_hybrid_model(max_position=max_model_len))
     config = engine_config(model, hybrid_manager=hybrid_manager, max_model_len=max_model_len,
                            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
     config.cache_config.kv_cache_layout = kv_cache_layout  # resolved by the engine core
@@ -120,6 +128,34 @@ def plan_capacity(geometry: Geometry, model: str, *, hybrid_manager: bool,
                     groups=describe_groups(kv_config), kv_cache_size_tokens=tokens,
                     max_model_len=max_model_len, max_concurrency=concurrency,
                     concurrency_at=at)
+
+
+def off_and_on(geometry: Geometry, model: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    """``plan_capacity`` with the manager off and on (same ``kwargs``), as dicts, and
+    ``ratio``: requests of max_model_len that fit with it on over off."""
+    off, on = (asdict(plan_capacity(geometry, model, hybrid_manager=hybrid, **kwargs))
+               for hybrid in (False, True))
+    return {"off": off, "on": on, "ratio": on["max_concurrency"] / off["max_concurrency"]}
+
+
+def engine_against_plan(model: str | Path, *, engine: dict[str, Any], log_path: Path,
+                        lengths: list[int]) -> dict[str, Any]:
+    """Start an in-process kv-offload engine on ``model`` (a Gemma-3-style directory) with
+    the LLM kwargs ``engine``; returns what it reports (``engine``: snapshot's kv_cache),
+    whether vLLM logged turning its hybrid manager off, and (``computed``)
+    ``plan_capacity`` of its geometry for the same settings and vLLM's CPU layout."""
+    from kv_offload.testing.engine import EngineProcess, offload_transfer
+
+    with EngineProcess(model, log_path=log_path, engine=engine, in_process=True,
+                       transfer=offload_transfer({"cpu_size": "64MiB"})) as eng:
+        got, log, kv_bytes = eng.snapshot()["kv_cache"], eng.log(), eng.engine[
+            "kv_cache_memory_bytes"]
+    want = plan_capacity(geometry_of(model), str(model), hybrid_manager=got["hybrid_manager"],
+                         kv_cache_bytes=kv_bytes, max_model_len=got["max_model_len"],
+                         max_num_batched_tokens=got["max_num_batched_tokens"],
+                         lengths=lengths, block_size=got["block_size"], kv_cache_layout="LBHNC")
+    return {"engine": got, "turned_off_logged": "Turning off hybrid kv cache manager" in log,
+            "computed": asdict(want)}
 
 
 def describe_groups(kv_cache_config: Any) -> tuple[str, ...]:

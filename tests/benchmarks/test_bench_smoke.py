@@ -166,6 +166,41 @@ def test_ttft_quick(tmp_path):
 
 
 @pytest.mark.engine
+def test_ttft_sliding_window_quick(tmp_path):
+    """--sliding-window: a Gemma-3-style model with vLLM's hybrid KV cache manager on, no
+    peer; the device KV capacity with the manager off and on (what the engines report,
+    equal to kv_capacity's plan), computed rows for real geometries; the report renders it."""
+    data = run_json("bench_ttft.py", tmp_path, "--sliding-window", "64", "--lengths", "256")
+    assert data["model"]["sliding_window"] == 64 and data["engine"][
+        "disable_hybrid_kv_cache_manager"] is False
+    assert not any(mode.startswith(("peer", "cold_peer")) for mode in data["modes"])
+    for mode, hit in (("cpu", "own_hit"), ("disk", "own_hit_restarted")):  # paired
+        assert len(data["modes"][mode]["256"]["samples_s"]) == len(
+            data["modes"][hit]["256"]["samples_s"])
+    off, on = data["capacity"]["measured"]
+    assert off["engine"]["groups"] == ["full(64) x4"] and off["engine"]["hybrid_manager"] is False
+    assert on["engine"]["hybrid_manager"] is True and not on["turned_off_logged"]
+    assert sorted(on["engine"]["groups"]) == ["full x2", "sliding_window(64) x2"]
+    for row in (off, on):  # the engine reports what kv_capacity computes
+        assert row["engine"]["num_blocks"] == row["computed"]["num_blocks"]
+        assert row["engine"]["kv_cache_size_tokens"] == row["computed"]["kv_cache_size_tokens"]
+    assert on["engine"]["max_concurrency"] > off["engine"]["max_concurrency"]
+    computed = data["capacity"]["computed"]
+    assert len(computed) == 12 and all(r["ratio"] > 1 for r in computed)
+
+    out = tmp_path / "report"
+    (out / "bench-data").mkdir(parents=True)
+    (out / "bench-data" / "hybrid.json").write_text(json.dumps(data))
+    run_script("run_all.py", "--report-only", "--out", str(out))
+    report = (out / "benchmarks.md").read_text()
+    assert "## Sliding-window models: device KV capacity and TTFT" in report
+    assert "Could not render" not in report and "Gemma-3-27B-like" in report
+    assert "TTFT (sliding window): CPU-tier hit" in report  # its targets, apart from ttft's
+    assert "ExampleConnector warm at" not in report.split("## Sliding-window")[0].split(
+        "## Targets")[1]  # no peer targets for the sliding-window run
+
+
+@pytest.mark.engine
 def test_overhead_quick(tmp_path):
     data = run_json("bench_overhead.py", tmp_path, "--num-prompts", "2")
     for workload in ("no_reuse", "reuse_50"):

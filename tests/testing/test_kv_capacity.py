@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import pytest
 
-from kv_offload.testing.engine import EngineProcess, offload_transfer
-from kv_offload.testing.kv_capacity import GEMMA3_27B_LIKE, Geometry, plan_capacity
+from kv_offload.testing.kv_capacity import (
+    GEMMA3_27B_LIKE,
+    engine_against_plan,
+    geometry_of,
+    off_and_on,
+    plan_capacity,
+)
 from kv_offload.testing.tiny_model import make_tiny_hybrid_model
 
 pytest.importorskip("vllm")
 
-TINY = Geometry("tiny hybrid", num_layers=4, sliding_window_pattern=2, sliding_window=64,
-                num_kv_heads=2, head_dim=64, dtype="float32")  # make_tiny_hybrid_model()
 MAX_MODEL_LEN, BATCHED, KV_BYTES = 8192, 512, 64 * 2**20
 
 
@@ -26,28 +29,32 @@ def model() -> str:
     return str(make_tiny_hybrid_model())
 
 
-def plan(model: str, geometry: Geometry = TINY, *, on: bool, **kw) -> object:
-    return plan_capacity(geometry, model, hybrid_manager=on, **{
-        "kv_cache_bytes": KV_BYTES, "max_model_len": MAX_MODEL_LEN,
-        "max_num_batched_tokens": BATCHED, "lengths": [1024, MAX_MODEL_LEN],
-        "block_size": 32, "kv_cache_layout": "LBHNC", **kw})
+def test_the_geometry_of_a_model_directory_is_its_config(model):
+    geometry = geometry_of(model)  # make_tiny_hybrid_model(): S F S F, window 64
+    assert geometry.layer_types == ("sliding_attention", "full_attention") * 2
+    assert (geometry.sliding_window, geometry.num_kv_heads, geometry.head_dim,
+            geometry.dtype) == (64, 2, 64, "float32")
 
 
 def test_the_manager_off_promotes_sliding_layers_to_full_attention(model):
-    off, on = plan(model, on=False), plan(model, on=True)
-    assert off.groups == ("full(64) x4",)  # every layer keeps the whole context
-    assert sorted(on.groups) == ["full x2", "sliding_window(64) x2"]
+    both = off_and_on(geometry_of(model), model, kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN,
+                      max_num_batched_tokens=BATCHED, lengths=[1024, MAX_MODEL_LEN],
+                      block_size=32, kv_cache_layout="LBHNC")
+    off, on = both["off"], both["on"]
+    assert off["groups"] == ("full(64) x4",)  # every layer keeps the whole context
+    assert sorted(on["groups"]) == ["full x2", "sliding_window(64) x2"]
     # same memory, half the layers keep the whole context: more requests fit
-    assert on.concurrency_at[MAX_MODEL_LEN] > 1.5 * off.concurrency_at[MAX_MODEL_LEN]
-    assert on.kv_cache_size_tokens > off.kv_cache_size_tokens
+    assert both["ratio"] > 1.5
+    assert on["concurrency_at"][MAX_MODEL_LEN] == on["max_concurrency"]
+    assert on["kv_cache_size_tokens"] > off["kv_cache_size_tokens"]
     # a shorter request fits more often, in both
-    assert off.concurrency_at[1024] > off.concurrency_at[MAX_MODEL_LEN]
+    assert off["concurrency_at"][1024] > off["concurrency_at"][MAX_MODEL_LEN]
 
 
 def test_a_gemma3_like_geometry_has_one_group_per_kind_and_window(model):
-    long_model = str(make_tiny_hybrid_model(max_position=32768 + 64))
-    on = plan(long_model, GEMMA3_27B_LIKE, on=True, kv_cache_bytes=64 * 2**30,
-              max_model_len=32768, lengths=[32768], block_size=16, kv_cache_layout="LBNHC")
+    on = plan_capacity(GEMMA3_27B_LIKE, hybrid_manager=True,
+                       kv_cache_bytes=64 * 2**30, max_model_len=32768,
+                       max_num_batched_tokens=8192, lengths=[32768])
     sliding = [int(g.rsplit("x", 1)[1]) for g in on.groups if g.startswith("sliding_window(1024)")]
     assert sum(sliding) >= 52 and len(sliding) > 1  # padded to groups of equal size
     assert [g for g in on.groups if g.startswith("full")] == ["full x10"]
@@ -62,15 +69,12 @@ def test_a_started_engine_reports_the_computed_plan(model, on, tmp_path):
               "kv_cache_memory_bytes": KV_BYTES}
     if not on:
         engine["disable_hybrid_kv_cache_manager"] = True
-    with EngineProcess(model, log_path=tmp_path / "engine.log", engine=engine,
-                       transfer=offload_transfer({"cpu_size": "64MiB"}),
-                       in_process=True) as eng:
-        got = eng.snapshot()["kv_cache"]
-        log = eng.log()
-    want = plan(model, on=on)
-    assert got["hybrid_manager"] is on
-    assert ("Turning off hybrid kv cache manager" in log) is False
-    assert sorted(got["groups"]) == sorted(want.groups)
-    assert got["num_blocks"] == want.num_blocks
-    assert got["kv_cache_size_tokens"] == want.kv_cache_size_tokens
-    assert got["max_concurrency"] == pytest.approx(want.max_concurrency)
+    row = engine_against_plan(model, engine=engine, log_path=tmp_path / "engine.log",
+                              lengths=[1024])
+    got, want = row["engine"], row["computed"]
+    assert got["hybrid_manager"] is on and not row["turned_off_logged"]
+    assert want["hybrid_manager"] is on and got["block_size"] == 32
+    assert sorted(got["groups"]) == sorted(want["groups"])
+    assert got["num_blocks"] == want["num_blocks"]
+    assert got["kv_cache_size_tokens"] == want["kv_cache_size_tokens"]
+    assert got["max_concurrency"] == pytest.approx(want["max_concurrency"])
