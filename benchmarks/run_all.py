@@ -5,7 +5,7 @@ file in the data folder (``--only NAME`` keeps the others' last results): each b
 ``render_section``, in the page of templates/page.md. A section that fails to render says
 so in the page.
 
-    .venv/bin/python benchmarks/run_all.py                  # all, ~20 min on 2 cores
+    .venv/bin/python benchmarks/run_all.py                  # all, ~25 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --quick          # toy sizes, into a temp dir
     .venv/bin/python benchmarks/run_all.py --only ttft      # one benchmark, report rebuilt
     .venv/bin/python benchmarks/run_all.py --report-only    # rebuild the report from JSON
