@@ -269,6 +269,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             "get_num_new_matched_tokens (async)", lambda: True, self._sched.load_is_async,
             request.request_id)
 
+    def may_load_async(self, request: Request) -> bool:
+        # vLLM 0.34, with --max-num-inflight-kv-loads: a yes lets the request's load start
+        # while the batch is full. The CPU tier holds its first chunk (O(1), no I/O).
+        return bool(self._guard.call("may_load_async", lambda: False,
+                                     self._sched.may_load_async, request))
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids() if num_external_tokens > 0 else ()

@@ -39,6 +39,23 @@ def hits_discarded(request: Any) -> bool:
     return bool(discarded)
 
 
+def first_chunk_held(cpu: CpuIndex, block_hashes: Sequence[bytes], num_tokens: int, *,
+                     chunk_tokens: int, tokens_per_hash: int) -> bool:
+    """Whether a load could start with the first chunk of a request of ``num_tokens``
+    tokens with these block hashes: the CPU tier holds it (READY or STAGING) and it ends
+    before the request's last token (a load leaves one to compute). O(1), read-only.
+
+    The chunk's key is the block hash that ends it, chained over everything before it
+    (tokens, ``cache_salt``, LoRA, multimodal inputs: ``keys.py``), and the CPU index
+    holds one namespace, so a salted or other-adapter request never matches another's
+    entry. vLLM's own prefix cache may hold the chunk too: then the load, if any, starts
+    later in the prompt, and this answer is only a likelihood."""
+    hashes_per_chunk = chunk_tokens // tokens_per_hash
+    if num_tokens - 1 < chunk_tokens or len(block_hashes) < hashes_per_chunk:
+        return False
+    return cpu.hit(bytes(block_hashes[hashes_per_chunk - 1])) is not None
+
+
 def loadable_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey], first: int,
                  remote_hits: Callable[[int], int]) -> list[Source]:
     """The chunks of ``keys[first:]`` a load can take now, each with its tier: the

@@ -30,7 +30,12 @@ from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.holds import BlockHolds, WindowSource
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
-from kv_offload.scheduler.lookup import Source, hits_discarded, loadable_run
+from kv_offload.scheduler.lookup import (
+    Source,
+    first_chunk_held,
+    hits_discarded,
+    loadable_run,
+)
 from kv_offload.scheduler.records import RequestState
 from kv_offload.scheduler.same_step import SameStepBudget, all_ready_in_cpu
 from kv_offload.scheduler.stores import StorePlanner
@@ -191,6 +196,22 @@ class OffloadScheduler:
         ``same_step.SameStepBudget``."""
         state = self._requests.get(req_id)
         return state is None or not state.same_step
+
+    def may_load_async(self, request: RequestLike) -> bool:
+        """vLLM 0.34 asks as a request enters its waiting queues: may its lookup answer an
+        asynchronous load? (Then, with ``--max-num-inflight-kv-loads``, the load may start
+        while the batch is full. A wrong yes costs: vLLM keeps the request at the head of
+        its queue and starts no other such load until a running slot frees.) Yes when the
+        CPU tier holds its first chunk (``first_chunk_held``): a dict look-up, no disk or
+        remote I/O. No while ``paused``, when vLLM discards the request's hits, and while
+        same-step loads are on: a CPU-tier hit then loads in the step that schedules it
+        (``same_step``), a synchronous answer (the connector turns them off when
+        ``--max-num-inflight-kv-loads`` is set). Read-only."""
+        if self.paused or self.same_step is not None or hits_discarded(request):
+            return False
+        return first_chunk_held(self.cpu, request.block_hashes, request.num_tokens,
+                                chunk_tokens=self.config.chunk_tokens,
+                                tokens_per_hash=self.config.tokens_per_hash)
 
     def _loadable_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int
                       ) -> list[Source] | None:

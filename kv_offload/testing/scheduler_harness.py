@@ -132,6 +132,7 @@ class SchedulerHarness:
                  background_stores: bool = False, copy_thread: bool = True,
                  connector_reset: str = "cpu", windows: tuple[int, ...] = (),
                  mamba: bool = False, model_runner: str | None = None,
+                 max_num_inflight_kv_loads: int | None = None,
                  sync_load_budget_ms: float = 20.0) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
@@ -141,7 +142,9 @@ class SchedulerHarness:
         these windows (tokens) after the full-attention group, all over the same tensors
         (vLLM's hybrid KV cache manager). ``mamba``: a mamba group in "align" mode after
         those (see the module docstring). ``model_runner``: the hook order of the fake
-        model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on)."""
+        model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on).
+        ``max_num_inflight_kv_loads``: vLLM's option of that name (0.34 on), which lets
+        loads the connector says may be asynchronous start while the batch is full."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
@@ -171,6 +174,9 @@ class SchedulerHarness:
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)
         self.vllm_config.scheduler_config.async_scheduling = async_scheduling  # as on GPUs
+        if max_num_inflight_kv_loads is not None:
+            vllm_compat.set_max_num_inflight_kv_loads(self.vllm_config.scheduler_config,
+                                                      max_num_inflight_kv_loads)
         if mamba:  # what vLLM sets for a mamba hybrid with prefix caching
             self.vllm_config.cache_config.mamba_cache_mode = "align"
             self.vllm_config.cache_config.mamba_block_size = block_size
@@ -287,14 +293,15 @@ class SchedulerHarness:
         connector has no public accessor)."""
         return self.scheduler.connector._scheduler
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> Any:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, **sampling: Any) -> Any:
+        """Add a request (``sampling``: more SamplingParams, e.g. ``prompt_logprobs``)."""
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.request import Request
 
         init_none_hash(sha256)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
         request = Request(req_id, list(prompt), params, None,
                           block_hasher=get_request_block_hasher(self.block_size, sha256))
         self.requests[req_id] = request

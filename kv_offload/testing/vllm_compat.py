@@ -24,6 +24,9 @@ right side without edits:
   (``scheduler_request_collections``, ``requests_with_reserved_blocks``).
 - The CPU platform refuses x86 without triton-cpu while it checks a config
   (``create_engine_config``).
+- ``--max-num-inflight-kv-loads`` lets loads start while the batch is full, for requests
+  the connector's ``may_load_async`` answers yes to (``loads_while_batch_full``,
+  ``set_max_num_inflight_kv_loads``).
 
 Imports of vLLM happen inside the functions: importing this module imports no vLLM.
 """
@@ -141,6 +144,25 @@ def finish_forward(connector: Any) -> None:
     hook = getattr(connector, "finish_forward", None)
     if hook is not None:
         hook()
+
+
+def loads_while_batch_full() -> bool:
+    """Whether the installed vLLM can start a connector's load while the batch is full
+    (``KVConnectorBase_V1.may_load_async`` and ``--max-num-inflight-kv-loads``: 0.34)."""
+    from vllm.config import SchedulerConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return (hasattr(KVConnectorBase_V1, "may_load_async")
+            and "max_num_inflight_kv_loads" in {f.name for f in fields(SchedulerConfig)})
+
+
+def set_max_num_inflight_kv_loads(scheduler_config: Any, limit: int) -> None:
+    """Set ``--max-num-inflight-kv-loads`` on a scheduler config (before the scheduler is
+    built); ValueError on a vLLM without it."""
+    if not loads_while_batch_full():
+        raise ValueError("this vLLM has no --max-num-inflight-kv-loads (vLLM 0.34 on); "
+                         "leave max_num_inflight_kv_loads at None")
+    scheduler_config.max_num_inflight_kv_loads = limit
 
 
 def get_kv_cache_config_from_groups(vllm_config: Any, kv_cache_groups: Iterable[Any],

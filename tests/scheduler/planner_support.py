@@ -18,6 +18,24 @@ class FakeRequest:
     num_prompt_tokens: int
 
 
+@dataclass
+class SkippingRequest(FakeRequest):
+    """A request that must not read cached KV (``prompt_logprobs``), as each vLLM says it."""
+
+    skip_reading_external_kv: bool | None = None  # vLLM 0.34's Request
+    skip_reading_prefix_cache: bool | None = None  # vLLM 0.32's
+
+
+def skipping(req: FakeRequest, attribute: str, value: bool = True) -> SkippingRequest:
+    """``req`` with ``attribute`` (one of SkippingRequest's) set to ``value``."""
+    out = SkippingRequest(req.request_id, req.block_hashes, req.num_tokens,
+                          req.num_prompt_tokens)
+    for name in ("skip_reading_external_kv", "skip_reading_prefix_cache"):
+        setattr(out, name, getattr(req, name, None))
+    setattr(out, attribute, value)
+    return out
+
+
 def make_request(req_id: str, tokens: list[int]) -> FakeRequest:
     hashes, parent = [], b"root"
     for i in range(len(tokens) // BLOCK):

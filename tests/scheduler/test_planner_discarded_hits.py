@@ -4,25 +4,10 @@
 cost tier reads and count a miss that was never one. They are not looked up, nothing is
 pinned or planned, their tokens are counted apart, and their KV is still stored."""
 
-from dataclasses import dataclass
-
 import pytest
-from planner_support import FakeRequest, make_request, make_scheduler, store_request
+from planner_support import make_request, make_scheduler, skipping, store_request
 
 from kv_offload.scheduler.lookup import hits_discarded
-
-
-@dataclass
-class _SkippingRequest(FakeRequest):
-    skip_reading_external_kv: bool | None = None  # vLLM 0.34's Request
-    skip_reading_prefix_cache: bool | None = None  # vLLM 0.32's
-
-
-def skipping(req: FakeRequest, attribute: str, value: bool = True) -> _SkippingRequest:
-    out = _SkippingRequest(req.request_id, req.block_hashes, req.num_tokens,
-                           req.num_prompt_tokens)
-    setattr(out, attribute, value)
-    return out
 
 
 def test_which_requests_vllm_discards_the_hits_of():
