@@ -172,14 +172,18 @@ class EngineProcess:
         return self.answer()
 
     def generate(self, prompts: list, *, max_tokens: int = 16, one_by_one: bool = False,
-                 abort: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 abort: Mapping[str, Any] | None = None,
+                 prompt_logprobs: int | None = None) -> dict[str, Any]:
         """Greedy outputs of ``prompts`` (str or {"prompt", "cache_salt"}); see
         engine_server for the fields. ``one_by_one`` gives per-request latencies;
-        ``abort`` = {"after_steps", "indexes"} aborts those requests mid-way."""
+        ``abort`` = {"after_steps", "indexes"} aborts those requests mid-way;
+        ``prompt_logprobs``: vLLM's option, and the prompt tokens' logprobs come back."""
         command: dict[str, Any] = {"op": "generate", "prompts": prompts,
                                    "max_tokens": max_tokens, "one_by_one": one_by_one}
         if abort:
             command["abort"] = dict(abort)
+        if prompt_logprobs is not None:
+            command["prompt_logprobs"] = prompt_logprobs
         return self.call(command)
 
     def drain(self, timeout_s: float = 60.0) -> None:

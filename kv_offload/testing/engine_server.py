@@ -7,10 +7,13 @@ Commands (stdin) and answers (one JSON line each, ``{"ok": true, ...}`` or
 ``{"ok": false, "error": ...}``, in command order):
 
     {"op": "generate", "prompts": [str | {"prompt", "cache_salt"}], "max_tokens": 16,
-     "one_by_one": false, "abort": {"after_steps": n, "indexes": [...]} | absent}
+     "one_by_one": false, "abort": {"after_steps": n, "indexes": [...]} | absent,
+     "prompt_logprobs": n | absent}
         -> tokens, texts, seconds, latency_s (per request when one_by_one), ttft_s,
            num_prompt_tokens, num_output_tokens, metrics and kv_offload (deltas of
-           engine_state.metric_totals / kv_offload_samples over this call)
+           engine_state.metric_totals / kv_offload_samples over this call); with
+           prompt_logprobs also prompt_logprobs: per request, the logprob of each prompt
+           token after the first
     {"op": "drain", "timeout_s": 60}   step until the connector has no job (in-process)
     {"op": "reset", "connector": bool} reset_prefix_cache -> {"reset": vLLM's answer}
     {"op": "snapshot"}                 -> metrics, kv_offload (totals), connector (or null),
@@ -74,7 +77,7 @@ def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=command.get("max_tokens", 16),
-                            ignore_eos=True)
+                            ignore_eos=True, prompt_logprobs=command.get("prompt_logprobs"))
     prompts = command["prompts"]
     before, ours_before = engine_state.metric_totals(llm), engine_state.kv_offload_samples()
     start = time.perf_counter()
@@ -87,7 +90,10 @@ def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     after, ours_after = engine_state.metric_totals(llm), engine_state.kv_offload_samples()
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    extra = {} if params.prompt_logprobs is None else {
+        "prompt_logprobs": [_prompt_token_logprobs(o) for o in outputs]}
     return {
+        **extra,
         "tokens": tokens, "texts": [o.outputs[0].text for o in outputs],
         "seconds": seconds, "latency_s": latencies,
         "ttft_s": [o.metrics.first_token_latency for o in outputs
@@ -97,6 +103,13 @@ def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
         "metrics": {k: after[k] - before[k] for k in after},
         "kv_offload": {k: v - ours_before.get(k, 0.0) for k, v in ours_after.items()},
     }
+
+
+def _prompt_token_logprobs(output: Any) -> list[float]:
+    """The logprob vLLM gave each prompt token after the first (its ``prompt_logprobs``
+    hold the prompt token's own entry besides the top ones)."""
+    pairs = zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:])
+    return [float(top[token].logprob) for token, top in pairs]
 
 
 def handle(llm: Any, command: dict[str, Any]) -> dict[str, Any]:

@@ -5,9 +5,9 @@ phase becomes commands of one ``EngineProcess`` (kv_offload.testing.engine).
 
 SPEC: {"model": path, "offload": extra-config dict or null, "engine": LLM kwargs,
        "in_process": bool,
-       "phases": [{"name", "prompts", "max_tokens", "one_by_one", "reset_prefix_cache",
-                   "reset_connector", "command_before": argv, "sleep_before_s",
-                   "command_during": {"argv", "after_s"}}]}
+       "phases": [{"name", "prompts", "max_tokens", "one_by_one", "prompt_logprobs",
+                   "reset_prefix_cache", "reset_connector", "command_before": argv,
+                   "sleep_before_s", "command_during": {"argv", "after_s"}}]}
 ``reset_connector`` also resets kv-offload (its CPU tier only with ``connector_reset:
 "cpu"``); the commands (run here, in the parent) let a test kill or restart a server before or while a phase runs.
 OUT:  {"startup_s", "phases": [{"name", "tokens", "texts", "seconds", "latency_s",
@@ -41,7 +41,8 @@ def run_phase(engine: EngineProcess, phase: Mapping[str, Any]) -> dict[str, Any]
         timer.start()
     try:
         out = engine.generate(phase["prompts"], max_tokens=phase.get("max_tokens", 16),
-                              one_by_one=bool(phase.get("one_by_one")))
+                              one_by_one=bool(phase.get("one_by_one")),
+                              prompt_logprobs=phase.get("prompt_logprobs"))
     finally:
         if timer is not None:
             timer.join()

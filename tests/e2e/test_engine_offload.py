@@ -35,6 +35,10 @@ def offload(store: Path, **extra) -> dict:
             "chunk_tokens": CHUNK, "io_threads": 2, **extra}
 
 
+LOGPROBS_PHASE = {"name": "logprobs", "prompts": prompts(), "prompt_logprobs": 1,
+                  "reset_prefix_cache": True}
+
+
 def spec(model: Path, offload_cfg: dict | None, phases: list[dict], **engine) -> dict:
     return {"model": str(model), "offload": offload_cfg, "engine": engine, "phases": phases,
             "in_process": True}
@@ -56,18 +60,25 @@ def store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory) -> list[list[int]]:
+def reference_run(model, tmp_path_factory) -> dict:
+    """vLLM without any connector: the prompts, then again with prompt logprobs."""
+    return run_in_subprocess(spec(model, None, [{"prompts": prompts()}, LOGPROBS_PHASE]),
+                             tmp_path_factory.mktemp("ref"))
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> list[list[int]]:
     """Tokens recomputed by vLLM without any connector."""
-    out = run_in_subprocess(spec(model, None, [{"prompts": prompts()}]),
-                            tmp_path_factory.mktemp("ref"))
-    return out["phases"][0]["tokens"]
+    return reference_run["phases"][0]["tokens"]
 
 
 @pytest.fixture(scope="module")
 def first_engine(model, store, reference, tmp_path_factory) -> dict:
-    """Cold run, then the same prompts after vLLM's own prefix cache was reset."""
+    """Cold run, then the same prompts after vLLM's own prefix cache was reset, then
+    again with prompt logprobs (every chunk is in the CPU tier by then)."""
     phases = [{"name": "cold", "prompts": prompts()},
-              {"name": "cpu", "prompts": prompts(), "reset_prefix_cache": True}]
+              {"name": "cpu", "prompts": prompts(), "reset_prefix_cache": True},
+              LOGPROBS_PHASE]
     return run_in_subprocess(spec(model, offload(store), phases),
                              tmp_path_factory.mktemp("first"))
 
@@ -89,6 +100,22 @@ def test_cpu_tier_serves_after_prefix_cache_reset(first_engine, reference):
     assert warm["tokens"] == reference
     # Every chunk-aligned prefix below the last token is served: at least the shared prefix.
     assert warm["metrics"]["hits_host"] >= PREFIX_TOKENS
+
+
+def test_prompt_logprobs_requests_are_not_looked_up_and_equal_recompute(first_engine,
+                                                                        reference_run):
+    """Issue 32 §3: vLLM discards the connector's hits of a request asking for prompt
+    logprobs (every prompt position must be computed). kv-offload does not look such a
+    request up though the CPU tier holds its chunks, and counts its tokens apart, not as
+    misses; its tokens and prompt logprobs are vLLM's without the connector."""
+    phase, ref = first_engine["phases"][2], reference_run["phases"][1]
+    assert phase["tokens"] == ref["tokens"] == reference_run["phases"][0]["tokens"]
+    for ours, theirs in zip(phase["prompt_logprobs"], ref["prompt_logprobs"]):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    assert phase["metrics"]["external_hits"] == 0
+    counts = phase["kv_offload"]
+    assert counts.get("kv_offload_lookup_skipped_tokens_total{}", 0) >= 4 * PREFIX_TOKENS
+    assert counts.get("kv_offload_miss_tokens_total{}", 0) == 0
 
 
 def test_restarted_engine_hits_disk_tier(restarted_engine, reference):
