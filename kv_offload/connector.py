@@ -516,15 +516,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return  # stores are issued once per step, after the whole forward (_issue_stores)
 
     def finish_forward(self) -> None:
-        # Model Runner V2 (vLLM 0.32+ on CUDA with Triton, the only runner from 0.34):
-        # right after the forward, before sampling and drafting, the earliest point the
-        # step's KV is all written. docs/architecture.md, "Hook order on both model runners".
+        # Model Runner V2 only, right after the forward, before sampling and drafting:
+        # docs/architecture.md, "Hook order on both model runners".
         self._issue_stores()
 
     def wait_for_save(self) -> None:
-        # The V1 runner never calls finish_forward: its stores are issued here. On V2
-        # they were, and this does nothing.
-        self._issue_stores()
+        self._issue_stores()  # V1, which never calls finish_forward; on V2 a no-op by now
 
     def _issue_stores(self) -> None:
         """Start the store copies of the bound plan, once per plan whichever hook comes
