@@ -505,9 +505,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # it otherwise, on both model runners: same-step jobs are in the engine (or
         # ordered before the forward on the device) when this returns.
         plan = self._plan()
-        if plan is not None and plan.loads and self._worker is not None:
-            if not self._worker.start_loads(plan.loads):  # a same-step load failed
-                self._read_failed_load = plan  # its stores would copy KV computed on it
+        if (plan is not None and plan.loads and self._worker is not None
+                and not self._worker.start_loads(plan.loads)):  # a same-step load failed
+            self._read_failed_load = plan  # its stores would copy KV computed on it
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # same-step loads are whole before the forward (start_load_kv)

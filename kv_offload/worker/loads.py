@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob
 
 
@@ -60,6 +62,12 @@ class WorkerLoad:
             else:
                 ok_rows.append(i)
         return ok_rows
+
+    def copy_arrays(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Host slots and engine blocks of these chunks, for ``CopyEngine.load``."""
+        chunks = self.job.chunks
+        return (np.array([chunks[i].cpu_slot for i in rows], dtype=np.int64),
+                np.array([chunks[i].block_ids for i in rows], dtype=np.int64))
 
     def take_mark(self) -> object | None:
         """The compute mark, for ``CopyEngine.release_mark`` (None from then on)."""

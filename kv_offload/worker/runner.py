@@ -30,8 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
@@ -209,41 +207,46 @@ class OffloadWorker:
         return all_loaded
 
     def _load_same_step(self, job: LoadJob, now: float) -> bool:
-        """Copy ``job`` (READY CPU slots only) into the engine before this step's forward:
-        a synchronous engine copies here; an engine with streams issues the copy here,
-        after the compute queued so far, and orders the forward after it device-side (no
-        host wait); its completion is tracked on the copy thread. Chunks that cannot be
-        copied are failed now, so the step's ``poll`` reports their blocks as load errors
-        (vLLM then recomputes them before it uses the step's tokens)."""
+        """Copy ``job`` (READY CPU slots) into the engine before this step's forward: a
+        synchronous engine copies here; one with streams issues the copy here and orders
+        the forward after it on the device (``_issue_before_forward``). This step's
+        ``poll`` reports failed chunks as load errors. False when a chunk failed."""
         load = WorkerLoad(job, now)
         with self._lock:
             self._loads[job.job_id] = load
             if self._paused:
-                load.cancel()  # its blocks are reported failed by this step's poll
+                load.cancel()  # every block is reported failed by this step's poll
                 return False
             load.begin_copy()
-        rows = [i for i, m in enumerate(job.chunks) if m.cpu_slot is not None
-                and m.disk_slot is None and m.remote_key is None]
+        rows = [i for i, m in enumerate(job.chunks)
+                if m.cpu_slot is not None and m.disk_slot is None and m.remote_key is None]
         load.failed.update(set(range(len(job.chunks))) - set(rows))
-        if not rows:
-            self._end_same_step(load)
-            return False
-        if self.engine.synchronous:
-            try:
-                self._copy_rows(load, rows)
-            finally:
-                self._end_same_step(load)
-            return not load.failed
-        slots, blocks = self._rows_arrays(load, rows)
+        future = None
+        if rows and self.engine.synchronous:
+            self._copy_rows(load, rows)
+        elif rows:
+            future = self._issue_before_forward(load, rows)
+        with self._lock:
+            if future is None:
+                load.end_copy()
+            load.future = future or completed()
+        load.future.add_done_callback(lambda _: self._progress.set())
+        return not load.failed
+
+    def _issue_before_forward(self, load: WorkerLoad, rows: Sequence[int]
+                              ) -> Future[None] | None:
+        """Issue a same-step copy after the compute queued so far and fence the forward
+        after it (no host wait); its completion is awaited on the copy thread (the future;
+        None when nothing is left to await)."""
+        slots, blocks = load.copy_arrays(rows)
+        start = self._clock()
         try:
-            start = self._clock()
             handle = self.engine.load(slots, blocks)
-            self.engine.fence(handle)  # the forward starts after the copy, on the device
+            self.engine.fence(handle)
         except Exception:
-            logger.exception("kv-offload: issuing same-step load job %d failed", job.job_id)
+            logger.exception("kv-offload: issuing same-step load %d failed", load.job.job_id)
             load.failed.update(rows)
-            self._end_same_step(load)
-            return False
+            return None
 
         def settle() -> None:
             try:
@@ -251,27 +254,16 @@ class OffloadWorker:
                 self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
                             seconds_load=self._clock() - start)
             except Exception:  # a device error: too late for this step's load errors
-                logger.exception("kv-offload: same-step load job %d failed after the step "
-                                 "used it", job.job_id)
+                logger.exception("kv-offload: same-step load %d failed after its step "
+                                 "used it", load.job.job_id)
                 load.failed.update(rows)
             with self._lock:
                 load.end_copy()
 
         try:
-            future = self._copier.submit(settle)
+            return self._copier.submit(settle)
         except RuntimeError:  # shut down by close(), which waited for the engine
-            future = completed()
-            with self._lock:
-                load.end_copy()
-        with self._lock:
-            load.future = future
-        future.add_done_callback(lambda _: self._progress.set())
-        return not load.failed  # the chunks that could not be issued
-
-    def _end_same_step(self, load: WorkerLoad) -> None:
-        with self._lock:
-            load.end_copy()
-            load.future = completed()
+            return None
 
     def _copy_ready(self) -> None:
         """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
@@ -380,16 +372,10 @@ class OffloadWorker:
         with self._lock:
             load.end_copy()
 
-    @staticmethod
-    def _rows_arrays(load: WorkerLoad, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        chunks = load.job.chunks
-        return (np.array([chunks[i].cpu_slot for i in rows], dtype=np.int64),
-                np.array([chunks[i].block_ids for i in rows], dtype=np.int64))
-
     def _copy_rows(self, load: WorkerLoad, rows: Sequence[int]) -> None:
-        """Copy these chunks of ``load`` from their host slots into the engine and wait;
-        failures (and audit mismatches) go to ``load.failed``."""
-        slots, blocks = self._rows_arrays(load, rows)
+        """Copy these chunks of ``load`` into the engine and wait (failures, audit
+        mismatches: ``load.failed``)."""
+        slots, blocks = load.copy_arrays(rows)
         try:
             start = self._clock()
             self.engine.wait(self.engine.load(slots, blocks, after=load.mark))

@@ -100,6 +100,8 @@ def test_cpu_tier_serves_after_prefix_cache_reset(first_engine, reference):
     assert warm["tokens"] == reference
     # Every chunk-aligned prefix below the last token is served: at least the shared prefix.
     assert warm["metrics"]["hits_host"] >= PREFIX_TOKENS
+    # ... in the step that scheduled each request (CPU-tier chunks load before the forward)
+    assert warm["kv_offload"]["kv_offload_loads_same_step_total{}"] >= 1  # within the budget
 
 
 def test_prompt_logprobs_requests_are_not_looked_up_and_equal_recompute(first_engine,
@@ -122,6 +124,8 @@ def test_restarted_engine_hits_disk_tier(restarted_engine, reference):
     phase = restarted_engine["phases"][0]
     assert phase["tokens"] == reference
     assert phase["metrics"]["hits_disk"] >= PREFIX_TOKENS
+    # Disk chunks are staged into host RAM first: those loads wait outside the batch.
+    assert phase["kv_offload"].get("kv_offload_loads_same_step_total{}", 0) < len(prompts())
 
 
 def test_other_model_never_hits(other_model, store, restarted_engine, tmp_path_factory):

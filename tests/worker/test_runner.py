@@ -29,13 +29,6 @@ SLOT_BYTES = 2 * PLANE_BYTES * BPC  # two planes (layers)
 NS = "ab" * 16
 
 
-@pytest.fixture
-def planes():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 256, (NUM_BLOCKS, PLANE_BYTES), dtype=torch.uint8, generator=gen)
-            for _ in range(2)]
-
-
 def make_worker(planes, slab, **kwargs):
     host = allocate_host_slots(4, SLOT_BYTES, pinned=False)
     engine = make_copy_engine(planes, host, BPC)

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_runner import blocks_of, make_worker, planes  # noqa: F401 (a fixture)
+from test_runner import blocks_of, make_worker
 from worker_support import drain
 
 from kv_offload.copy.base import CopyEngine, CopyHandle
