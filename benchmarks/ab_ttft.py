@@ -1,17 +1,16 @@
-"""Interleaved TTFT A/B of two kv-offload checkouts: what a change does to a hit's TTFT.
+"""Interleaved TTFT A/B of two kv-offload checkouts or option sets: what a change does to a hit.
 
-One engine per checkout (``NAME=PATH``), side by side on one prompt; every round a vLLM
-hit, a CPU-tier hit and a disk-tier hit (after ``reset_prefix_cache(reset_connector=True)``)
-on each, in alternating order. Prints medians and paired medians, which hold up on a
-noisy machine where two runs of ``bench_ttft.py`` do not. Not in ``make bench``.
-
-    git worktree add /tmp/base HEAD~1
-    python benchmarks/ab_ttft.py --rounds 20 base=/tmp/base new=.
+One engine per ``NAME=PATH[,OPTION=JSON...]``, side by side on one prompt; every round a
+vLLM hit, a CPU-tier hit and a disk-tier hit (after ``reset_prefix_cache(reset_connector=
+True)``) on each, in alternating order. Paired medians hold up on a noisy machine where two
+runs of ``bench_ttft.py`` do not. Not in ``make bench``. E.g. (an older checkout must know
+every option this one's config writes): ``ab_ttft.py async=.,sync_load_budget_ms=0 new=.``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -28,9 +27,10 @@ def paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def _reset_cpu_only(tree: str) -> dict:  # a reset leaves the disk answering, if it knows how
-    known = "connector_reset" in (Path(tree) / "kv_offload" / "config.py").read_text()
-    return {"connector_reset": "cpu"} if known else {}
+def contender(spec: str) -> tuple[str, tuple[str, dict]]:
+    name, rest = spec.split("=", 1)
+    path, *options = rest.split(",")
+    return name, (path, {k: json.loads(v) for k, v in (o.split("=", 1) for o in options)})
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--length", type=int, default=8192, help="prompt tokens (+16)")
     args = parser.parse_args()
-    trees = dict(t.split("=", 1) for t in args.trees)
+    trees = dict(map(contender, args.trees))
     model = make_tiny_model(max_position=max(16384, args.length + 64))
     env = benchmark_env(in_process=False, vllm_default_binding=False)
     text = make_prompt(args.length, seed=4242) + make_prompt(16, seed=99)
@@ -51,9 +51,9 @@ def main() -> None:
             engine=engine_kwargs(max_model_len=args.length + 64),
             transfer=offload_transfer({"cpu_size": "1GiB", "disk_size": "4GiB",
                                        "disk_path": str(Path(tmp) / f"store-{name}"),
-                                       **_reset_cpu_only(path)}),
+                                       "connector_reset": "cpu", **options}),
             env={**env, "PYTHONPATH": str(Path(path).resolve())})
-            for name, path in trees.items()])))
+            for name, (path, options) in trees.items()])))
         turns = Turns()
         try:
             for engine in engines.values():

@@ -235,9 +235,8 @@ class OffloadWorker:
 
     def _issue_before_forward(self, load: WorkerLoad, rows: Sequence[int]
                               ) -> Future[None] | None:
-        """Issue a same-step copy after the compute queued so far and fence the forward
-        after it (no host wait); its completion is awaited on the copy thread (the future;
-        None when nothing is left to await)."""
+        """Issue a same-step copy, fence the forward after it (no host wait) and await it
+        on the copy thread (the future; None: nothing to await)."""
         slots, blocks = load.copy_arrays(rows)
         start = self._clock()
         try:
