@@ -265,9 +265,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if hit is None:
             return None, False
         # A same-step hit runs in this step: loaded in start_load_kv, before the forward.
-        return hit, hit > 0 and self._guard.call(
+        return hit, hit > 0 and bool(self._guard.call(
             "get_num_new_matched_tokens (async)", lambda: True, self._sched.load_is_async,
-            request.request_id)
+            request.request_id))
 
     def may_load_async(self, request: Request) -> bool:
         # vLLM 0.34, with --max-num-inflight-kv-loads: a yes lets the request's load start

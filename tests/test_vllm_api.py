@@ -45,9 +45,9 @@ def test_installed_vllm_is_a_tested_version():
 def test_the_cuda_extras_admit_every_tested_vllm_and_no_later_one():
     """A user who installs kv-offload beside the newest tested vLLM is not refused, and
     one beside an untested release is told so by pip."""
-    import tomllib
     from pathlib import Path
 
+    import tomllib
     from packaging.requirements import Requirement
 
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
