@@ -225,21 +225,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._disk_gauges_at = 0.0
 
     def _same_step_budget_s(self) -> float:
-        """``sync_load_budget_ms`` in seconds; 0 (same-step loads off) with async
-        scheduling: vLLM (0.32-0.34) recovers from a failed same-step load only in the step
-        that ran it, and with async scheduling the next step, already scheduled, computes
-        the request again on the failed KV and keeps its token (docs/vllm-bugs.md)."""
+        """``sync_load_budget_ms`` in seconds, 0 where same-step loads are off
+        (``same_step.why_off``, logged)."""
+        from kv_offload.scheduler.same_step import why_off
+
         scheduler = self._vllm_config.scheduler_config
-        if self.config.sync_load_budget_ms and getattr(scheduler, "async_scheduling", False):
-            logger.info("kv-offload: same-step loads are off with async scheduling; hits "
-                        "load asynchronously (docs/vllm-bugs.md)")
-            return 0.0
-        # vLLM 0.34's --max-num-inflight-kv-loads starts asynchronous loads while the batch
-        # is full; a same-step hit needs a batch slot and would wait for one instead.
-        if self.config.sync_load_budget_ms and getattr(
-                scheduler, "max_num_inflight_kv_loads", None):
-            logger.info("kv-offload: same-step loads are off with "
-                        "--max-num-inflight-kv-loads: hits load while the batch is full")
+        why = why_off(async_scheduling=bool(getattr(scheduler, "async_scheduling", False)),
+                      inflight_loads=bool(getattr(scheduler, "max_num_inflight_kv_loads", 0)),
+                      remote_and_tp=self.remote_enabled and self.layout.tp_size > 1)
+        if why and self.config.sync_load_budget_ms:
+            logger.info("kv-offload: same-step loads are off %s; hits load asynchronously", why)
             return 0.0
         return self.config.sync_load_budget_ms / 1000
 

@@ -269,7 +269,7 @@ class OffloadScheduler:
         if state is None or state.lookup is None:
             return
         num_local, _ = state.lookup
-        state.lookup = None
+        state.lookup, state.load_from = None, num_local
         hits, misses = state.disk_outcome  # counted once per scheduled request
         state.disk_outcome = (0, 0)
         self.disk_tier.count_lookup(hits, misses)
@@ -317,16 +317,23 @@ class OffloadScheduler:
         """Queue a load whose every chunk fails, for a request told to wait for
         ``num_external_tokens`` after ``plan_load`` raised: the workers report its last
         ``num_external_tokens`` worth of blocks as load errors, and vLLM recomputes them
-        instead of waiting forever. Holds no pin."""
+        instead of waiting forever. Holds no pin. A same-step request's table also holds
+        the blocks of the tokens it computes in this step: its failed blocks are those
+        after its local hit, which vLLM checks (it truncates at the first)."""
         num_blocks = num_external_tokens // self.config.block_size
         if num_blocks <= 0:
             return
         state = self._requests.get(req_id)
-        if state is not None:
-            state.loading, state.lookup = not state.same_step, None
+        same_step = state is not None and state.same_step
         table = block_tables(block_ids)[0]  # with groups, vLLM recomputes the request
-        self.loads.fail(req_id, tuple(int(b) for b in table[-num_blocks:]),
-                        same_step=state is not None and state.same_step)
+        blocks = table[-num_blocks:]
+        if state is not None:
+            if same_step:
+                local = state.lookup[0] if state.lookup is not None else state.load_from
+                first = local // self.config.block_size
+                blocks = table[first:first + num_blocks]
+            state.loading, state.lookup = not same_step, None
+        self.loads.fail(req_id, tuple(int(b) for b in blocks), same_step=same_step)
 
     def take_pending_loads(self) -> tuple:
         """Hand out the queued loads (what ``plan_step`` does first; the fallback plan

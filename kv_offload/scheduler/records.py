@@ -26,6 +26,7 @@ class RequestState:
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of the last planned load
     loading: bool = False  # a load was planned and the request has not run since
     same_step: bool = False  # the last lookup's hit loads in the step that schedules it
+    load_from: int = 0  # tokens vLLM had computed locally when the last load was planned
     # True: vLLM gave the last load up as a whole (freed its blocks, asked again), so
     # the request is answered a miss until it runs; None: no such load.
     load_given_up: bool | None = None

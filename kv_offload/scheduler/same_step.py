@@ -22,6 +22,27 @@ MIN_MEASURED_BYTES = 1 << 20
 """Copies smaller than this say more about per-call overhead than bandwidth: ignored."""
 
 
+def why_off(*, async_scheduling: bool, inflight_loads: bool, remote_and_tp: bool) -> str:
+    """Why same-step loads must be off in this engine ("" when they may be on).
+
+    - async scheduling: vLLM (0.32-0.34) recovers from a failed synchronous load only in
+      the step that ran it; the next step, already scheduled, computes the request again
+      on the failed KV and keeps its token (docs/vllm-bugs.md).
+    - vLLM 0.34's ``--max-num-inflight-kv-loads`` starts asynchronous loads while the batch
+      is full; a same-step hit needs a batch slot and would wait for one instead.
+    - a remote tier with TP > 1: one rank's failed same-step load leaves the other ranks'
+      stores of that step computed on wrong attention (the all-reduce mixes it in), and
+      their remote writes are not gated on every rank (CPU and disk entries are).
+    """
+    if async_scheduling:
+        return "with async scheduling (docs/vllm-bugs.md)"
+    if inflight_loads:
+        return "with --max-num-inflight-kv-loads (hits load while the batch is full)"
+    if remote_and_tp:
+        return "with a remote tier and TP > 1"
+    return ""
+
+
 def all_ready_in_cpu(run: Sequence[Source]) -> bool:
     """Whether every chunk of ``run`` is a READY CPU-tier entry: nothing to read from
     disk or the remote tier, no staging load to wait for."""

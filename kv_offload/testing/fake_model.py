@@ -55,7 +55,10 @@ _MASK = (1 << 64) - 1
 
 
 class KVMismatchError(AssertionError):
-    """A token was about to be computed on KV that is not the KV of its prefix."""
+    """A token was about to be computed on KV that is not the KV of its prefix
+    (``position``: the first wrong position, when known)."""
+
+    position: int | None = None
 
 
 def prefix_hashes(tokens: list[int], done: list[int]) -> list[int]:
@@ -137,7 +140,7 @@ class FakeModelRunner:
         # scheduled position: excused only if the step reports one of those blocks as a
         # load error (a failed same-step load: vLLM then discards the step's output and
         # recomputes from the failed block).
-        self._suspects: dict[str, tuple[KVMismatchError, set[int]]] = {}
+        self._suspects: dict[str, tuple[KVMismatchError, list[int]]] = {}
 
     def execute(self, so: Any) -> Any:
         """Run one step of ``so`` (a SchedulerOutput); returns its ModelRunnerOutput."""
@@ -241,7 +244,7 @@ class FakeModelRunner:
                 self._check(req_id, state, hashes, start)
             except KVMismatchError as exc:
                 read = state.block_ids[0][:-(-start // self.block_size)]
-                self._suspects[req_id] = (exc, {int(b) for b in read})
+                self._suspects[req_id] = (exc, [int(b) for b in read])
                 self._write_garbage(state, start, end)  # computed on wrong KV
             else:
                 self._write(state, hashes, start, end)
@@ -250,11 +253,14 @@ class FakeModelRunner:
 
     def _settle_suspects(self, invalid_block_ids: set[int]) -> None:
         """Raise for a request computed on wrong KV unless the step reported a block it
-        read as a load error: vLLM then drops its output and recomputes it (its next
-        ``SchedulerOutput`` says how many output tokens it kept)."""
+        read, at or before its first wrong position, as a load error: vLLM then drops its
+        output and recomputes from that block (it truncates at the first reported one;
+        its next ``SchedulerOutput`` says how many output tokens it kept)."""
         suspects, self._suspects = self._suspects, {}
         for exc, read in suspects.values():
-            if not read & invalid_block_ids:
+            first = next((i for i, b in enumerate(read) if b in invalid_block_ids), None)
+            if first is None or (exc.position is not None
+                                 and exc.position < first * self.block_size):
                 raise exc
 
     def _write_garbage(self, state: _RequestState, start: int, end: int) -> None:
@@ -305,10 +311,12 @@ class FakeModelRunner:
                 bad = np.flatnonzero((actual != expected).any(axis=1) | (blocks == 0))
                 if bad.size:
                     p = int(bad[0])
-                    raise KVMismatchError(
+                    error = KVMismatchError(
                         f"{req_id}: the KV of position {start + p} (group {g}, block "
                         f"{int(blocks[p])}, layer {layer_index}) is not the KV of its "
                         f"tokens; {bad.size} of {end - start} positions are wrong")
+                    error.position = start + p
+                    raise error
             self.num_checked_tokens += end - start
 
     def _check_state(self, req_id: str, state: _RequestState, hashes: list[int], group: int,

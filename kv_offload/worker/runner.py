@@ -214,8 +214,9 @@ class OffloadWorker:
         load = WorkerLoad(job, now)
         with self._lock:
             self._loads[job.job_id] = load
-            if self._paused:
-                load.cancel()  # every block is reported failed by this step's poll
+            if self._paused:  # every block is reported failed by this step's poll
+                load.cancel()
+                load.future = completed()
                 return False
             load.begin_copy()
         rows = [i for i, m in enumerate(job.chunks)
@@ -233,8 +234,7 @@ class OffloadWorker:
         load.future.add_done_callback(lambda _: self._progress.set())
         return not load.failed
 
-    def _issue_before_forward(self, load: WorkerLoad, rows: Sequence[int]
-                              ) -> Future[None] | None:
+    def _issue_before_forward(self, load: WorkerLoad, rows: Sequence[int]) -> Future | None:
         """Issue a same-step copy, fence the forward after it (no host wait) and await it
         on the copy thread (the future; None: nothing to await)."""
         slots, blocks = load.copy_arrays(rows)

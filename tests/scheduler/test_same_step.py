@@ -125,3 +125,25 @@ def test_a_same_step_request_that_fails_to_plan_gets_a_same_step_failure():
     sched.fail_load("r", [20, 21, 22, 23, 24], 16)
     (load,) = sched.plan_step([]).loads
     assert load.same_step and load.chunks[0].cpu_slot is None
+
+
+def test_a_same_step_request_that_fails_to_plan_reports_its_hits_blocks():
+    """A synchronous hit's table holds the hit's blocks and those of the tokens computed
+    in this step: the failure names the hit's (vLLM truncates at the first one it finds
+    below what it counts as computed), not the table's tail (review of issue 29)."""
+    sched, blocks = make()
+    stored(sched, blocks)
+    reader = make_request("r", list(range(17)))
+    assert sched.num_matched_tokens(reader, 0) == 16 and not sched.load_is_async("r")
+    sched.fail_load("r", [20, 21, 22, 23, 24], 16)  # 24: the token this step computes
+    (load,) = sched.plan_step([]).loads
+    assert load.same_step and set(load.chunks[0].block_ids) == {20, 21, 22, 23}
+
+
+def test_why_same_step_loads_are_off():
+    from kv_offload.scheduler.same_step import why_off
+
+    base = dict(async_scheduling=False, inflight_loads=False, remote_and_tp=False)
+    assert why_off(**base) == ""
+    for name in base:
+        assert why_off(**{**base, name: True}), name

@@ -67,9 +67,13 @@ def test_a_same_step_load_while_paused_fails_every_block_and_copies_nothing(plan
     _stored(worker, planes, (3, 7), 1)
     before = blocks_of(planes, [9, 10])
     worker.pause()
+    worker.take_report()  # the pause itself
     worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),), same_step=True)])
     assert worker.poll().failed_block_ids == {9, 10}
     assert all(torch.equal(p[[9, 10]], b) for p, b in zip(planes, before))
+    # ... and the job is reported, so the scheduler releases its pins (review, issue 29)
+    assert worker.take_report().loaded == {2: {0: frozenset({0})}}
+    assert not worker.has_pending_jobs()
     worker.close()
 
 
