@@ -20,7 +20,8 @@ from kv_offload.connector import KVOffloadConnector
 # (make test-vllm-next); 0.33: hook signatures read from its source.
 TESTED_VLLM = ("0.32", "0.33", "0.34")
 NEWER_HOOKS = {"supports_sleep_mode": "0.33", "unregister_kv_caches": "0.33",
-               "restore_kv_caches": "0.33"}  # implemented ahead of the 0.32 base class
+               "restore_kv_caches": "0.33",
+               "may_load_async": "0.34"}  # implemented ahead of the 0.32 base class
 
 
 def _version() -> tuple[int, int]:
