@@ -119,7 +119,9 @@ def test_remote_hits_in_a_new_engine_equal_recompute(remote_runs, reference):
     writer, reader = remote_runs
     assert "2 KV cache groups (vLLM's hybrid KV cache manager)" in reader["log"]
     cold, remote = writer["phases"][0], reader["phases"][0]
-    assert cold["metrics"]["external_hits"] == 0, "the writer computes everything"
+    # Redis is empty for the writer; its own CPU tier may serve a later prompt of the
+    # batch once the first one stored the prefix (vLLM frees out-of-window blocks).
+    assert cold["metrics"]["hits_external_unspecified"] == 0, "Redis was empty"
     assert cold["tokens"] == reference
     assert remote["tokens"] == reference
     # The first request sharing the prefix fetches it; the others in its batch wait for
