@@ -77,9 +77,11 @@ def tp2_runs(tmp_path_factory, redis_server):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     engine = {"tensor_parallel_size": 2}
 
-    def offload(store):
+    def offload(store):  # a lookup budget of 500 ms, as in test_remote_tier.py: on a loaded
+        # 2-core machine round trips pass the default 50 ms, and a lookup past it is a miss
         return {"cpu_size": "64MiB", "disk_path": str(store), "chunk_tokens": 64,
-                "remote_url": redis_server.url, "connector_reset": "cpu"}
+                "remote_url": redis_server.url, "connector_reset": "cpu",
+                "remote_lookup_budget_ms": 500.0}
 
     first = run_in_subprocess(
         {"model": str(model), "offload": offload(tmp_path_factory.mktemp("tp2-a") / "store"),
