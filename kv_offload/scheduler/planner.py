@@ -37,7 +37,7 @@ from kv_offload.scheduler.lookup import (
     loadable_run,
 )
 from kv_offload.scheduler.records import RequestState
-from kv_offload.scheduler.same_step import SameStepBudget, all_ready_in_cpu
+from kv_offload.scheduler.same_step import SameStepBudget, all_ready_in_cpu, ready_in_cpu
 from kv_offload.scheduler.stores import StorePlanner
 from kv_offload.scheduler.tiers import (
     DiskIndexLike,
@@ -287,8 +287,7 @@ class OffloadScheduler:
         run = (self._loadable_run(state, keys, first) or [])[:last - first]
         same_step = state.same_step
         if same_step:  # nothing can be staged before this step's forward: the rest fails
-            run = run[:next((i for i, s in enumerate(run) if not all_ready_in_cpu((s,))),
-                            len(run))]
+            run = list(itertools.takewhile(ready_in_cpu, run))
         tables = block_tables(block_ids)
         blocks = []
         for c in range(first, last):

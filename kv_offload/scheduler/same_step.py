@@ -43,10 +43,14 @@ def why_off(*, async_scheduling: bool, inflight_loads: bool, remote_and_tp: bool
     return ""
 
 
+def ready_in_cpu(source: Source) -> bool:
+    """Whether a chunk is a READY CPU-tier entry: nothing to read from disk or the remote
+    tier, no staging load to wait for."""
+    return source.cpu is not None and source.cpu.staging_job is None
+
+
 def all_ready_in_cpu(run: Sequence[Source]) -> bool:
-    """Whether every chunk of ``run`` is a READY CPU-tier entry: nothing to read from
-    disk or the remote tier, no staging load to wait for."""
-    return all(s.cpu is not None and s.cpu.staging_job is None for s in run)
+    return all(map(ready_in_cpu, run))
 
 
 class SameStepBudget:
