@@ -7,6 +7,8 @@ and the disk tier under --disk-path). reset_prefix_cache() then empties vLLM's o
 cache, so the second generate() gets the document from kv-offload instead of recomputing
 it. Run the script twice with the same --disk-path and the first run of the second process
 already hits the disk tier. Without --model it uses a tiny random model, generated offline.
+At the end it prints kv-offload's own counters (``read_metrics``: vLLM's ``get_metrics()``
+returns only its ``vllm:`` metrics).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import tempfile
 import time
 
 from kv_offload import OffloadConfig
+from kv_offload.metrics import read_metrics
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
+SHOWN = ("hit_tokens_cpu", "hit_tokens_disk", "miss_tokens", "chunks_stored_cpu",
+         "chunks_stored_disk", "load_errors", "hook_errors")
 QUESTIONS = ["Summarize the text above in one sentence.",
              "Which word appears most often in the text above?",
              "List three nouns from the text above."]
@@ -67,6 +72,8 @@ def main() -> None:
     for question, text in zip(QUESTIONS, runs[1]):
         print(f"{question!r} -> {text!r}")
     print("same text in both runs:", "yes" if runs[0] == runs[1] else "no")
+    counters = read_metrics()  # this process's kv_offload_* metrics, by counter name
+    print("kv-offload counters:", " ".join(f"{n}={counters.get(n, 0):.0f}" for n in SHOWN))
     print("store:", config.disk_path)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,7 +31,7 @@ from kv_offload.engine_info import (
 )
 from kv_offload.jobs import StepPlan, WorkerReport
 from kv_offload.layout import num_cpu_slots
-from kv_offload.metrics import OffloadPromMetrics, OffloadStats, summarize
+from kv_offload.metrics import OffloadPromMetrics, OffloadStats, SchedulerStats
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +48,6 @@ if TYPE_CHECKING:
     from kv_offload.worker.setup import KVPlacement
 
 logger = logging.getLogger("kv_offload")
-SUMMARY_INTERVAL_S = 60.0
-DISK_STATS_INTERVAL_S = 5.0
 
 
 class OffloadConnectorMetadata(KVConnectorMetadata):
@@ -218,11 +215,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
             remote=remote)
         self._guard = HookGuard(self._scheduler.counters)
-        self._last_summary = time.monotonic()
-        self._last_counters = self._scheduler.counters.snapshot()
-        self._summary_totals: dict[str, float] = {}
-        self._disk_gauges: dict[str, int] = {}
-        self._disk_gauges_at = 0.0
+        self._stats = SchedulerStats(self._scheduler, self.layout)
 
     def _same_step_budget_s(self) -> float:
         """``sync_load_budget_ms`` in seconds, 0 where same-step loads are off
@@ -310,7 +303,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.take_pending_loads()), self._sched.plan_step, scheduled,
             preempted, states)
         self._guard.call("build_connector_meta (summary)", lambda: None,
-                         self._maybe_log_summary)
+                         self._stats.maybe_log_summary)
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
         return OffloadConnectorMetadata(plan, idle=idle)
 
@@ -324,7 +317,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                              self._sched.blocks_released, connector_output.finished_sending)
         stats = connector_output.kv_connector_stats
         if isinstance(stats, OffloadStats):  # worker-side deltas, for the log summary
-            _add(self._summary_totals, stats.data)
+            self._stats.add_worker(stats.data)
             budget = self._sched.same_step
             if budget is not None:  # the load bandwidth that sizes same-step loads
                 budget.observe(stats.data.get("bytes_load", 0),
@@ -369,7 +362,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self._scheduler is not None:  # vLLM calls it in update_from_output: guarded
             data = self._guard.call(
-                "get_kv_connector_stats", dict[str, float], self._scheduler_stats)
+                "get_kv_connector_stats", dict[str, float], self._stats.take)
         elif self._worker is not None:
             data = self._worker.take_stats()
         else:
@@ -385,47 +378,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]
                            ) -> OffloadPromMetrics:
         return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    def _scheduler_stats(self) -> dict[str, float]:
-        """Counter deltas since the last call, plus current gauges; empty when no counter
-        moved (vLLM drops stats without a counter delta anyway: ``OffloadStats.is_empty``)."""
-        now_counters = self._sched.counters.snapshot()
-        last = self._last_counters
-        data: dict[str, float] = {k: v - last.get(k, 0) for k, v in now_counters.items()
-                                  if v != last.get(k, 0)}
-        if not data:
-            return data
-        self._last_counters = now_counters
-        cpu = self._sched.cpu
-        data["pending_jobs"] = self._sched.num_pending_jobs()
-        data["cpu_used_bytes"] = len(cpu) * self.layout.slot_bytes
-        data["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
-        if self._sched.remote is not None:
-            data["remote_up"] = int(self._sched.remote.health.up)
-        now = time.monotonic()
-        if self._sched.disk is not None and now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:
-            self._disk_gauges_at = now
-            st = self._sched.disk_tier.stats()  # None: the tier is off (the last gauges stay)
-            per_slot = self.layout.slot_bytes * self.layout.tp_size
-            if st is not None:
-                self._disk_gauges = {"disk_used_bytes": st["used_slots"] * per_slot,
-                                     "disk_capacity_bytes": st["num_slots"] * per_slot}
-        data.update(self._disk_gauges)
-        return data
-
-    def _maybe_log_summary(self) -> None:
-        now = time.monotonic()
-        if now - self._last_summary < SUMMARY_INTERVAL_S:
-            return
-        self._last_summary = now
-        totals = dict(self._summary_totals)
-        _add(totals, self._sched.counters.snapshot())
-        totals.update(self._disk_gauges)
-        cpu = self._sched.cpu
-        totals["cpu_used_bytes"] = len(cpu) * self.layout.slot_bytes
-        totals["cpu_capacity_bytes"] = cpu.num_slots * self.layout.slot_bytes
-        logger.info("kv-offload summary since start: %s",
-                    ", ".join(f"{k}={v}" for k, v in summarize(totals).items()))
 
     # ==== worker side ========================================================================
 
@@ -587,7 +539,3 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.close()
             self._scheduler = None
 
-
-def _add(totals: dict[str, float], deltas: dict[str, Any]) -> None:
-    for name, value in deltas.items():
-        totals[name] = totals.get(name, 0) + value

@@ -1,120 +1,41 @@
 """Metrics: kv-offload's counters in vLLM's connector stats, Prometheus and logs.
 
-Workers and the scheduler side each produce deltas (plain dicts of numbers); vLLM
-ships them in ``KVConnectorStats`` objects, merges ranks with ``aggregate`` and hands
-the result to ``OffloadPromMetrics.observe`` (``/metrics``) and to its periodic log
-(``reduce``). Every metric is documented in docs/metrics.md.
+Workers and the scheduler side each produce deltas (plain dicts of numbers keyed by the
+fields declared in ``kv_offload.counters``); vLLM ships them in ``KVConnectorStats``
+objects, merges ranks with ``aggregate`` and hands the result to
+``OffloadPromMetrics.observe`` (``/metrics``) and to its periodic log (``reduce``). A name
+not declared there raises ``UnknownMetricError`` (a bug, never dropped). Every metric is
+documented in docs/metrics.md; ``read_metrics`` reads them in-process (offline ``LLM``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
-_BYTES_DOC = ("Bytes moved by direction: load (host -> engine), store (engine -> host), "
-              "disk_read, disk_write, remote_read, remote_write")
-_SECONDS_DOC = "Seconds spent moving bytes, by direction (see transfer_bytes)"
-# name -> (Prometheus name, help, labels). A "tier"/"direction" label value follows the
-# last underscore-separated part of the short name (e.g. hit_tokens_cpu -> tier="cpu").
-COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
-    "hit_tokens_cpu": ("kv_offload_hit_tokens_total", "Prompt tokens loaded", {"tier": "cpu"}),
-    "hit_tokens_disk": ("kv_offload_hit_tokens_total", "Prompt tokens loaded", {"tier": "disk"}),
-    "hit_tokens_remote": ("kv_offload_hit_tokens_total", "Prompt tokens loaded",
-                          {"tier": "remote"}),
-    "miss_tokens": ("kv_offload_miss_tokens_total",
-                    "Prompt tokens past vLLM's own hit that no tier held", {}),
-    "lookup_skipped_tokens": ("kv_offload_lookup_skipped_tokens_total",
-                              "Prompt tokens past vLLM's own hit of requests that must not "
-                              "read cached KV (prompt_logprobs): not looked up, neither hits "
-                              "nor misses", {}),
-    "chunks_loaded_cpu": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "cpu"}),
-    "chunks_loaded_disk": ("kv_offload_chunks_loaded_total", "Chunks loaded", {"tier": "disk"}),
-    "chunks_loaded_remote": ("kv_offload_chunks_loaded_total", "Chunks loaded",
-                             {"tier": "remote"}),
-    "chunks_stored_cpu": ("kv_offload_chunks_stored_total", "Chunks stored", {"tier": "cpu"}),
-    "chunks_stored_disk": ("kv_offload_chunks_stored_total", "Chunks stored", {"tier": "disk"}),
-    "chunks_stored_remote": ("kv_offload_chunks_stored_total", "Chunks stored",
-                             {"tier": "remote"}),
-    "evictions_cpu": ("kv_offload_evictions_total", "Chunks evicted", {"tier": "cpu"}),
-    "skipped_stores": ("kv_offload_skipped_stores_total",
-                       "Chunks not stored because no CPU slot was free", {}),
-    "stores_without_window": ("kv_offload_stores_without_window_total",
-                              "Chunks not stored because vLLM had already freed a "
-                              "sliding-window block they need", {}),
-    "stores_without_state": ("kv_offload_stores_without_state_total",
-                             "Chunks not stored because vLLM handed over no mamba state "
-                             "for their end boundary", {}),
-    "loads_same_step": ("kv_offload_loads_same_step_total",
-                        "Loads copied before the forward of the step that runs their "
-                        "request (no wait outside the batch)", {}),
-    "load_errors": ("kv_offload_load_errors_total",
-                    "Chunks whose load failed and were recomputed", {}),
-    "checksum_failures": ("kv_offload_checksum_failures_total",
-                          "Disk chunk reads whose checksum did not match", {}),
-    "disk_read_errors": ("kv_offload_disk_read_errors_total",
-                         "Disk chunk reads that failed: I/O error, slab file missing or cut "
-                         "short", {}),
-    "disk_write_errors": ("kv_offload_disk_write_errors_total", "Failed slab writes", {}),
-    "remote_lookups": ("kv_offload_remote_lookups_total",
-                       "Remote existence checks, one per request the local tiers could not "
-                       "serve (a miss without a call while the server backs off)", {}),
-    "remote_lookup_errors": ("kv_offload_remote_lookup_errors_total",
-                             "Remote existence checks that failed or ran past the budget", {}),
-    "seconds_remote_lookup": ("kv_offload_remote_lookup_seconds_total",
-                              "Seconds the scheduler spent in remote existence checks", {}),
-    "remote_errors": ("kv_offload_remote_errors_total",
-                      "Remote reads that failed (server down, timeout) and were recomputed", {}),
-    "remote_misses": ("kv_offload_remote_misses_total",
-                      "Remote values gone since the lookup or failing verification", {}),
-    "remote_skipped_stores": ("kv_offload_remote_skipped_stores_total",
-                              "Remote writes that failed or were skipped while the server "
-                              "was down (per rank)", {}),
-    "audit_chunks": ("kv_offload_audit_chunks_total",
-                     "Chunks whose copy the runtime audit re-read and compared (audit_rate)",
-                     {}),
-    "audit_mismatches": ("kv_offload_audit_mismatches_total",
-                         "Audited chunks whose copy differed from the engine blocks: "
-                         "discarded, and the copy path fell back to the plainest", {}),
-    "bytes_load": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
-                   {"direction": "load"}),
-    "bytes_store": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
-                    {"direction": "store"}),
-    "bytes_disk_read": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
-                        {"direction": "disk_read"}),
-    "bytes_disk_write": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
-                         {"direction": "disk_write"}),
-    "bytes_remote_read": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
-                          {"direction": "remote_read"}),
-    "bytes_remote_write": ("kv_offload_transfer_bytes_total", _BYTES_DOC,
-                           {"direction": "remote_write"}),
-    "seconds_load": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
-                     {"direction": "load"}),
-    "seconds_store": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
-                      {"direction": "store"}),
-    "seconds_disk_read": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
-                          {"direction": "disk_read"}),
-    "seconds_disk_write": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
-                           {"direction": "disk_write"}),
-    "seconds_remote_read": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
-                            {"direction": "remote_read"}),
-    "seconds_remote_write": ("kv_offload_transfer_seconds_total", _SECONDS_DOC,
-                             {"direction": "remote_write"}),
-}
-GAUGES: dict[str, tuple[str, str]] = {
-    "pending_jobs": ("kv_offload_pending_jobs", "Load and store jobs in flight"),
-    "cpu_used_bytes": ("kv_offload_cpu_used_bytes", "Bytes of CPU-tier slots in use, per rank"),
-    "cpu_capacity_bytes": ("kv_offload_cpu_capacity_bytes", "CPU-tier size, per rank"),
-    "disk_used_bytes": ("kv_offload_disk_used_bytes",
-                        "Bytes of disk slots in use in this namespace, all ranks"),
-    "disk_capacity_bytes": ("kv_offload_disk_capacity_bytes", "Disk budget of this namespace"),
-    "remote_up": ("kv_offload_remote_up",
-                  "1 while the scheduler reaches the remote tier, 0 while it backs off"),
-}
+from kv_offload.counters import COUNTERS, GAUGES, Kind, SchedulerGauges, spec
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from kv_offload.layout import KVLayout
+    from kv_offload.scheduler.planner import OffloadScheduler
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_INTERVAL_S = 60.0
+DISK_STATS_INTERVAL_S = 5.0
+_HITS, _MISSES = "kv_offload_hit_tokens_total", "kv_offload_miss_tokens_total"
+_BYTES, _SECONDS = "kv_offload_transfer_bytes_total", "kv_offload_transfer_seconds_total"
+_FOLDED = (_HITS, _MISSES, _BYTES, _SECONDS)  # shown in the summary as rates, not totals
 
 
 @dataclass
@@ -128,7 +49,7 @@ class OffloadStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            if name in GAUGES:
+            if spec(name).kind is Kind.GAUGE:
                 self.data[name] = value
             else:
                 self.data[name] = self.data.get(name, 0) + value
@@ -141,25 +62,31 @@ class OffloadStats(KVConnectorStats):
         return summarize(self.data)
 
 
-def summarize(data: dict[str, Any]) -> dict[str, int | float]:
-    """A few numbers an operator reads at a glance (hit rate, GB/s, usage)."""
-    tiers = ("cpu", "disk", "remote")
-    hits = {t: data.get(f"hit_tokens_{t}", 0) for t in tiers}
-    looked_up = sum(hits.values()) + data.get("miss_tokens", 0)
+def summarize(data: Mapping[str, Any]) -> dict[str, int | float]:
+    """A few numbers an operator reads at a glance: hit rate per tier, GB/s per direction,
+    usage, then every other counter that moved (errors among them). Raises
+    UnknownMetricError for an undeclared name."""
+    for name in data:
+        spec(name)
+    hits = {dict(s.labels)["tier"]: data.get(s.name, 0)
+            for s in COUNTERS.values() if s.metric == _HITS}
+    looked_up = sum(hits.values()) + sum(data.get(s.name, 0) for s in COUNTERS.values()
+                                         if s.metric == _MISSES)
     out: dict[str, int | float] = {
-        f"hit_rate_{t}": round(hits[t] / looked_up, 3) if looked_up else 0.0 for t in tiers}
-    for direction in ("load", "store", "disk_read", "disk_write", "remote_read",
-                      "remote_write"):
-        seconds = data.get(f"seconds_{direction}", 0)
-        nbytes = data.get(f"bytes_{direction}", 0)
-        out[f"{direction}_GBps"] = round(nbytes / seconds / 1e9, 2) if seconds else 0.0
-    for name in ("chunks_stored_cpu", "chunks_stored_disk", "chunks_stored_remote",
-                 "load_errors", "skipped_stores", "remote_errors", "audit_mismatches"):
-        out[name] = data.get(name, 0)
+        f"hit_rate_{t}": round(n / looked_up, 3) if looked_up else 0.0 for t, n in hits.items()}
+    seconds = {dict(s.labels)["direction"]: data.get(s.name, 0)
+               for s in COUNTERS.values() if s.metric == _SECONDS}
+    for s in COUNTERS.values():
+        if s.metric == _BYTES:
+            direction = dict(s.labels)["direction"]
+            took = seconds[direction]
+            out[f"{direction}_GBps"] = round(data.get(s.name, 0) / took / 1e9, 2) if took else 0.0
     if data.get("cpu_capacity_bytes"):
         out["cpu_usage"] = round(data.get("cpu_used_bytes", 0) / data["cpu_capacity_bytes"], 3)
     if data.get("disk_capacity_bytes"):
         out["disk_usage"] = round(data.get("disk_used_bytes", 0) / data["disk_capacity_bytes"], 3)
+    out.update({s.name: data[s.name] for s in COUNTERS.values()
+                if s.metric not in _FOLDED and data.get(s.name)})
     return out
 
 
@@ -171,25 +98,118 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         families: dict[str, Any] = {}
-        for short, (name, doc, labels) in COUNTERS.items():
-            if name not in families:
-                families[name] = self._counter_cls(
-                    name=name, documentation=doc, labelnames=labelnames + sorted(labels))
-            self._counters[short] = {
-                idx: families[name].labels(*values, *[labels[k] for k in sorted(labels)])
+        for s in COUNTERS.values():
+            if s.metric not in families:
+                families[s.metric] = self._counter_cls(
+                    name=s.metric, documentation=s.help,
+                    labelnames=labelnames + [k for k, _ in s.labels])
+            self._counters[s.name] = {
+                idx: families[s.metric].labels(*values, *[v for _, v in s.labels])
                 for idx, values in per_engine_labelvalues.items()}
         self._gauges: dict[str, dict[int, Any]] = {}
-        for short, (name, doc) in GAUGES.items():
+        for s in GAUGES.values():
             # vLLM types _gauge_cls as any of its metric classes; it is prometheus' Gauge.
             gauge = self._gauge_cls(  # type: ignore[call-arg]
-                name=name, documentation=doc, labelnames=labelnames,
+                name=s.metric, documentation=s.help, labelnames=labelnames,
                 multiprocess_mode="mostrecent")
-            self._gauges[short] = {idx: gauge.labels(*values)
-                                   for idx, values in per_engine_labelvalues.items()}
+            self._gauges[s.name] = {idx: gauge.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for short, value in transfer_stats_data.items():
-            if short in self._counters and value:
-                self._counters[short][engine_idx].inc(value)
-            elif short in self._gauges:
-                self._gauges[short][engine_idx].set(value)
+        """Record one aggregated report; raises UnknownMetricError for an undeclared name."""
+        for name, value in transfer_stats_data.items():
+            if spec(name).kind is Kind.GAUGE:
+                self._gauges[name][engine_idx].set(value)
+            elif value:
+                self._counters[name][engine_idx].inc(value)
+
+
+def read_metrics(registry: CollectorRegistry | None = None) -> dict[str, float]:
+    """kv-offload's counters and gauges in this process's Prometheus registry, by the
+    field names of ``kv_offload.counters`` (e.g. ``hit_tokens_cpu``, ``hook_errors``),
+    totals since start summed over engines. Filled in the process that runs vLLM's stat
+    loggers: an offline ``LLM(..., disable_log_stats=False)``'s own; empty before the
+    engine registered them. Reads only, any thread."""
+    from prometheus_client import REGISTRY
+
+    source = REGISTRY if registry is None else registry
+    by_sample = {(s.metric, s.labels): s.name for s in (*COUNTERS.values(), *GAUGES.values())}
+    label_keys = sorted({k for s in (*COUNTERS.values(), *GAUGES.values()) for k, _ in s.labels})
+    out: dict[str, float] = {}
+    for family in source.collect():
+        for sample in family.samples:
+            labels = tuple((k, sample.labels[k]) for k in label_keys if k in sample.labels)
+            name = by_sample.get((sample.name, labels))
+            if name is not None:
+                out[name] = out.get(name, 0.0) + float(sample.value)
+    return out
+
+
+class SchedulerStats:
+    """The scheduler side's connector stats (counter deltas and gauges) and its periodic
+    log summary. Scheduler thread only; mutates only its own bookkeeping."""
+
+    def __init__(self, scheduler: OffloadScheduler, layout: KVLayout, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._sched, self._layout, self._clock = scheduler, layout, clock
+        self._last_summary = clock()
+        self._last_counters = scheduler.counters.snapshot()
+        self._worker_totals: dict[str, float] = {}
+        self._disk_gauges = SchedulerGauges()
+        self._disk_gauges_at = float("-inf")
+
+    def take(self) -> dict[str, float]:
+        """Counter deltas since the last call, plus current gauges; empty when no counter
+        moved (vLLM drops stats without a counter delta anyway: ``OffloadStats.is_empty``)."""
+        now_counters = self._sched.counters.snapshot()
+        last = self._last_counters
+        data: dict[str, float] = {k: v - last[k] for k, v in now_counters.items()
+                                  if v != last[k]}
+        if not data:
+            return data
+        self._last_counters = now_counters
+        data.update(self._gauges().measured())
+        return data
+
+    def add_worker(self, data: Mapping[str, float]) -> None:
+        """Add aggregated worker deltas to the totals the summary shows."""
+        _add(self._worker_totals, data)
+
+    def maybe_log_summary(self) -> None:
+        """Log ``kv-offload summary since start:`` at most once per SUMMARY_INTERVAL_S."""
+        now = self._clock()
+        if now - self._last_summary < SUMMARY_INTERVAL_S:
+            return
+        self._last_summary = now
+        totals = dict(self._worker_totals)
+        _add(totals, self._sched.counters.snapshot())
+        totals.update(self._gauges().measured())
+        logger.info("kv-offload summary since start: %s",
+                    ", ".join(f"{k}={v}" for k, v in summarize(totals).items()))
+
+    def _gauges(self) -> SchedulerGauges:
+        sched, slot_bytes = self._sched, self._layout.slot_bytes
+        remote = sched.remote
+        gauges = SchedulerGauges(
+            pending_jobs=sched.num_pending_jobs(), cpu_used_bytes=len(sched.cpu) * slot_bytes,
+            cpu_capacity_bytes=sched.cpu.num_slots * slot_bytes,
+            remote_up=None if remote is None else int(remote.health.up))
+        if sched.disk is not None:
+            gauges.disk_up = int(sched.disk_enabled)
+            now = self._clock()
+            if now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:
+                self._disk_gauges_at = now
+                st = sched.disk_tier.stats()  # None: the tier is off (the last gauges stay)
+                per_slot = slot_bytes * self._layout.tp_size
+                if st is not None:
+                    self._disk_gauges = SchedulerGauges(
+                        disk_used_bytes=st["used_slots"] * per_slot,
+                        disk_capacity_bytes=st["num_slots"] * per_slot)
+            gauges.disk_used_bytes = self._disk_gauges.disk_used_bytes
+            gauges.disk_capacity_bytes = self._disk_gauges.disk_capacity_bytes
+        return gauges
+
+
+def _add(totals: dict[str, float], deltas: Mapping[str, Any]) -> None:
+    for name, value in deltas.items():
+        totals[name] = totals.get(name, 0) + value

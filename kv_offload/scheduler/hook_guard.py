@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-from kv_offload.scheduler.counters import SchedulerCounters
+from kv_offload.counters import SchedulerCounters
 
 T = TypeVar("T")
 logger = logging.getLogger("kv_offload")

@@ -10,9 +10,9 @@ import contextlib
 import itertools
 from collections.abc import Sequence
 
+from kv_offload.counters import SchedulerCounters
 from kv_offload.jobs import ChunkMove, LoadJob
 from kv_offload.keys import ChunkKey
-from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex, SlotState
 from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.lookup import Source

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kv_offload.counters import SchedulerCounters
 from kv_offload.groups import ChunkMap, KVGroup, UnservableChunkError
 from kv_offload.jobs import SKIP_BLOCK, StepPlan, StoreJob, WorkerReport
 from kv_offload.keys import ChunkKey, chunk_keys
-from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.holds import BlockHolds, WindowSource

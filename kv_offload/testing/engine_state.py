@@ -42,19 +42,12 @@ def metric_totals(llm: Any) -> dict[str, float]:
 
 
 def kv_offload_samples() -> dict[str, float]:
-    """Every kv_offload_* Prometheus sample of this process, as 'name{tier/direction}'."""
-    from prometheus_client import REGISTRY
+    """Every kv_offload_* Prometheus sample of this process, as 'name{tier/direction}'
+    (``kv_offload.metrics.read_metrics`` keyed by sample)."""
+    from kv_offload.counters import spec
+    from kv_offload.metrics import read_metrics
 
-    out: dict[str, float] = {}
-    for family in REGISTRY.collect():
-        for sample in family.samples:
-            if not sample.name.startswith("kv_offload") or sample.name.endswith("_created"):
-                continue
-            label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                             if k in ("tier", "direction"))
-            key = f"{sample.name}{{{label}}}"
-            out[key] = out.get(key, 0.0) + float(sample.value)
-    return out
+    return {spec(name).sample(): value for name, value in read_metrics().items()}
 
 
 def scheduler_connector(llm: Any) -> Any | None:

@@ -37,6 +37,7 @@ import numpy as np
 from kv_offload.copy.base import CopyEngine, CopyHandle
 from kv_offload.copy.host_buffer import HostSlots
 from kv_offload.copy.plan import SKIP_BLOCK, SlotLayout
+from kv_offload.counters import WorkerCounters, WorkerTally
 
 if TYPE_CHECKING:
     import torch
@@ -150,8 +151,7 @@ class CopyAudit:
         for slot in range(AUDIT_SCRATCH_SLOTS):
             self._free.put(slot)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-audit")
-        self._stats_lock = threading.Lock()
-        self._stats: dict[str, float] = {}
+        self._tally = WorkerTally()
 
     # -- what the worker calls ---------------------------------------------------------
 
@@ -181,11 +181,9 @@ class CopyAudit:
                 bad.add(row)
         return bad
 
-    def take_stats(self) -> dict[str, float]:
+    def take_counts(self) -> WorkerCounters:
         """Counter deltas since the last call (``audit_chunks``, ``audit_mismatches``)."""
-        with self._stats_lock:
-            stats, self._stats = self._stats, {}
-        return stats
+        return self._tally.take()
 
     def close(self) -> None:
         """Let checks already started end, then close ``reader``; no new checks."""
@@ -212,7 +210,7 @@ class CopyAudit:
             finally:
                 if guard is not None:
                     guard.end_read()
-            self._count(audit_chunks=1)
+            self._tally.add(WorkerCounters(audit_chunks=1))
             return self._same(slot, scratch, row[0])
         finally:
             self._free.put(scratch)
@@ -226,7 +224,7 @@ class CopyAudit:
                    f"{path})")
         logger.error("kv-offload AUDIT MISMATCH: the %s; the chunk is discarded%s", message,
                      f" and copies now use {fell_back}" if fell_back else "")
-        self._count(audit_mismatches=1)
+        self._tally.add(WorkerCounters(audit_mismatches=1))
         return message
 
     def _same(self, slot: int, scratch: int, row: np.ndarray) -> bool:
@@ -250,10 +248,6 @@ class CopyAudit:
         with self._rng_lock:
             return [i for i in range(num_chunks) if self._rng.random() < self.rate]
 
-    def _count(self, **deltas: float) -> None:
-        with self._stats_lock:
-            for name, value in deltas.items():
-                self._stats[name] = self._stats.get(name, 0) + value
 
 
 def build_audit(planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int, *,

@@ -13,6 +13,7 @@ import errno
 import logging
 import threading
 
+from kv_offload.counters import WorkerCounters
 from kv_offload.disk.slab import ReadResult
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,9 @@ class DiskHealth:
     def read_ok(self) -> None:
         self._note(ok=True, io_error=False, what="")
 
-    def read_failed(self, disk_slot: int, result: ReadResult | Exception) -> str:
-        """Account a read that did not give the chunk; returns the counter it adds to
-        (``checksum_failures`` or ``disk_read_errors``, names of ``kv_offload.metrics``)."""
+    def read_failed(self, disk_slot: int, result: ReadResult | Exception) -> WorkerCounters:
+        """Account a read that did not give the chunk; returns the counter delta to add
+        (one ``checksum_failures`` or one ``disk_read_errors``)."""
         mismatch = result is ReadResult.CHECKSUM_MISMATCH
         io_error = isinstance(result, Exception) or result in _IO_ERROR_READS
         self._note(ok=False, io_error=io_error, what=str(result))
@@ -55,7 +56,8 @@ class DiskHealth:
                 "are recomputed and the entry is dropped (%d failures so far)",
                 disk_slot, result, failures)
         # Anything else is an I/O error, the slab file missing or cut short.
-        return "checksum_failures" if mismatch else "disk_read_errors"
+        return (WorkerCounters(checksum_failures=1) if mismatch
+                else WorkerCounters(disk_read_errors=1))
 
     def write_ok(self) -> None:
         self._note(ok=True, io_error=False, what="")

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kv_offload.counters import WorkerCounters
 from kv_offload.jobs import ChunkMove
 from kv_offload.remote.values import ValueCheck
 from kv_offload.worker.disk_health import DiskHealth
@@ -25,12 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 class TierReads:
-    """Reads chunks into host slots for one rank. ``count(**deltas)`` adds to the worker's
-    counters (``kv_offload.metrics.COUNTERS``); thread-safe."""
+    """Reads chunks into host slots for one rank. ``count(deltas)`` adds to the worker's
+    counters (``kv_offload.counters.WorkerCounters``); thread-safe."""
 
     def __init__(self, *, rank: int, host: HostSlots, slab: SlabFile | None,
                  remote: RemoteTier | None, verify_checksums: bool, disk: DiskHealth,
-                 count: Callable[..., None], clock: Callable[[], float]) -> None:
+                 count: Callable[[WorkerCounters], None], clock: Callable[[], float]
+                 ) -> None:
         self.rank = rank
         self.host = host
         self.slab = slab
@@ -61,9 +63,10 @@ class TierReads:
             result = self.slab.read(move.disk_slot, view, expected)
         except Exception as exc:  # any I/O failure is a miss; vLLM recomputes
             result = exc
-        self._count(bytes_disk_read=len(view), seconds_disk_read=self._clock() - start)
+        self._count(WorkerCounters(bytes_disk_read=len(view),
+                                   seconds_disk_read=self._clock() - start))
         if isinstance(result, Exception) or not result:
-            self._count(**{self._disk.read_failed(move.disk_slot, result): 1})
+            self._count(self._disk.read_failed(move.disk_slot, result))
             return False
         self._disk.read_ok()
         return True
@@ -76,12 +79,13 @@ class TierReads:
         result = self.remote.read_into(move.remote_key, self.rank, view,
                                        verify_checksum=self.verify_checksums)
         if result is ValueCheck.OK:
-            self._count(bytes_remote_read=len(view), seconds_remote_read=self._clock() - start)
+            self._count(WorkerCounters(bytes_remote_read=len(view),
+                                       seconds_remote_read=self._clock() - start))
             return True
         if isinstance(result, Exception):
-            self._count(remote_errors=1)  # logged once per burst by RemoteHealth
+            self._count(WorkerCounters(remote_errors=1))  # logged once per burst by RemoteHealth
             return False
-        self._count(remote_misses=1)
+        self._count(WorkerCounters(remote_misses=1))
         with self._lock:
             self._remote_misses += 1
             misses = self._remote_misses

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kv_offload.counters import WorkerCounters, WorkerTally
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
@@ -140,19 +141,19 @@ class OffloadWorker:
         self._fills: dict[int, list[Future[int | None] | None]] = {}  # load job -> fill_disk_slot writes
         self._report = WorkerReport()
         self._disk = DiskHealth(rank)
-        self._stats: dict[str, float] = {}
+        self._tally = WorkerTally()
         self._paused = False  # vLLM took the KV cache away (pause): no copy touches it
         self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
         self._reads = TierReads(rank=rank, host=host, slab=slab, remote=remote,
                                 verify_checksums=verify_checksums, disk=self._disk,
-                                count=self._count, clock=clock)
+                                count=self._tally.add, clock=clock)
         self._writes = None if slab is None else SlabWrites(
-            host=host, slab=slab, disk=self._disk, count=self._count, clock=clock)
+            host=host, slab=slab, disk=self._disk, count=self._tally.add, clock=clock)
         self._stores = WorkerStores(
             rank=rank, host=host, copies=self._copies, writes=self._writes, remote=remote,
-            submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._count,
+            submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._tally.add,
             clock=clock)
 
     # -- loads -----------------------------------------------------------------------------
@@ -250,8 +251,9 @@ class OffloadWorker:
         def settle() -> None:
             try:
                 self.engine.wait(handle)
-                self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
-                            seconds_load=self._clock() - start)
+                self._tally.add(WorkerCounters(
+                    bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
+                    seconds_load=self._clock() - start))
             except Exception:  # a device error: too late for this step's load errors
                 logger.exception("kv-offload: same-step load %d failed after its step "
                                  "used it", load.job.job_id)
@@ -378,8 +380,8 @@ class OffloadWorker:
         try:
             start = self._clock()
             self.engine.wait(self.engine.load(slots, blocks, after=load.mark))
-            self._count(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
-                        seconds_load=self._clock() - start)
+            self._tally.add(WorkerCounters(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
+                                           seconds_load=self._clock() - start))
             if self._audit is not None:  # a mismatch: a load error, vLLM recomputes
                 load.failed.update(rows[i] for i in self._audit.check_load(blocks, slots))
         except Exception:
@@ -460,7 +462,7 @@ class OffloadWorker:
             self._copies.resume(engine, audit)
             if old_audit is not None:
                 old_audit.close()
-                self._count(**old_audit.take_stats())
+                self._tally.add(old_audit.take_counts())
             old_engine.close()
         else:
             self._copies.resume()
@@ -555,17 +557,11 @@ class OffloadWorker:
         return report if report else None
 
     def take_stats(self) -> dict[str, float]:
-        """Counter deltas since the last call (names of ``kv_offload.metrics.COUNTERS``)."""
-        with self._lock:
-            stats, self._stats = self._stats, {}
-        for name, value in (self._audit.take_stats() if self._audit else {}).items():
-            stats[name] = stats.get(name, 0) + value
-        return stats
-
-    def _count(self, **deltas: float) -> None:
-        with self._lock:
-            for name, value in deltas.items():
-                self._stats[name] = self._stats.get(name, 0) + value
+        """Counter deltas since the last call (fields of ``kv_offload.counters.WorkerCounters``)."""
+        counts = self._tally.take()
+        if self._audit is not None:
+            counts.add(self._audit.take_counts())
+        return counts.nonzero()
 
     def has_pending_jobs(self) -> bool:
         return bool(self._loads or self._stores or self._fills or self._copies.num_pending())

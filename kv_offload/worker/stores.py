@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from kv_offload.counters import WorkerCounters
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, StoreJob, WorkerReport
 from kv_offload.worker.host_copies import ComputedOnFailedLoadError, KVCacheReleasedError
 
@@ -54,12 +55,12 @@ class _WriteTask:
 
 class WorkerStores:
     """The store jobs of one rank in flight. ``submit(fn, *args)`` queues write work (the
-    worker's write lane; called from the store or waiter thread too); ``count(**deltas)``
-    adds to the worker's counters."""
+    worker's write lane; called from the store or waiter thread too); ``count(deltas)``
+    adds to the worker's counters (``kv_offload.counters.WorkerCounters``)."""
 
     def __init__(self, *, rank: int, host: HostSlots, copies: HostCopies,
                  writes: SlabWrites | None, remote: RemoteTier | None,
-                 submit: Callable[..., Future[Any]], count: Callable[..., None],
+                 submit: Callable[..., Future[Any]], count: Callable[[WorkerCounters], None],
                  clock: Callable[[], float]) -> None:
         self.rank = rank
         self.host = host
@@ -87,8 +88,9 @@ class WorkerStores:
                 "this step's forward read a same-step load that failed")) if discard
                 else self._copies.issue(blocks, slots, job.req_ids))
             if not discard:  # issue time (the copy runs in the background, or inline)
-                self._count(bytes_store=chunk_bytes(blocks, self.host.slot_bytes),
-                            seconds_store=self._clock() - start)
+                self._count(WorkerCounters(
+                    bytes_store=chunk_bytes(blocks, self.host.slot_bytes),
+                    seconds_store=self._clock() - start))
             tasks, writes = self._disk_write_tasks(job.chunks)
             remote_writes: list[Future[bool | None] | None] = [None] * len(job.chunks)
             for i, move in enumerate(job.chunks):  # queued behind the local ones
@@ -167,9 +169,10 @@ class WorkerStores:
         view = self.host.slot_view(move.cpu_slot)
         start = self._clock()
         if not self.remote.write(move.remote_key, self.rank, view):
-            self._count(remote_skipped_stores=1)
+            self._count(WorkerCounters(remote_skipped_stores=1))
             return [False]
-        self._count(bytes_remote_write=len(view), seconds_remote_write=self._clock() - start)
+        self._count(WorkerCounters(bytes_remote_write=len(view),
+                                   seconds_remote_write=self._clock() - start))
         return [True]
 
 

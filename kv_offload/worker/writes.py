@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kv_offload.counters import WorkerCounters
 from kv_offload.worker.disk_health import DiskHealth
 
 if TYPE_CHECKING:
@@ -23,11 +24,12 @@ WRITE_TASK_BYTES = 8 << 20
 
 
 class SlabWrites:
-    """Writes host slots to slab slots for one rank. ``count(**deltas)`` adds to the
-    worker's counters (``kv_offload.metrics.COUNTERS``); thread-safe."""
+    """Writes host slots to slab slots for one rank. ``count(deltas)`` adds to the
+    worker's counters (``kv_offload.counters.WorkerCounters``); thread-safe."""
 
     def __init__(self, *, host: HostSlots, slab: SlabFile, disk: DiskHealth,
-                 count: Callable[..., None], clock: Callable[[], float]) -> None:
+                 count: Callable[[WorkerCounters], None], clock: Callable[[], float]
+                 ) -> None:
         self.host = host
         self.slab = slab
         self._disk = disk
@@ -48,8 +50,8 @@ class SlabWrites:
                                         [self.host.slot_view(c) for c, _ in pairs])
         except Exception:  # which chunk failed: one at a time
             return [self.write(c, d) for c, d in pairs]
-        self._count(bytes_disk_write=len(pairs) * self.host.slot_bytes,
-                    seconds_disk_write=self._clock() - start)
+        self._count(WorkerCounters(bytes_disk_write=len(pairs) * self.host.slot_bytes,
+                                   seconds_disk_write=self._clock() - start))
         self._disk.write_ok()
         return list(sums)
 
@@ -63,8 +65,9 @@ class SlabWrites:
             checksum = self.slab.write(disk_slot, view)
         except Exception as exc:  # OSError, StorePathError (directory re-creation)...
             self._disk.write_failed(exc)
-            self._count(disk_write_errors=1)
+            self._count(WorkerCounters(disk_write_errors=1))
             return None
-        self._count(bytes_disk_write=len(view), seconds_disk_write=self._clock() - start)
+        self._count(WorkerCounters(bytes_disk_write=len(view),
+                                   seconds_disk_write=self._clock() - start))
         self._disk.write_ok()
         return checksum

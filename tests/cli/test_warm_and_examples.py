@@ -142,6 +142,10 @@ def test_offline_inference_example_loads_on_the_second_run(tmp_path, model):
     _, second = (int(n) for n in re.findall(r"(\d+) prompt tokens loaded", proc.stdout))
     assert second >= 1024  # the shared document: at least four chunks of 256 tokens
     assert "same text in both runs: yes" in proc.stdout
+    # kv-offload's own counters, read offline (vLLM's get_metrics() keeps only vllm: names)
+    counters = dict(re.findall(r"(\w+)=(\d+)", proc.stdout.split("kv-offload counters:")[1]))
+    assert int(counters["hit_tokens_cpu"]) + int(counters["hit_tokens_disk"]) >= second
+    assert int(counters["hook_errors"]) == 0 and int(counters["chunks_stored_cpu"]) >= 4
 
 
 def test_serve_example_answers_one_completion_and_stops():

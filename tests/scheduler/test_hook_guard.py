@@ -2,7 +2,7 @@
 
 import logging
 
-from kv_offload.scheduler.counters import SchedulerCounters
+from kv_offload.counters import SchedulerCounters
 from kv_offload.scheduler.hook_guard import HookGuard
 
 

@@ -8,10 +8,10 @@ import itertools
 
 from planner_support import make_request, make_scheduler, store_request
 
+from kv_offload.counters import SchedulerCounters
 from kv_offload.disk import DiskIndex
 from kv_offload.jobs import SKIP_BLOCK, WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig, SlotState
-from kv_offload.scheduler.counters import SchedulerCounters
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.loads import LoadPlanner

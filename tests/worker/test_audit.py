@@ -16,6 +16,7 @@ from worker_support import drain
 from kv_offload.copy import make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.copy.plan import SlotLayout
+from kv_offload.counters import WorkerCounters
 from kv_offload.disk import SlabFile
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
 from kv_offload.worker import OffloadWorker
@@ -170,7 +171,7 @@ def test_a_held_request_waits_for_the_check_and_a_fence_stops_it(planes):
     copies.fence(["preempted"])
     engine.gate.set()
     fenced.wait()  # ends without a re-read: nothing compared, nothing failed
-    assert not fenced.failed() and audit.take_stats() == {"audit_chunks": 1}
+    assert not fenced.failed() and audit.take_counts() == WorkerCounters(audit_chunks=1)
     copies.close()
     audit.close()
 

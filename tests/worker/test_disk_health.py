@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 
+from kv_offload.counters import WorkerCounters
 from kv_offload.disk.slab import ReadResult
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 
@@ -12,7 +13,7 @@ from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 def test_io_errors_in_a_row_make_the_disk_broken_once():
     health = DiskHealth(rank=3)
     for _ in range(DISK_BROKEN_AFTER - 1):
-        assert health.read_failed(7, ReadResult.IO_ERROR) == "disk_read_errors"
+        assert health.read_failed(7, ReadResult.IO_ERROR) == WorkerCounters(disk_read_errors=1)
     assert health.take_broken() is None
     health.write_failed(OSError(errno.EIO, "Input/output error"))
     broken = health.take_broken()
@@ -37,8 +38,8 @@ def test_per_chunk_failures_never_make_the_disk_broken():
     failures of one chunk, not of the disk."""
     health = DiskHealth(rank=0)
     for _ in range(3 * DISK_BROKEN_AFTER):
-        assert health.read_failed(1, ReadResult.CHECKSUM_MISMATCH) == "checksum_failures"
-        assert health.read_failed(1, ReadResult.SHORT_READ) == "disk_read_errors"
+        assert health.read_failed(1, ReadResult.CHECKSUM_MISMATCH) == WorkerCounters(checksum_failures=1)
+        assert health.read_failed(1, ReadResult.SHORT_READ) == WorkerCounters(disk_read_errors=1)
         health.write_failed(OSError(errno.ENOSPC, "No space left on device"))
     assert health.take_broken() is None
 

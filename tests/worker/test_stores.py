@@ -84,11 +84,11 @@ def make_stores(parts, *, fail: bool = False):
     planes, host, slab = parts
     engine = GatedEngine(make_copy_engine(planes, host, BPC), fail=fail)
     io, waits = ManualIO(), ManualIO()
-    writes = SlabWrites(host=host, slab=slab, disk=DiskHealth(0), count=lambda **_: None,
+    writes = SlabWrites(host=host, slab=slab, disk=DiskHealth(0), count=lambda _: None,
                         clock=lambda: 0.0)
     copies = HostCopies(engine, background=False, waiter=waits)
     stores = WorkerStores(rank=0, host=host, copies=copies, writes=writes, remote=None,
-                          submit=io.submit, count=lambda **_: None, clock=lambda: 0.0)
+                          submit=io.submit, count=lambda _: None, clock=lambda: 0.0)
     return stores, engine, io, waits
 
 
