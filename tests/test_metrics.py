@@ -184,3 +184,67 @@ def test_every_metric_is_documented_and_the_docs_name_no_other():
     exported = {s.metric for s in (*COUNTERS.values(), *GAUGES.values())}
     named = set(re.findall(r"`(kv_offload_\w+)", docs))
     assert named <= exported, f"docs/metrics.md names metrics nobody exports: {named - exported}"
+
+
+def test_every_counter_the_docs_and_readme_name_is_exported():
+    """docs/bad-input.md and docs/vllm-bugs.md tell operators what is counted: every
+    ``kv_offload_*_total`` any doc names must exist on /metrics."""
+    root = DOCS.parents[1]
+    exported = {s.metric for s in COUNTERS.values()}
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        named = set(re.findall(r"\bkv_offload_\w+_total\b", path.read_text()))
+        assert named <= exported, f"{path.name} names unexported counters: {named - exported}"
+
+
+# ---- the Grafana dashboard (examples/grafana_dashboard.json) -----------------------------
+
+DASHBOARD = DOCS.parents[1] / "examples" / "grafana_dashboard.json"
+# vLLM's own metrics the dashboard shows next to ours (Prometheus sample names)
+VLLM_METRICS = {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                "vllm:external_prefix_cache_hits_total"}
+PROMQL_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and",
+                   "or", "unless", "bool", "offset"}
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers that are not functions,
+    keywords, label matchers, ranges or grouping labels."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
+    expr = PROMQL_GROUPING.sub("", expr)
+    names = set(re.findall(r"(?<![\w:.])([A-Za-z_:][\w:]*)\b(?!\s*\()", expr))
+    return names - PROMQL_KEYWORDS
+
+
+def dashboard_expressions() -> list[str]:
+    import json
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":  # label_values(metric, label): the metric
+            exprs += re.findall(r"label_values\(([^,]+),", var["definition"])
+    return exprs
+
+
+def test_promql_metric_names_are_found():
+    expr = ('sum by (tier) (rate(kv_offload_hit_tokens_total{model_name=~"$m"}[5m])) / on() '
+            'group_left() (sum(rate(vllm:prefix_cache_queries_total[1m])) + min(x_up) * 2)')
+    assert promql_metrics(expr) == {"kv_offload_hit_tokens_total",
+                                    "vllm:prefix_cache_queries_total", "x_up"}
+
+
+def test_every_dashboard_expression_names_exported_metrics_only():
+    exported = {s.metric for s in (*COUNTERS.values(), *GAUGES.values())}
+    exprs = dashboard_expressions()
+    assert len(exprs) >= 10
+    for expr in exprs:
+        unknown = promql_metrics(expr) - exported - VLLM_METRICS
+        assert promql_metrics(expr) and not unknown, f"{expr!r} names {unknown}"
+
+
+def test_the_dashboard_shows_every_exported_metric():
+    shown = set().union(*(promql_metrics(e) for e in dashboard_expressions()))
+    missing = {s.metric for s in (*COUNTERS.values(), *GAUGES.values())} - shown
+    assert not missing, f"examples/grafana_dashboard.json shows no panel for {missing}"
