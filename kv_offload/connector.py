@@ -36,6 +36,7 @@ from kv_offload.metrics import OffloadPromMetrics, OffloadStats, SchedulerStats
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -174,6 +175,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # ==== scheduler side =====================================================================
 
     def _init_scheduler(self) -> None:
+        from kv_offload.kv_events import attach_events
         from kv_offload.scheduler import OffloadScheduler, PlannerConfig
         from kv_offload.scheduler.hook_guard import HookGuard
 
@@ -215,6 +217,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
             remote=remote)
         self._guard = HookGuard(self._scheduler.counters)
+        self._events = attach_events(self._vllm_config, self._kv_cache_config, self._scheduler)
         self._stats = SchedulerStats(self._scheduler, self.layout)
 
     def _same_step_budget_s(self) -> float:
@@ -339,6 +342,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         held = self._guard.call("request_finished", lambda: False,
                                 self._sched.request_finished, request.request_id, block_ids)
         return bool(held), None
+
+    def take_events(self) -> list[KVCacheEvent]:  # the tiers' chunks, for routers
+        return self._events.take() if self._events is not None else []
 
     def has_pending_block_frees(self) -> bool:
         # Held blocks come back within a step or two: vLLM waits rather than preempting.

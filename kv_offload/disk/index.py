@@ -16,7 +16,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
@@ -72,6 +72,8 @@ class DiskIndex:
         self._pending: dict[bytes, int] = {}  # key -> tick of its latest unflushed access
         self._counts = {"hits": 0, "misses": 0}  # unflushed
         self._bad: dict[bytes, bytes] = {}  # key -> malformed record a lookup met
+        self._removed: list[tuple[bytes, bytes | None]] = []  # take_removed
+        self.track_removed = False  # keep them for take_removed (the KV events are on)
         self._next_reclaim = 0.0  # monotonic time of the next reclaim attempt when full
         self._closed = False
         env.live_tokens.add(self._token)
@@ -224,12 +226,15 @@ class DiskIndex:
         self.settle(releases=slots)
 
     def settle(self, commits: Sequence[tuple[bytes, int, tuple[int, ...]]] = (),
-               releases: Sequence[int] = (), keys: Sequence[bytes] = ()
+               releases: Sequence[int] = (), keys: Sequence[bytes] = (),
+               blocks: Mapping[bytes, bytes] | None = None
                ) -> tuple[list[bool], list[int | None]]:
         """``release``, ``commit`` and ``allocate`` in one write transaction, in that
         order (a released slot may be reserved again at once): the scheduler's writes of
         a step cost one transaction. Returns (published per commit, slot per key).
-        Atomic: if any part raises, nothing is written."""
+        ``blocks``: per committed key, its vLLM blocks record (kept with the entry, for
+        its KV events: ``read_blocks``, ``take_removed``). Atomic: if any part raises,
+        nothing is written."""
         for key, _slot, checksums in commits:
             check_key(key)
             if len(checksums) != self._num_ranks:
@@ -243,6 +248,9 @@ class DiskIndex:
                 if op.owner_of(slot) == self._owner:
                     op.unreserve(slot)
             done = [op.publish(key, slot, cs, tick, self._owner) for key, slot, cs in commits]
+            for (key, _, _), ok in zip(commits, done):
+                if ok and blocks and key in blocks:
+                    op.put_blocks(key, blocks[key])
             return done, self._reserve(op, keys, tick) if keys else []
 
         done, slots = self._write(fn)
@@ -316,6 +324,29 @@ class DiskIndex:
             return dropped
 
         return self._write(fn)
+
+    def take_removed(self) -> list[tuple[bytes, bytes | None]]:
+        """The committed keys this index unpublished since the last call (evicted,
+        dropped, bad), each with its blocks record (None: stored without one); their
+        records are deleted. For the disk tier's KV events."""
+        out, self._removed = self._removed, []
+        return out
+
+    def read_blocks(self, after: bytes, limit: int) -> list[tuple[bytes, bytes | None]]:
+        """Up to ``limit`` committed keys past ``after`` (b"": from the first), in key
+        order, each with its blocks record (None: stored without one). One short read
+        transaction; what the disk tier announces after a restart, in batches."""
+        self._check_open()
+        out: list[tuple[bytes, bytes | None]] = []
+        with self._env.read() as txn:
+            op = NamespaceTxn(txn, self._dbs, self._namespace_id, record=self._record,
+                              root=self._env.root)
+            for key, value in op.scan("entries", after + b"\0" if after else b""):
+                if len(out) >= limit:
+                    break
+                if len(value) == self._committed.size and value[0] == COMMITTED:
+                    out.append((key, op.blocks(key)))
+        return out
 
     def num_pending_accesses(self) -> int:
         """Hits recorded in memory and not yet written (``flush_access``)."""
@@ -391,10 +422,14 @@ class DiskIndex:
             result = fn(op)
             num_bad = op.deltas.get("bad_records", 0)
             op.finish()
+            removed[:] = op.removed
             return result
 
+        removed: list[tuple[bytes, bytes | None]] = []
         with self._env.lock:
             result = self._env.write(run)
+            if self.track_removed:
+                self._removed += removed
             self._pending, self._bad = {}, {}
             self._counts = dict.fromkeys(self._counts, 0)
         if num_bad:

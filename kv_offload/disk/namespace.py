@@ -26,6 +26,7 @@ import lmdb
 from kv_offload.disk.env import clear_hint
 from kv_offload.disk.errors import NamespaceMismatchError, StoreCorruptError, StoreError
 from kv_offload.disk.records import (
+    BLOCKS_TAG,
     CounterRecord,
     EntryRecord,
     EntryState,
@@ -57,6 +58,7 @@ class NamespaceTxn:
         self.deltas: dict[str, int] = defaultdict(int)
         self.hwm: int | None = None  # cached high-water mark (take_slot)
         self.free_exhausted = False  # the free list has no unpinned slot (take_slot)
+        self.removed: list[tuple[bytes, bytes | None]] = []  # committed keys gone, blocks
         self._num_ranks: int | None = record["num_ranks"] if record else None
         self._num_slots: int = record["num_slots"] if record else 0
 
@@ -112,11 +114,27 @@ class NamespaceTxn:
         size = EntryRecord.HEAD.size + (8 * (self._num_ranks or 0) if value[0] else 0)
         return f"{len(value)} bytes where a {EntryState(value[0]).name.lower()} record has {size}"
 
+    def blocks(self, key: bytes) -> bytes | None:
+        """The stored vLLM blocks record of ``key`` (records.py, ``BLOCKS_TAG``)."""
+        return self.get("counters", BLOCKS_TAG + key)
+
+    def put_blocks(self, key: bytes, raw: bytes) -> None:
+        self.put("counters", BLOCKS_TAG + key, raw)
+
+    def _forget_blocks(self, key: bytes) -> None:
+        """``key`` stops being loadable: note it in ``removed`` with its blocks record,
+        which is deleted."""
+        raw = self.blocks(key)
+        if raw is not None:
+            self.delete("counters", BLOCKS_TAG + key)
+        self.removed.append((key, raw))
+
     def discard_bad(self, key: bytes, value: bytes) -> None:
         """Remove the malformed entries record ``value`` of ``key`` and the records that
         name it; count it in ``bad_records``. Its slot goes back to the free list only if
         it lies inside the namespace and this record alone held it."""
         self.delete("entries", key)
+        self._forget_blocks(key)
         self.deltas["bad_records"] += 1
         if len(value) < EntryRecord.HEAD.size:
             return
@@ -219,6 +237,7 @@ class NamespaceTxn:
         parsed = None if value is None else self.parse_entry(value)
         if value is not None and (parsed is None or parsed[1] == slot):
             self.delete("entries", key)
+            self._forget_blocks(key)
             if parsed is None:
                 self.deltas["bad_records"] += 1
         self.deltas["entries"] -= 1
@@ -318,6 +337,7 @@ class NamespaceTxn:
         self.delete("entries", key)
         self.delete("lru", LruKey.pack(EntryRecord.head(value)[2], slot))
         self.delete("slots", SlotKey.pack(slot))
+        self._forget_blocks(key)
         self.deltas["entries"] -= 1
         return True
 

@@ -14,6 +14,11 @@ is 8-byte big-endian, so that cursors walk slots and ticks in order.
   free          P + be64(slot) -> b""                (released slots below the hwm)
   reservations  P + be64(slot) -> OwnerRecord <pid, process start, instance token, time>
   counters      P + name -> CounterRecord u64 (hwm, entries, reserved, free, hits, ...)
+                P + BLOCKS_TAG + key -> a committed chunk's vLLM blocks (hashes, parent, token
+                ids, LoRA, extra keys: ``scheduler/events.py`` ``encode``), what its KV events
+                announce after a restart; absent for chunks an older kv-offload stored. In
+                ``counters``, not a table of its own, so that older kv-offload versions keep
+                opening (and clearing) the store: they read counters by name only.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, NamedTuple, overload
 FORMAT_VERSION = 1
 MAX_KEY_BYTES = 64
 DB_NAMES = ("meta", "namespaces", "entries", "slots", "lru", "free", "reservations", "counters")
+BLOCKS_TAG = b"\0blocks\0"  # no counter name starts with NUL
 PERSISTENT_COUNTERS = ("hits", "misses", "checksum_failures", "commits", "evictions", "reclaimed",
                        "bad_records")
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kv_offload.keys import ChunkKey
+from kv_offload.scheduler.events import Tier, TierEvents
 
 
 class SlotState(enum.Enum):
@@ -57,6 +58,7 @@ class CpuIndex:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._num_evictable = 0  # listed READY entries without pins
         self.num_evictions = 0
+        self.events: TierEvents | None = None  # told what becomes and stops being READY
 
     # -- queries (no side effects) -------------------------------------------------------
 
@@ -188,6 +190,8 @@ class CpuIndex:
         entry.state = SlotState.READY
         entry.staging_job = None
         self._num_evictable += self._evictable(entry)
+        if self.events is not None:
+            self.events.stored(Tier.CPU, (entry.key,))
 
     def discard(self, key: ChunkKey) -> None:
         """Remove the entry of ``key`` whatever its state (failed store or load): it is
@@ -197,6 +201,8 @@ class CpuIndex:
             return
         self._num_evictable -= self._evictable(entry)
         entry.listed = False
+        if self.events is not None:
+            self.events.removed(Tier.CPU, (key,))
         if entry.pins == 0:
             del self._by_slot[entry.slot]
             self._free.append(entry.slot)

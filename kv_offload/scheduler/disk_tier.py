@@ -21,6 +21,7 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import TypeVar
 
 from kv_offload.disk.errors import StoreError
+from kv_offload.scheduler.events import ChunkBlocks, TierEvents, decode, encode
 from kv_offload.scheduler.tiers import DiskEntryLike, DiskIndexLike
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class DiskTier:
         self.enabled = index is not None
         self._commits: list[tuple[bytes, int, tuple[int, ...]]] = []
         self._releases: list[int] = []
+        self._events: TierEvents | None = None  # attach_events
+        self._read_after = b""  # the next batch of read_blocks (announcing)
 
     def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]:
         index = self._active()
@@ -63,7 +66,7 @@ class DiskTier:
         if index is not None and keys:
             commits, releases = self._take_queued()
             with self._guard("allocate"):
-                return list(index.settle(commits, releases, keys)[1])
+                return list(self._settle(index, commits, releases, keys))
         return [None] * len(keys)
 
     def _active(self) -> DiskIndexLike | None:
@@ -93,7 +96,48 @@ class DiskTier:
         if self.index is not None and (self._commits or self._releases):
             commits, releases = self._take_queued()
             with self._guard("commit"):
-                self.index.settle(commits, releases)
+                self._settle(self.index, commits, releases)
+
+    def _settle(self, index: DiskIndexLike, commits: list[tuple[bytes, int, tuple[int, ...]]],
+                releases: list[int], keys: Sequence[bytes] = ()) -> list[int | None]:
+        """``index.settle``; with KV events, each commit's blocks are kept with it and
+        what became loadable (while the tier is on) or stopped is reported."""
+        events = self._events
+        if events is None:
+            return index.settle(commits, releases, keys)[1] if keys else (
+                index.settle(commits, releases)[1])
+        payloads = {key: p for key, _, _ in commits if (p := events.payload(key)) is not None}
+        done, slots = index.settle(commits, releases, keys,
+                                   blocks={k: encode(p) for k, p in payloads.items()})
+        if self.enabled:
+            events.disk_stored((c[0], payloads.get(c[0])) for c, ok in zip(commits, done) if ok)
+        self._report_removed()
+        return slots
+
+    def attach_events(self, events: TierEvents) -> None:
+        """Report to ``events`` from now on, and announce what the index holds already
+        (a restart: ``ANNOUNCE_BATCH`` chunks a step)."""
+        if self.index is None:
+            return
+        self._events = events
+        self.index.track_removed = True
+        if self.enabled:
+            events.announce_disk(self.read_blocks)
+
+    def read_blocks(self, limit: int) -> list[tuple[bytes, ChunkBlocks | None]]:
+        """The next ``limit`` committed chunks of the index with their blocks, in key
+        order ([] at the end, or when the index fails)."""
+        out: list[tuple[bytes, ChunkBlocks | None]] = []
+        if self.index is not None:
+            with self._guard("read_blocks"):
+                out = [(k, decode(raw)) for k, raw in self.index.read_blocks(self._read_after, limit)]
+        if out:
+            self._read_after = out[-1][0]
+        return out
+
+    def _report_removed(self) -> None:
+        if self._events is not None and self.index is not None:
+            self._events.disk_removed((k, decode(raw)) for k, raw in self.index.take_removed())
 
     def has_queued(self) -> bool:
         """Whether commits or releases wait for ``flush``."""
@@ -128,6 +172,7 @@ class DiskTier:
 
     def drop(self, key: bytes, slot: int) -> None:
         self._call("drop", "drop", key, slot)
+        self._report_removed()
 
     def flush_access(self, *, also_when_off: bool = False) -> None:
         if self.enabled or also_when_off:
@@ -152,6 +197,9 @@ class DiskTier:
         if not self.enabled:
             return
         self.enabled = False
+        if self._events is not None:  # every chunk it announced is withdrawn, in batches
+            self._read_after = b""
+            self._events.announce_disk(self.read_blocks, withdraw=True)
         if not failed:
             return
         logger.error(

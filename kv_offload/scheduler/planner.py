@@ -27,6 +27,7 @@ from kv_offload.jobs import SKIP_BLOCK, StepPlan, StoreJob, WorkerReport
 from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.scheduler.events import Tier, TierEvents
 from kv_offload.scheduler.holds import BlockHolds, WindowSource
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
@@ -123,6 +124,7 @@ class OffloadScheduler:
         self._block_ids_of = block_ids_of
         self._clock = clock
         self._requests: dict[str, RequestState] = {}
+        self.events: TierEvents | None = None  # KV events: kv_events.attach_events
         self._fence_next: set[str] = set()  # finished requests whose copies need a fence
         self._paused_ranks: set[int] = set()  # ranks whose KV cache vLLM took away
         self._last_access_flush = clock()
@@ -285,6 +287,8 @@ class OffloadScheduler:
         keys = self._keys(request, for_load=True)
         # A question asked anew here (the local run changed since) is not waited for.
         run = (self._loadable_run(state, keys, first) or [])[:last - first]
+        if self.events is not None:  # staged and filled chunks are announced too
+            self.events.capture(request, range(first, first + len(run)), keys)
         same_step = state.same_step
         if same_step:  # nothing can be staged before this step's forward: the rest fails
             run = list(itertools.takewhile(ready_in_cpu, run))
@@ -420,6 +424,8 @@ class OffloadScheduler:
                 self.counters.stores_without_state += 1  # no hand-off of this boundary
             else:
                 self.counters.stores_without_window += 1  # vLLM freed a block it needs
+        if self.events is not None and out:  # what the chunks' KV events will carry
+            self.events.capture(request, range(state.next_store_chunk, num_done), keys)
         state.next_store_chunk = num_done
         return out
 
@@ -535,7 +541,8 @@ class OffloadScheduler:
 
     def has_pending_work(self) -> bool:
         return bool(self.loads.has_pending() or self.stores.records or self.holds.num_held()
-                    or self.disk_tier.has_queued())
+                    or self.disk_tier.has_queued()
+                    or (self.events is not None and self.events.has_queued()))
 
     def reset_cpu_tier(self) -> int:
         """Drop unpinned READY CPU entries (``connector_reset="cpu"``)."""
@@ -557,6 +564,8 @@ class OffloadScheduler:
         self.disk_tier.disable("reset", failed=False)
         self._remote_on = False
         self.stores.with_remote = False
+        if self.events is not None:
+            self.events.tier_off(Tier.REMOTE)
         return dropped
 
     def _maybe_flush_access(self) -> None:

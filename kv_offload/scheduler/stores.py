@@ -16,6 +16,7 @@ from kv_offload.jobs import ChunkMove, StoreJob
 from kv_offload.keys import ChunkKey
 from kv_offload.scheduler.cpu_index import CpuIndex, SlotState
 from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.scheduler.events import Tier, TierEvents
 from kv_offload.scheduler.records import StorePhase, StoreRecord
 
 
@@ -29,6 +30,7 @@ class StorePlanner:
         self.with_remote = with_remote
         self.records: dict[int, StoreRecord] = {}
         self._job_ids = job_ids
+        self.events: TierEvents | None = None  # told which chunks the remote tier holds
 
     def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...], str]]) -> StoreJob | None:
         """One StoreJob for ``chunks`` (key, engine blocks, request), each key once; a
@@ -121,9 +123,11 @@ class StorePlanner:
                        if m.disk_slot is not None or m.remote_key is not None)
         if record.has_remote:
             per_rank = list(record.remote_ok_by_rank.values())
-            self.counters.chunks_stored_remote += sum(
-                all(r[i] for r in per_rank) for i, m in enumerate(record.moves)
-                if m.remote_key is not None)
+            written = [k for i, (k, m) in enumerate(zip(record.keys, record.moves))
+                       if m.remote_key is not None and all(r[i] for r in per_rank)]
+            self.counters.chunks_stored_remote += len(written)
+            if self.events is not None and self.with_remote:  # off after reset_all
+                self.events.stored(Tier.REMOTE, written)
         if record.has_disk:
             self.counters.chunks_stored_disk += self.disk.commit_written(
                 record.keys, [m.disk_slot for m in record.moves], record.disk_sums_by_rank)

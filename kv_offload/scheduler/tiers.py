@@ -7,7 +7,7 @@ and so do the fakes of the unit tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 
@@ -59,8 +59,16 @@ class DiskIndexLike(Protocol):
     def release(self, slots: Sequence[int]) -> None: ...
 
     def settle(self, commits: Sequence[tuple[bytes, int, tuple[int, ...]]] = (),
-               releases: Sequence[int] = (), keys: Sequence[bytes] = ()
+               releases: Sequence[int] = (), keys: Sequence[bytes] = (),
+               blocks: Mapping[bytes, bytes] | None = None
                ) -> tuple[list[bool], list[int | None]]: ...
+
+    # The KV events of the disk tier (``scheduler/events.py``): only used when they are on.
+    track_removed: bool
+
+    def take_removed(self) -> list[tuple[bytes, bytes | None]]: ...
+
+    def read_blocks(self, after: bytes, limit: int) -> list[tuple[bytes, bytes | None]]: ...
 
     def drop(self, key: bytes, slot: int) -> bool: ...
 

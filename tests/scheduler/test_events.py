@@ -1,0 +1,215 @@
+"""The tiers' KV events (scheduler/events.py, kv_events.py): what routers learn of the CPU,
+disk and remote tiers, in vLLM's block hash space, bounded, and announced after a restart."""
+
+import logging
+from dataclasses import dataclass
+
+import pytest
+
+from kv_offload.disk import DiskIndex
+from kv_offload.jobs import WorkerReport
+from kv_offload.kv_events import connect, to_vllm
+from kv_offload.scheduler.events import (
+    ANNOUNCE_BATCH,
+    ChunkBlocks,
+    Tier,
+    TierEvents,
+    chunk_blocks,
+    decode,
+    encode,
+)
+from tests.scheduler.planner_support import BLOCK, CHUNK, FakeRequest, make_request, make_scheduler
+
+
+@dataclass
+class TokenRequest(FakeRequest):
+    all_token_ids: list
+    lora_request: object = None
+
+
+def request(req_id: str, tokens: list[int]) -> TokenRequest:
+    base = make_request(req_id, tokens)
+    return TokenRequest(req_id, base.block_hashes, len(tokens), len(tokens), list(tokens))
+
+
+def tier_events(**kw) -> TierEvents:
+    return TierEvents(chunk_tokens=CHUNK, block_size=BLOCK, **kw)
+
+
+def index(events):
+    """(tier, block hashes) -> stored?, replayed from ``events`` as a router would."""
+    held: set = set()
+    for e in events:
+        for h in e.block_hashes:
+            (held.add if e.stored else held.discard)((e.tier, h))
+    return held
+
+
+def test_a_chunk_payload_is_its_vllm_blocks():
+    req = request("r", list(range(3 * CHUNK)))
+    blocks = chunk_blocks(req, 1, chunk_tokens=CHUNK, block_size=BLOCK)
+    per = CHUNK // BLOCK
+    assert blocks.block_hashes == tuple(req.block_hashes[per:2 * per])
+    assert blocks.parent_hash == req.block_hashes[per - 1]
+    assert blocks.token_ids == tuple(range(CHUNK, 2 * CHUNK)) and blocks.block_size == BLOCK
+    first = chunk_blocks(req, 0, chunk_tokens=CHUNK, block_size=BLOCK)
+    assert first.parent_hash is None
+    assert chunk_blocks(req, 3, chunk_tokens=CHUNK, block_size=BLOCK) is None  # not hashed yet
+
+
+def test_the_disk_record_round_trips_and_a_damaged_one_is_none():
+    blocks = ChunkBlocks((b"a" * 32, b"b" * 32), b"p" * 32, tuple(range(8)), 4, 3, "lora",
+                         (("lora", "salt"), None))
+    assert decode(encode(blocks)) == blocks
+    root = ChunkBlocks((b"a" * 32,), None, (1, 2, 3, 4), 4)
+    assert decode(encode(root)) == root
+    raw = encode(blocks)
+    assert decode(None) is None and decode(raw[:20]) is None and decode(raw[:-3]) is None
+    assert decode(b"\x09" + raw[1:]) is None  # unknown version
+
+
+def test_the_queue_is_bounded_and_drops_are_counted_and_logged(caplog):
+    events = tier_events(max_queued=2)
+    req = request("r", list(range(3 * CHUNK)))
+    keys = [req.block_hashes[(c + 1) * (CHUNK // BLOCK) - 1] for c in range(3)]
+    events.capture(req, range(3), keys)
+    with caplog.at_level(logging.WARNING, logger="kv_offload"):
+        events.stored(Tier.CPU, keys)
+    assert len(events.take()) == 2 and events.num_dropped == 1
+    assert "KV events dropped" in caplog.text
+    assert events.take() == []
+
+
+def test_cpu_tier_announces_published_chunks_and_withdraws_evicted_ones():
+    """A chunk is announced when READY (not while STORING), withdrawn when evicted, with the
+    block hashes of the request; a failed store is never announced."""
+    sched, blocks = make_scheduler(num_cpu_slots=2)
+    events = tier_events()
+    connect(sched, events)
+    a = request("a", list(range(2 * CHUNK)))
+    plan = schedule(sched, blocks, a)
+    assert events.take() == []  # STORING: not loadable yet
+    sched.on_report(WorkerReport(host_stored={plan.stores[0].job_id: 1}))
+    stored = events.take()
+    assert {(Tier.CPU, h) for h in a.block_hashes} == index(stored)
+    assert stored[0].blocks.token_ids == tuple(range(CHUNK))
+    b = request("b", list(range(100, 100 + 2 * CHUNK)))
+    plan = schedule(sched, blocks, b)  # evicts both chunks of a
+    removed = events.take()
+    assert [e.stored for e in removed] == [False, False]
+    assert index(stored + removed) == set()
+    sched.on_report(WorkerReport(host_stored={}, host_failed={plan.stores[0].job_id: 1}))
+    assert events.take() == []  # a failed copy publishes nothing
+
+
+def schedule(sched, blocks, req):
+    """Look ``req`` up (a miss), then schedule all its tokens: the plan of that step."""
+    blocks[req.request_id] = list(range(req.num_tokens // BLOCK))
+    assert sched.num_matched_tokens(req, 0) == 0
+    return sched.plan_step([(req.request_id, req.num_tokens)])
+
+
+def test_the_remote_tier_is_announced_remote_and_withdrawn_on_reset():
+    sched, blocks = make_scheduler()
+    sched.remote = object()  # only its presence matters to the store planner
+    sched.stores.with_remote = True
+    events = tier_events()
+    connect(sched, events)
+    a = request("a", list(range(CHUNK)))
+    job = schedule(sched, blocks, a).stores[0]
+    sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+    sched.on_report(WorkerReport(remote_stored={job.job_id: {0: (True,)}}))
+    got = events.take()
+    assert [(e.tier, e.stored) for e in got] == [(Tier.CPU, True), (Tier.REMOTE, True)]
+    assert (Tier.REMOTE.medium, Tier.REMOTE.locality) == ("CPU", "REMOTE")
+    sched.remote = None  # reset_all closes nothing here
+    sched.reset_all()
+    assert index(got + events.take()) == set()
+
+
+@pytest.fixture
+def disk(tmp_path):
+    opened = []
+
+    def open_index(capacity_slots=4):
+        idx = DiskIndex.open(tmp_path / "store", namespace_id="ab12", descriptor={"m": 1},
+                             slot_bytes=4096, num_ranks=1, capacity_bytes=4096 * capacity_slots)
+        opened.append(idx)
+        return idx
+    yield open_index
+    for idx in opened:
+        idx.close()
+
+
+def store_on_disk(sched, blocks, req):
+    job = schedule(sched, blocks, req).stores[0]
+    sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+    sched.on_report(WorkerReport(disk_stored={job.job_id: {0: (7,) * len(job.chunks)}}))
+    sched.plan_step([])  # the step's one transaction commits
+
+
+def test_disk_tier_announces_commits_withdraws_evictions_and_a_restart_reannounces(disk):
+    """Evictions in the disk index are withdrawn with the hashes kept in the index; after a
+    restart, what the index holds is announced again, in batches, without any request."""
+    idx = disk(capacity_slots=2)
+    sched, blocks = make_scheduler(disk_index=idx, num_cpu_slots=8)
+    events = tier_events()
+    connect(sched, events)
+    a, b = request("a", list(range(2 * CHUNK))), request("b", list(range(50, 50 + CHUNK)))
+    store_on_disk(sched, blocks, a)
+    seen = events.take()
+    assert index(seen) == {(t, h) for t in (Tier.CPU, Tier.DISK) for h in a.block_hashes}
+    store_on_disk(sched, blocks, b)  # the disk holds 2 chunks: a's first chunk goes
+    seen += events.take()
+    on_disk = {h for t, h in index(seen) if t is Tier.DISK}
+    assert on_disk == set(a.block_hashes[2:]) | set(b.block_hashes)
+    sched.disk_tier.flush()
+
+    restarted = make_scheduler(disk_index=disk(capacity_slots=2))[0]
+    events = tier_events()
+    connect(restarted, events)
+    assert events.has_queued()  # keeps vLLM stepping until announced
+    again = events.take()
+    assert events.take() == [] and not events.has_queued()
+    assert {h for t, h in index(again) if t is Tier.DISK} == on_disk
+    restarted.reset_all()  # the tier is off: everything it announced is withdrawn
+    assert index(again + events.take()) == set()
+
+
+def test_a_restart_announces_in_batches_and_skips_chunks_stored_without_blocks(disk):
+    idx = disk(capacity_slots=ANNOUNCE_BATCH + 8)
+    sched, blocks = make_scheduler(disk_index=idx, num_cpu_slots=ANNOUNCE_BATCH + 8)
+    store_on_disk(sched, blocks, request("old", list(range(CHUNK))))  # events off: no record
+    events = tier_events()
+    connect(sched, events)
+    events.take()
+    for i in range(ANNOUNCE_BATCH + 2):
+        store_on_disk(sched, blocks, request(f"r{i}", [i + 100] * CHUNK))
+    sched.disk_tier.flush()
+    restarted = make_scheduler(disk_index=disk(capacity_slots=ANNOUNCE_BATCH + 8))[0]
+    events = tier_events()
+    connect(restarted, events)
+    first, second = events.take(), events.take()
+    assert len(first) == ANNOUNCE_BATCH - 1 and len(second) == 3  # the old chunk: skipped
+    assert events.take() == [] and events.num_not_announced == 1
+
+
+def test_vllm_events_carry_the_gpu_events_fields():
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external
+
+    req = request("r", list(range(CHUNK, 3 * CHUNK)))
+    events = tier_events()
+    keys = [req.block_hashes[(c + 1) * (CHUNK // BLOCK) - 1] for c in range(2)]
+    events.capture(req, [1], keys)
+    events.stored(Tier.DISK, [keys[1]])
+    events.disk_removed([(keys[1], events.payload(keys[1]))])
+    stored, removed = to_vllm(events.take(), [(0, "full_attention")])
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    hashes = [external(h) for h in req.block_hashes]  # as vLLM's GPU events spell them
+    assert stored.block_hashes == hashes[2:4] == removed.block_hashes
+    assert stored.parent_block_hash == hashes[1]
+    assert stored.token_ids == list(range(2 * CHUNK, 3 * CHUNK)) and stored.block_size == BLOCK
+    assert (stored.medium, stored.locality, stored.ownership, stored.group_idx) == (
+        "STORAGE", "LOCAL", "disk", 0)
+    assert (removed.medium, removed.group_idx) == ("STORAGE", 0)
