@@ -392,9 +392,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
         tensors = self._checked_kv_tensors(kv_caches)
         self._worker = build_worker(
-            tensors=tensors, layout=self.layout, config=self.config,
-            num_blocks=int(self._kv_cache_config.num_blocks), namespace=self.namespace,
-            persistent=self.persistent)
+            tensors=tensors, names=layer_names(self._kv_cache_config), layout=self.layout,
+            config=self.config, num_blocks=int(self._kv_cache_config.num_blocks),
+            namespace=self.namespace, persistent=self.persistent)
         self._kv_caches, self._kv_placement = dict(kv_caches), kv_placement(tensors)
 
     def _checked_kv_tensors(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -454,16 +454,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.resume(engine=engine, audit=audit)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Before the forward when the step has same-step loads (has_sync_kv_loads), after
-        # it otherwise, on both model runners: same-step jobs are in the engine (or
-        # ordered before the forward on the device) when this returns.
+        # Before the forward with same-step loads (has_sync_kv_loads), else after it, on both
+        # runners; those are then in the engine or ordered before their readers on the device.
         plan = self._plan()
-        if (plan is not None and plan.loads and self._worker is not None
-                and not self._worker.start_loads(plan.loads)):  # a same-step load failed
-            self._read_failed_load = plan  # its stores would copy KV computed on it
+        if plan is not None and plan.loads and self._worker is not None:
+            self._worker.layer_waits.expect(forward_context)  # will each layer wait?
+            if not self._worker.start_loads(plan.loads):  # a same-step load failed
+                self._read_failed_load = plan  # its stores would copy KV computed on it
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # same-step loads are whole before the forward (start_load_kv)
+        if self._worker is not None:  # docs/architecture.md, "One same-step load"
+            self._worker.layer_waits.wait(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kw: Any) -> None:
         return  # stores are issued once per step, after the whole forward (_issue_stores)

@@ -359,3 +359,33 @@ def test_stores_are_issued_at_finish_forward_on_v2_and_at_wait_for_save_on_v1(
     loaded, _ = worker_step(conn, StepPlan(loads=(load,)), runner=runner)
     assert loaded == {"r"} and issued == issued[:1]  # a plan without stores issues none
     assert all(torch.equal(layer[[4, 5]], want) for layer, want in zip(kv, forward_wrote))
+
+
+def test_each_attention_layers_wait_reaches_the_workers_per_layer_waits(worker_connector):
+    """Issue 29: the worker knows the engine's planes per attention layer, named as vLLM
+    names them in ``wait_for_layer_load`` and in the order of its KV cache group (the
+    forward's); ``start_load_kv`` tells it whether this forward's layers will wait (the
+    forward context), before it issues the step's loads; each layer's wait reaches it."""
+    conn, kv = worker_connector
+    names = list(conn._kv_cache_config.kv_cache_groups[0].layer_names)
+    layers = conn._worker.layer_waits.layers
+    assert layers.names == tuple(names) and layers.num_planes == len(names)  # one plane each
+    calls = []
+
+    class Recorder:
+        def expect(self, forward_context):
+            calls.append(("expect", forward_context))
+
+        def wait(self, layer_name):
+            calls.append(("wait", layer_name))
+
+    conn._worker.layer_waits = Recorder()
+    conn._worker.start_loads = lambda jobs: calls.append(("start_loads", len(jobs))) or True
+    conn.bind_connector_metadata(OffloadConnectorMetadata(
+        StepPlan(loads=(LoadJob(1, "r", (ChunkMove((4, 5), 0),), same_step=True),))))
+    conn.start_load_kv("forward-context")
+    for name in names:
+        conn.wait_for_layer_load(name)
+    conn.clear_connector_metadata()
+    assert calls == [("expect", "forward-context"), ("start_loads", 1)] + [
+        ("wait", name) for name in names]

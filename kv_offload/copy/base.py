@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kv_offload.copy.layers import PlaneLayers
 from kv_offload.copy.plan import Direction
 
 __all__ = ["CopyEngine", "CopyEngineClosedError", "CopyHandle", "CudaUnavailableError",
-           "InsufficientHostMemoryError"]
+           "InsufficientHostMemoryError", "LayeredCopy"]
 
 
 class CudaUnavailableError(RuntimeError):
@@ -35,6 +36,17 @@ class CopyHandle:
 
     seq: int
     direction: Direction
+
+
+@dataclass(frozen=True, slots=True)
+class LayeredCopy:
+    """A load issued layer by layer (``CopyEngine.load_by_layer``): ``handle`` names the
+    whole copy; ``layer_marks[i]`` is a token for ``fence_mark`` that orders compute after
+    layer i's copies, None where layer i has nothing to wait for (no copies, or an
+    engine that fenced the whole load already)."""
+
+    handle: CopyHandle
+    layer_marks: tuple[object | None, ...]
 
 
 class CopyEngine(abc.ABC):
@@ -75,6 +87,24 @@ class CopyEngine(abc.ABC):
         the calling thread until the copy is done."""
         self.wait(handle)
 
+    def load_by_layer(self, slots: np.ndarray, block_ids: np.ndarray, layers: PlaneLayers,
+                      ) -> LayeredCopy:
+        """Issue a ``load`` (ordered after the compute issued so far on the calling
+        thread's stream) one layer of ``layers`` at a time, in their order, each layer's
+        copies followed by its mark, so that compute reading layer i waits for layer i
+        only (``fence_mark``). The caller gives each mark to ``release_mark``. Default
+        (engines without per-layer events): one ``load``, fenced whole before it returns
+        (``fence``), and no marks."""
+        handle = self.load(slots, block_ids)
+        self.fence(handle)
+        return LayeredCopy(handle, (None,) * layers.num_layers)
+
+    def fence_mark(self, mark: object | None) -> None:
+        """Make compute issued later on the calling thread's stream start after the
+        copies issued before ``mark`` (a layer mark of ``load_by_layer``), device-side:
+        the host does not wait. None, and engines without streams: nothing to do."""
+        del mark
+
     @property
     def synchronous(self) -> bool:
         """Whether ``store`` and ``load`` copy before they return (no streams): a copy
@@ -89,7 +119,8 @@ class CopyEngine(abc.ABC):
         return None
 
     def release_mark(self, mark: object | None) -> None:
-        """Free a ``compute_mark`` token that no copy will be ordered after any more, now
+        """Free a ``compute_mark`` token that no copy will be ordered after any more (or a
+        layer mark of ``load_by_layer`` that no compute will be fenced on any more), now
         and on the calling thread (an engine with streams destroys its event there, on its
         own device; left to the garbage collector, it would go on whichever thread runs
         it). The token must not be used afterwards. Engines without streams: nothing to do."""

@@ -52,7 +52,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle
+from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle, LayeredCopy
 from kv_offload.copy.cuda_runtime import (
     HOST_ALLOC_MAPPED,
     HOST_ALLOC_PORTABLE,
@@ -60,6 +60,7 @@ from kv_offload.copy.cuda_runtime import (
     device_address,
 )
 from kv_offload.copy.dma import DmaCopier, DriverInfo, load_driver
+from kv_offload.copy.layers import PlaneLayers, split_by_layer
 from kv_offload.copy.plan import (
     ByteRanges,
     Direction,
@@ -129,7 +130,7 @@ class _Mark:
 @dataclass(slots=True)
 class _Pending:
     event: Any  # cupy.cuda.Event recorded after the call's copies
-    table: Any  # kernel range table to give back to the arena when done, or None
+    tables: list[Any]  # kernel range tables to give back to the arena when done
 
 
 class _TableArena:
@@ -248,12 +249,28 @@ class CupyCopyEngine(CopyEngine):
         """Issue engine -> host copies ordered after the work queued before ``after`` (a
         ``compute_mark()`` token, or a raw stream handle: all work queued on it so far),
         default the calling thread's current stream."""
-        return self._submit(Direction.STORE, block_ids, slots, after)
+        return self._submit(Direction.STORE, block_ids, slots, after)[0]
 
     def load(self, slots: np.ndarray, block_ids: np.ndarray, *, after: Any = None
              ) -> CopyHandle:
         """Issue host -> engine copies, ordered like ``store``."""
-        return self._submit(Direction.LOAD, block_ids, slots, after)
+        return self._submit(Direction.LOAD, block_ids, slots, after)[0]
+
+    def load_by_layer(self, slots: np.ndarray, block_ids: np.ndarray, layers: PlaneLayers,
+                      ) -> LayeredCopy:
+        """Issue host -> engine copies ordered after the calling thread's current stream,
+        layer by layer on the load stream, an event recorded after each layer's copies
+        (its mark: ``fence_mark``); one call, so one handle for the whole copy."""
+        handle, marks = self._submit(Direction.LOAD, block_ids, slots, None, layers)
+        return LayeredCopy(handle, marks)
+
+    def fence_mark(self, mark: object | None) -> None:
+        """Make the calling thread's current stream wait (GPU-side) for the copies issued
+        before this layer mark; never blocks the host. None or a released mark: nothing."""
+        if isinstance(mark, _Mark) and mark.event is not None:
+            self._use_device()
+            self._cp.cuda.runtime.streamWaitEvent(self._compute_stream(None),
+                                                  mark.event.ptr)
 
     def fence(self, handle: CopyHandle) -> None:
         """Make the calling thread's current stream wait (GPU-side) for this copy;
@@ -353,7 +370,10 @@ class CupyCopyEngine(CopyEngine):
     # -- internals ---------------------------------------------------------------------
 
     def _submit(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray,
-                after: Any) -> CopyHandle:
+                after: Any, layers: PlaneLayers | None = None
+                ) -> tuple[CopyHandle, tuple[_Mark | None, ...]]:
+        """Plan and issue one call's copies; with ``layers``, one layer after the other,
+        each followed by an event of its own (its mark; None for a layer without copies)."""
         bpc = self.layout.blocks_per_chunk
         bm = expand_chunks(block_ids, slots, blocks_per_chunk=bpc)
         check_block_map(bm, direction, num_engine_blocks=self.num_blocks,
@@ -361,6 +381,7 @@ class CupyCopyEngine(CopyEngine):
         runs = plan_runs(bm, blocks_per_chunk=bpc,
                          merge_across_slots=self.layout.contiguous_across_slots)
         ranges = runs_to_byte_ranges(runs, self.layout, self._row_strides)
+        parts = [ranges] if layers is None else split_by_layer(ranges, layers)
         self._use_device()
         self._retire_done()
         cp = self._cp
@@ -377,13 +398,12 @@ class CupyCopyEngine(CopyEngine):
                 ready = cp.cuda.Event(block=False, disable_timing=True)
                 cp.cuda.runtime.eventRecord(ready.ptr, self._compute_stream(after))
             stream.wait_event(ready)
-            table = None
+            tables: list[Any] = []
+            marks: list[_Mark | None] = []
             try:
-                if ranges.num_ranges:
-                    if self._kernel is not None:
-                        table = self._launch_kernel(direction, ranges, stream)
-                    else:
-                        self._issue_memcpys(direction, ranges, stream)
+                for part in parts:
+                    marks.append(self._issue(direction, part, stream, tables,
+                                             mark=layers is not None))
             except BaseException:
                 # No handle tracks the copies already queued, and the caller is about to
                 # reuse their slots (failed store) or blocks (failed load): let them end.
@@ -394,8 +414,26 @@ class CupyCopyEngine(CopyEngine):
             done.record(stream)
             seq = next(self._seq)
             with self._lock:
-                self._pending[seq] = _Pending(done, table)
-        return CopyHandle(seq, direction)
+                self._pending[seq] = _Pending(done, tables)
+        return CopyHandle(seq, direction), tuple(marks)
+
+    def _issue(self, direction: Direction, ranges: ByteRanges, stream: Any,
+               tables: list[Any], *, mark: bool) -> _Mark | None:
+        """Queue ``ranges`` on ``stream`` (kernel range tables go to ``tables``); with
+        ``mark`` and ranges, an event recorded after them (a layer's mark), else None."""
+        if not ranges.num_ranges:
+            return None
+        if self._kernel is not None:
+            table = self._launch_kernel(direction, ranges, stream)
+            if table is not None:
+                tables.append(table)
+        else:
+            self._issue_memcpys(direction, ranges, stream)
+        if not mark:
+            return None
+        event = self._cp.cuda.Event(block=False, disable_timing=True)
+        self._cp.cuda.runtime.eventRecord(event.ptr, stream.ptr)
+        return _Mark(event)
 
     def _use_device(self) -> None:
         """Make the engine's device current on the calling thread, and leave it so (see
@@ -434,8 +472,9 @@ class CupyCopyEngine(CopyEngine):
     def _retire(self, seq: int) -> None:
         with self._lock:
             pending = self._pending.pop(seq, None)
-        if pending is not None and pending.table is not None:
-            self._tables.give_back(pending.table)
+        if pending is not None:
+            for table in pending.tables:
+                self._tables.give_back(table)
 
     def _retire_done(self) -> None:
         with self._lock:

@@ -1,15 +1,14 @@
 """OffloadWorker: the worker-side muscle that executes load and store jobs on one rank.
 
-Owns the rank's host slots, copy engine and slab file; makes no policy decisions.
-Disk and remote reads run on a thread pool (the read lane), so the engine never waits on
-disk (invariant 6); writes run on a pool of their own (the write lane), so a read for a
-load never queues behind a store. Engine copies of loads run on one copy thread, or, with
-a synchronous engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on
+Owns the rank's host slots, copy engine and slab file; makes no policy decisions. Disk
+and remote reads run on a thread pool (the read lane), so the engine never waits on disk
+(invariant 6); writes run on a pool of their own (the write lane), so a read for a load
+never queues behind a store. Engine copies of loads run on one copy thread, or, with a
+synchronous engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on
 vLLM's thread once the reads they need are done (in ``start_loads`` or the next
-``poll``), so the copy is reported in the same step. Store jobs are tracked by
-``WorkerStores`` (``worker/stores.py``). Everything it finished is reported back through
-``poll()``: finished requests for vLLM, failed blocks, and a ``WorkerReport`` for the
-scheduler side.
+``poll``), so the copy is reported in the same step (same-step loads: ``layer_loads.py``).
+Store jobs: ``WorkerStores`` (``worker/stores.py``). What it finished is reported through
+``poll()``: finished requests for vLLM, failed blocks, a ``WorkerReport`` for the scheduler.
 
 ``pause``/``resume`` follow vLLM taking the KV cache away and giving it back
 (``unregister_kv_caches``/``restore_kv_caches``): a pause, not a shutdown. While paused no
@@ -35,6 +34,7 @@ from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies
+from kv_offload.worker.layer_loads import LayerWaits
 from kv_offload.worker.loads import (
     WorkerLoad,
     WorkerLoadPhase,
@@ -143,6 +143,7 @@ class OffloadWorker:
         self._disk = DiskHealth(rank)
         self._tally = WorkerTally()
         self._paused = False  # vLLM took the KV cache away (pause): no copy touches it
+        self.layer_waits = LayerWaits(lambda: self.engine)  # same-step loads per layer
         self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
@@ -209,9 +210,9 @@ class OffloadWorker:
 
     def _load_same_step(self, job: LoadJob, now: float) -> bool:
         """Copy ``job`` (READY CPU slots) into the engine before this step's forward: a
-        synchronous engine copies here; one with streams issues the copy here and orders
-        the forward after it on the device (``_issue_before_forward``). This step's
-        ``poll`` reports failed chunks as load errors. False when a chunk failed."""
+        synchronous engine copies here; one with streams issues it here, each attention
+        layer, or the whole forward, ordered after it on the device (``layer_waits``).
+        This step's ``poll`` reports failed chunks as load errors. False when one failed."""
         load = WorkerLoad(job, now)
         with self._lock:
             self._loads[job.job_id] = load
@@ -236,13 +237,12 @@ class OffloadWorker:
         return not load.failed
 
     def _issue_before_forward(self, load: WorkerLoad, rows: Sequence[int]) -> Future | None:
-        """Issue a same-step copy, fence the forward after it (no host wait) and await it
-        on the copy thread (the future; None: nothing to await)."""
+        """Issue a same-step copy, ordered before the compute that reads it (no host wait:
+        ``LayerWaits.issue``) and await it on the copy thread (the future; None: none)."""
         slots, blocks = load.copy_arrays(rows)
         start = self._clock()
         try:
-            handle = self.engine.load(slots, blocks)
-            self.engine.fence(handle)
+            handle = self.layer_waits.issue(slots, blocks, load, rows)
         except Exception:
             logger.exception("kv-offload: issuing same-step load %d failed", load.job.job_id)
             load.failed.update(rows)
@@ -405,9 +405,9 @@ class OffloadWorker:
         step's compute), then queue slab and remote writes behind each copy
         (``worker/stores.py``). Never waits for a copy: its blocks are protected by
         ``fence`` and ``hold`` (invariant 3). ``discard``: the step's forward read a
-        same-step load that failed (``start_loads`` returned False): the jobs are
-        reported failed without a copy, so nothing computed on that KV is stored."""
-        self._stores.run(jobs, discard=discard)
+        same-step load that failed (``start_loads`` returned False, or ``LayerWaits`` saw
+        a layer read before its copy): reported failed uncopied, storing none of that KV."""
+        self._stores.run(jobs, discard=self.layer_waits.take_discard() or discard)
 
     def fence(self, req_ids: Sequence[str]) -> None:
         """Order this step's forward after the copies of these (preempted) requests'
@@ -498,7 +498,7 @@ class OffloadWorker:
             self._wait_for_a_load(self.idle_wait_s)
         self._copy_ready()
         finished: set[str] = set()
-        failed_blocks: set[int] = set()
+        failed_blocks: set[int] = self.layer_waits.take_failed_blocks()
         failed_reqs: set[str] = set()
         now = self._clock()
         with self._lock:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from kv_offload.copy.base import CopyEngine
     from kv_offload.copy.host_buffer import HostSlots
+    from kv_offload.copy.layers import PlaneLayers
 
 KVPlacement = tuple[tuple[object, ...], ...]
 """Per KV tensor: address, shape, stride, dtype and device (``kv_placement``)."""
@@ -107,6 +108,12 @@ def kv_planes(tensors: Sequence[torch.Tensor], layout: KVLayout, num_blocks: int
     """The byte planes of the engine's KV tensors, once they passed the start-up checks
     (byte order, bytes per block); UnsupportedEngineError with the observed shapes on a
     mismatch."""
+    return [p for layer in kv_planes_by_layer(tensors, layout, num_blocks) for p in layer]
+
+
+def kv_planes_by_layer(tensors: Sequence[torch.Tensor], layout: KVLayout, num_blocks: int
+                       ) -> list[list[torch.Tensor]]:
+    """``kv_planes``, one list per tensor (layer)."""
     from kv_offload.copy import planes_from_kv_tensor
 
     check_page_order(tensors, layout, num_blocks)
@@ -125,8 +132,27 @@ def kv_planes(tensors: Sequence[torch.Tensor], layout: KVLayout, num_blocks: int
                 f"kv-offload: layer {index} holds {layer_bytes} bytes per block but vLLM's "
                 f"KV cache spec says {layout.page_bytes}; unsupported KV cache layout "
                 f"(shape {tuple(tensor.shape)})")
-        planes.extend(layer_planes)
+        planes.append(layer_planes)
     return planes
+
+
+def plane_layers(names: Sequence[str], planes: Sequence[Sequence[torch.Tensor]]
+                 ) -> PlaneLayers | None:
+    """Which planes belong to which attention layer (``names[i]`` holds ``planes[i]``),
+    in the order vLLM registered them, which is the order its forward runs the layers
+    (``engine_info.layer_names``: the first KV cache group's layers, in the order of the
+    model's attention modules); None when the names do not match the tensors (every
+    same-step load is then fenced whole)."""
+    from kv_offload.copy.layers import PlaneLayers
+
+    if not names:
+        return None
+    try:
+        return PlaneLayers.from_counts(names, [len(p) for p in planes])
+    except ValueError:
+        logger.warning("kv-offload: %d layer names for %d KV tensors; same-step loads are "
+                       "fenced whole, not per layer", len(names), len(planes))
+        return None
 
 
 def build_copy_engine(planes: list[torch.Tensor], host: HostSlots, *, layout: KVLayout,
@@ -162,6 +188,7 @@ def start_populating(host: HostSlots, placement: ThreadPlacement) -> threading.T
 def build_worker(
     *,
     tensors: Sequence[torch.Tensor],
+    names: Sequence[str] = (),
     layout: KVLayout,
     config: OffloadConfig,
     num_blocks: int,
@@ -169,10 +196,12 @@ def build_worker(
     persistent: bool,
 ) -> OffloadWorker:
     """Check the engine's tensors against ``layout`` and wire host slots, copy engine
-    and slab. Raises UnsupportedEngineError with the observed shapes on a mismatch."""
+    and slab. ``names``: the attention layer of each tensor (``plane_layers``). Raises
+    UnsupportedEngineError with the observed shapes on a mismatch."""
     from kv_offload.copy.host_buffer import allocate_host_slots, check_local_ranks_fit
 
-    planes = kv_planes(tensors, layout, num_blocks)
+    by_layer = kv_planes_by_layer(tensors, layout, num_blocks)
+    planes = [p for layer in by_layer for p in layer]
     rank = tensor_parallel_rank(layout.tp_size)
     on_cuda = planes[0].device.type == "cuda"
     num_slots = num_cpu_slots(config, layout)
@@ -198,8 +227,10 @@ def build_worker(
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s (%s), "
                 "audit rate %g, %s", rank, len(planes), host.num_slots, type(engine).__name__,
                 engine.describe(), config.audit_rate, placement.describe())
-    return OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
-                         io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
-                         verify_checksums=config.verify_checksums,
-                         background_stores=config.cpu_background_stores and not on_cuda,
-                         placement=placement, audit=audit)
+    worker = OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
+                           io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
+                           verify_checksums=config.verify_checksums,
+                           background_stores=config.cpu_background_stores and not on_cuda,
+                           placement=placement, audit=audit)
+    worker.layer_waits.layers = plane_layers(names, by_layer)
+    return worker

@@ -1,0 +1,153 @@
+"""LayerWaits: a same-step load copied layer by layer, each attention layer waiting for its own.
+
+vLLM's attention layers call ``wait_for_layer_load(layer_name)`` before they read their KV
+(the ``maybe_transfer_kv_layer`` decorator) in eager and piecewise-graph forwards. On an
+engine with streams a same-step load is issued in ``start_load_kv`` one layer at a time on
+the load stream, an event recorded after each layer (``CopyEngine.load_by_layer``); each
+layer's wait makes the compute stream wait for that layer's event only, so layer i+1's
+copy overlaps layer i's compute and no host thread waits for a device copy. Where the
+layers will not call the hook (a FULL CUDA graph replays without Python; micro-batches;
+no attention metadata) or the engine's layers are unknown, the forward is fenced after
+the whole load instead. docs/architecture.md, "One same-step load".
+
+Every method runs on vLLM's thread (the engine's device current).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kv_offload.jobs import SKIP_BLOCK
+
+if TYPE_CHECKING:
+    from kv_offload.copy.base import CopyEngine, CopyHandle
+    from kv_offload.copy.layers import PlaneLayers
+    from kv_offload.worker.loads import WorkerLoad
+
+__all__ = ["LayerWaits", "attention_waits_per_layer"]
+
+logger = logging.getLogger(__name__)
+
+
+def attention_waits_per_layer(forward_context: Any) -> bool:
+    """Whether every attention layer of the coming forward calls ``wait_for_layer_load``
+    before it reads its KV, on the thread and stream that queue its kernels. Not under a
+    FULL CUDA graph (V1 passes it as ``cudagraph_runtime_mode``: the replay runs no
+    Python), nor without attention metadata (the decorator then skips the hook; V2 calls
+    ``start_load_kv`` outside the forward's context before a FULL graph, so its context
+    has none), nor with micro-batches (``ubatch_slices``: other threads and streams)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return (getattr(forward_context, "attn_metadata", None) is not None
+            and getattr(mode, "name", "NONE") != "FULL"
+            and getattr(forward_context, "ubatch_slices", None) is None)
+
+
+class LayerWaits:
+    """The per-layer marks of this step's same-step loads, and the waits on them.
+
+    ``engine``: returns the worker's current copy engine (it changes on a restore).
+    ``layers``: the engine's planes per attention layer in forward order (None: unknown,
+    every load is fenced whole). ``expect(forward_context)`` says per step whether the
+    layers will wait; ``issue`` copies; ``wait`` orders one layer; ``end_forward`` closes
+    the step (idempotent). Not thread-safe: vLLM's thread only."""
+
+    def __init__(self, engine: Callable[[], CopyEngine], layers: PlaneLayers | None = None
+                 ) -> None:
+        self._engine = engine
+        self.layers = layers
+        self._per_layer = False  # this step's forward waits per layer (``expect``)
+        self._broken = False  # a layer was not waited for once: whole fences from then on
+        self._marks: list[tuple[object | None, ...]] = []  # per issue, per layer
+        self._loads: list[tuple[WorkerLoad, Sequence[int]]] = []  # issued per layer
+        self._waited: set[int] = set()
+        self._failed_blocks: set[int] = set()
+        self._discard = False
+
+    def expect(self, forward_context: Any) -> None:
+        """Note whether this step's attention layers wait per layer
+        (``attention_waits_per_layer``); ``start_load_kv``, before ``issue``."""
+        self._per_layer = attention_waits_per_layer(forward_context)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether ``issue`` copies layer by layer in this step."""
+        return self._per_layer and self.layers is not None and not self._broken
+
+    def issue(self, slots: np.ndarray, block_ids: np.ndarray, load: WorkerLoad,
+              rows: Sequence[int]) -> CopyHandle:
+        """Issue ``load``'s copy of ``rows`` (``slots``, ``block_ids``) after the compute
+        queued so far: layer by layer (``per_layer``), else fenced whole, so the forward
+        queued next starts after all of it. Never blocks the host. Raises what the engine
+        raises (nothing was left in flight then)."""
+        engine = self._engine()
+        if not self.per_layer or self.layers is None:
+            handle = engine.load(slots, block_ids)
+            engine.fence(handle)
+            return handle
+        copy = engine.load_by_layer(slots, block_ids, self.layers)
+        self._marks.append(copy.layer_marks)
+        self._loads.append((load, rows))
+        return copy.handle
+
+    def wait(self, layer_name: str) -> None:
+        """Order the compute queued next on the calling thread's stream after the copies
+        of ``layer_name`` (device-side). A layer these planes do not hold waits for every
+        layer; a layer without copies waits for nothing."""
+        if not self._marks or self.layers is None:
+            return
+        index = self.layers.index(layer_name)
+        engine = self._engine()
+        for marks in self._marks:
+            for mark in marks if index is None else (marks[index],):
+                engine.fence_mark(mark)
+        self._waited.update(range(self.layers.num_layers) if index is None else (index,))
+
+    def end_forward(self) -> None:
+        """Close the step's per-layer loads once its forward is queued (``run_stores``,
+        ``poll``; idempotent). A layer with copies that was never waited for may have
+        been read before its copy: its copies are fenced now (later compute is ordered
+        after them), the step's per-layer loads fail (their blocks: ``take_failed_blocks``;
+        the stores: ``take_discard``) and later loads are fenced whole. Releases the marks."""
+        if not self._marks:
+            return
+        engine = self._engine()
+        missed = sorted({i for marks in self._marks for i, mark in enumerate(marks)
+                         if mark is not None and i not in self._waited})
+        for marks in self._marks:
+            for mark in marks:
+                if missed:
+                    engine.fence_mark(mark)
+                engine.release_mark(mark)
+        if missed:
+            self._broken = True
+            self._discard = True
+            names = [self.layers.names[i] for i in missed[:3]] if self.layers else []
+            logger.error("kv-offload: attention layers %s... never waited for their same-step "
+                         "load (wait_for_layer_load); the step's loads are recomputed and "
+                         "later ones fence the whole forward", names)
+            for load, rows in self._loads:
+                load.failed.update(rows)
+                load.reported_to_vllm = True  # here: every row failed, reported now
+                self._failed_blocks.update(
+                    b for i in rows for b in load.job.chunks[i].block_ids if b != SKIP_BLOCK)
+        self._marks, self._loads, self._waited = [], [], set()
+
+    def take_failed_blocks(self) -> set[int]:
+        """The engine blocks of per-layer loads failed by ``end_forward`` (once): this
+        step's load errors. Closes the step first."""
+        self.end_forward()
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def take_discard(self) -> bool:
+        """Whether the stores planned with this step must be discarded (its forward read a
+        failed per-layer load), once. Closes the step first. A step without stores leaves
+        the answer to the next plan's stores (at most once a run: loads are fenced whole
+        after it)."""
+        self.end_forward()
+        discard, self._discard = self._discard, False
+        return discard
