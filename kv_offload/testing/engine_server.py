@@ -133,7 +133,7 @@ def handle(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
 
 def serve(spec: dict[str, Any], commands: queue.Queue, reply: Any) -> None:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     def send(obj: dict[str, Any]) -> None:
         reply.write(json.dumps(obj) + "\n")
@@ -142,6 +142,8 @@ def serve(spec: dict[str, Any], commands: queue.Queue, reply: Any) -> None:
     kwargs = dict(spec["engine"])
     if spec.get("transfer"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["transfer"])
+    if kwargs.get("kv_events_config"):  # --kv-events-config, as a dict
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], **kwargs)
     send({"ok": True, "startup_s": time.perf_counter() - t0})
