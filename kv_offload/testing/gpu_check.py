@@ -23,6 +23,10 @@ and said so; CuPy missing is a failure). Each part writes into one JSON file:
 6. ``calibration``: DMA vs kernel per range count and size, stores and loads.
 7. ``startup``: a CuPy engine built (and a copy made) with HOME unwritable and no
    ``CUPY_CACHE_DIR``, in a child process.
+8. ``layer_overlap``: a same-step load per layer against one fenced whole and none, under
+   a fake forward of 16 layers (``kv_offload.testing.layer_overlap``): the forward's
+   time each way, the share of the load's cost that per-layer waits hide, and every byte
+   each layer read and each block loaded (mismatches must be 0).
 
     python -m kv_offload.testing.gpu_check --out gpu-check   # (benchmarks/gpu_check.sh)
 
@@ -424,6 +428,12 @@ def startup(timeout_s: int) -> dict[str, Any]:
     return {"returncode": proc.returncode, "tail": tail, "ok": proc.returncode == 0}
 
 
+def layer_overlap() -> dict[str, Any]:
+    from kv_offload.testing.layer_overlap import layer_overlap as measure
+
+    return measure(device="cuda", reps=10)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -440,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
              ("transfer", lambda: transfer(args.reps)),
              ("decode_latency", lambda: decode_latency(50)),
              ("calibration", lambda: calibration(args.reps)),
-             ("startup", lambda: startup(60))]
+             ("startup", lambda: startup(60)), ("layer_overlap", layer_overlap)]
     for name, part in parts:
         start = time.perf_counter()
         try:
