@@ -126,6 +126,12 @@ class OffloadConfig:
             bandwidth the workers measure. Hits past it, and disk and remote hits, load
             asynchronously. Default 20; 0 turns same-step loads off. Models with several
             KV cache groups (hybrids) always load asynchronously.
+        partial_hits: serve a hit to the last cached token, not only whole chunks: a
+            request that ends inside a chunk is served that chunk up to its last token
+            but one, and the tokens a request computed past its last whole chunk (its
+            tail) are kept in the CPU tier when it finishes, for a later prompt that
+            shares them (the next turn of a chat). Default true; models with several
+            KV cache groups (hybrids) are served whole chunks only.
     """
 
     cpu_size: int | str = "4GiB"
@@ -155,6 +161,7 @@ class OffloadConfig:
     copy_mode: str = "auto"
     audit_rate: float = 0.01
     sync_load_budget_ms: float = 20.0
+    partial_hits: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -185,7 +192,8 @@ class OffloadConfig:
             )
         _check_int(self.io_threads, "io_threads", minimum=1)
         for name in ("verify_checksums", "disk_fsync", "store_generated",
-                     "disk_allow_unsafe_permissions", "cpu_background_stores"):
+                     "disk_allow_unsafe_permissions", "cpu_background_stores",
+                     "partial_hits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         if not isinstance(self.namespace_salt, str):

@@ -212,7 +212,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             store_generated=self.config.store_generated,
             eviction_policy=self.config.eviction_policy, groups=self.layout.groups,
             same_step_budget_s=self._same_step_budget_s(),
-            chunk_bytes=self.layout.slot_bytes)
+            chunk_bytes=self.layout.slot_bytes, partial_hits=self.config.partial_hits)
         self._scheduler = OffloadScheduler(
             planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
             remote=remote)

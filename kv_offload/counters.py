@@ -106,6 +106,14 @@ class SchedulerCounters:
     evictions_cpu: int = _counter("kv_offload_evictions_total", "Chunks evicted", tier="cpu")
     load_errors: int = _counter("kv_offload_load_errors_total",
                                 "Chunks whose load failed and were recomputed")
+    hit_tokens_tail: int = _counter(
+        "kv_offload_tail_hit_tokens_total",
+        "Prompt tokens loaded from request tails (the tokens past a request's last whole "
+        "chunk; counted in kv_offload_hit_tokens_total too)")
+    tails_stored: int = _counter(
+        "kv_offload_tails_stored_total",
+        "Request tails stored in the CPU tier: a prompt's tokens past its last whole "
+        "chunk, one CPU slot each")
     loads_same_step: int = _counter(
         "kv_offload_loads_same_step_total",
         "Loads copied before the forward of the step that runs their request (no wait "
@@ -114,6 +122,9 @@ class SchedulerCounters:
         "kv_offload_loads_given_up_total",
         "Loads vLLM dropped as a whole after they failed from their first block; the "
         "request was recomputed without a new load")
+    kv_events_dropped: int = _counter(
+        "kv_offload_kv_events_dropped_total",
+        "KV events for routers dropped: more than 16,384 waited between two engine steps")
     hook_errors: int = _counter(
         "kv_offload_hook_errors_total",
         "Exceptions caught in kv-offload's connector hooks (a kv-offload bug): answered "

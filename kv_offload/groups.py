@@ -120,15 +120,24 @@ class ChunkMap:
         return range(end - self._stored[g], end)
 
     def store_blocks(self, tables: Sequence[Sequence[int]], chunk: int,
-                     states: Mapping[int, int] | None = None) -> tuple[int, ...] | None:
+                     states: Mapping[int, int] | None = None, *,
+                     end: int | None = None) -> tuple[int, ...] | None:
         """The engine blocks to copy chunk ``chunk`` from, or None when a block it must
         hold is not there (the null block, or past the table): such a chunk is never
         stored, not even in part. ``states``: per mamba group, the block vLLM handed
         over with the state at this chunk's end; a mamba group's block must be one of
-        these, and still at its place in the table (where the fence looks for it)."""
+        these, and still at its place in the table (where the fence looks for it).
+        ``end``: a request tail's end token (one full-attention group only): positions
+        that start at or after it are ``SKIP_BLOCK`` (their slot positions stay as they
+        were; a load never reads them, ``load_blocks``' ``load_end``)."""
+        if end is not None and self.hybrid:
+            raise ValueError("a partial chunk is stored for one full-attention group only")
         out: list[int] = []
         for g, table in enumerate(self._check(tables)):
             for i in self._table_indexes(g, chunk):
+                if end is not None and i * self.groups[g].block_size >= end:
+                    out.append(SKIP_BLOCK)
+                    continue
                 if i >= len(table) or self._is_null(g, table[i]):
                     return None
                 if self.groups[g].kind == "mamba" and (states or {}).get(g) != int(table[i]):
@@ -137,10 +146,12 @@ class ChunkMap:
         return tuple(out)
 
     def load_blocks(self, tables: Sequence[Sequence[int]], chunk: int, *,
-                    skip_before: int, ends_load: bool = False) -> tuple[int, ...]:
+                    skip_before: int, ends_load: bool = False,
+                    load_end: int | None = None) -> tuple[int, ...]:
         """The engine blocks to copy chunk ``chunk`` into: ``SKIP_BLOCK`` for positions
-        whose tokens end at or before ``skip_before`` (computed already) and for null
-        blocks. UnservableChunkError when vLLM allocated a block of the chunk that the
+        whose tokens end at or before ``skip_before`` (computed already), for those that
+        start at or after ``load_end`` (a load that ends inside the chunk: the request
+        computes them) and for null blocks. UnservableChunkError when vLLM allocated a block of the chunk that the
         stored chunk does not hold (it would stay unwritten). ``ends_load``: this chunk
         is the load's last; only then is a mamba group's state loaded (into the block
         vLLM allocated for it, which must be there), else its position is skipped."""
@@ -160,7 +171,8 @@ class ChunkMap:
                         f"{int(table[i])} at position {i}, which no stored chunk holds")
             for i in stored:
                 if (i + 1) * size <= skip_before or i >= len(table) \
-                        or self._is_null(g, table[i]):
+                        or self._is_null(g, table[i]) \
+                        or (load_end is not None and i * size >= load_end):
                     out.append(SKIP_BLOCK)
                 else:
                     out.append(int(table[i]))

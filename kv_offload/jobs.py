@@ -60,11 +60,14 @@ class StoreJob:
     """Engine blocks -> host slot -> disk slot and remote tier (when set).
 
     ``req_ids``: per chunk, the request whose engine blocks it copies (empty when not
-    known: then no request's blocks wait for this job)."""
+    known: then no request's blocks wait for this job). ``audited``: the runtime audit
+    may re-read its blocks; False for request tails, whose last block the request's
+    next steps write past the tail while the copy may still run (scheduler/tails.py)."""
 
     job_id: int
     chunks: tuple[ChunkMove, ...]
     req_ids: tuple[str, ...] = ()
+    audited: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from kv_offload.keys import ChunkKey
 from kv_offload.scheduler.cpu_index import CpuHit, CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.scheduler.tails import TailIndex, tail_seed
 from kv_offload.scheduler.tiers import DiskEntryLike
 
 
@@ -66,13 +67,13 @@ def loadable_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey], first:
     run = _local_run(cpu, disk, keys[first:])
     start = first + len(run)
     if len(run) == len(keys) - first or cpu.state(keys[start]) is not None:
-        return _cut_to_budget(cpu, run)  # the end, or a STORING chunk: the run ends
+        return within_staging_budget(cpu, run)  # the end, or a STORING chunk: the run ends
     for key in keys[start:start + remote_hits(start)]:
         hit = cpu.hit(key)
         if hit is None and key in cpu:
             break
         run.append(Source(key, hit, None, hit is None))
-    return _cut_to_budget(cpu, run)
+    return within_staging_budget(cpu, run)
 
 
 def _local_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey]) -> list[Source]:
@@ -95,7 +96,7 @@ def _local_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey]) -> list[
     return run
 
 
-def _cut_to_budget(cpu: CpuIndex, run: list[Source]) -> list[Source]:
+def within_staging_budget(cpu: CpuIndex, run: list[Source]) -> list[Source]:
     """``run`` up to the first chunk that would find no CPU slot to stage into."""
     num_staged = sum(s.cpu is None for s in run)
     if num_staged <= cpu.num_free:
@@ -107,3 +108,35 @@ def _cut_to_budget(cpu: CpuIndex, run: list[Source]) -> list[Source]:
                 return run[:i]
             budget -= 1
     return run
+
+
+def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any,
+                   keys: Sequence[ChunkKey], index: int, *, chunk_tokens: int,
+                   tokens_per_hash: int) -> tuple[Source, int] | None:
+    """Where tokens of chunk ``index`` (the first that the whole-chunk run from ``keys``
+    lacks) can come from, and how many, short of the request's last token: that whole
+    chunk when the request ends with it (CPU or disk tier; its last token is left to
+    compute), else the stored tail of the chunk before it that shares the most tokens
+    with the request (CPU tier, ``tails.TailIndex``). Read-only."""
+    start, limit = index * chunk_tokens, request.num_tokens - 1
+    if limit <= start:
+        return None
+    per_chunk = chunk_tokens // tokens_per_hash
+    hashes = request.block_hashes
+    if index == len(keys) and len(hashes) >= (index + 1) * per_chunk:
+        key = bytes(hashes[(index + 1) * per_chunk - 1])  # it ends with a whole chunk
+        hit = cpu.hit(key)
+        if hit is not None:
+            return Source(key, hit), limit - start
+        on_disk = disk.find_prefix([key]) if key not in cpu else []
+        if on_disk:
+            return Source(key, None, on_disk[0]), limit - start
+    seed = tail_seed(request)
+    if seed is None:
+        return None
+    tokens = request.all_token_ids[start:min(limit, start + chunk_tokens)]
+    match = tails.best(keys[index - 1] if index else seed, tokens,
+                       lambda key: cpu.hit(key) is not None)
+    if match is None:
+        return None
+    return Source(match.key, cpu.hit(match.key)), match.num_tokens

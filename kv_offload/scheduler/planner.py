@@ -36,10 +36,13 @@ from kv_offload.scheduler.lookup import (
     first_chunk_held,
     hits_discarded,
     loadable_run,
+    partial_source,
+    within_staging_budget,
 )
 from kv_offload.scheduler.records import RequestState
 from kv_offload.scheduler.same_step import SameStepBudget, all_ready_in_cpu, ready_in_cpu
 from kv_offload.scheduler.stores import StorePlanner
+from kv_offload.scheduler.tails import TailIndex, tail_to_store
 from kv_offload.scheduler.tiers import (
     DiskIndexLike,
     RemoteLookupsLike,
@@ -75,6 +78,7 @@ class PlannerConfig:
     groups: tuple[KVGroup, ...] = ()  # a hybrid engine's KV cache groups (KVLayout.groups)
     same_step_budget_s: float = 0.0  # copy time a step may spend on same-step loads (0: off)
     chunk_bytes: int = 0  # one chunk's bytes on one rank (KVLayout.slot_bytes)
+    partial_hits: bool = False  # serve to the last cached token (tails.py), one group only
 
 
 class OffloadScheduler:
@@ -131,6 +135,10 @@ class OffloadScheduler:
         # Same-step loads (issue 29) need vLLM's invalid_block_ids, one KV cache group only.
         self.same_step = (SameStepBudget(config.same_step_budget_s, config.chunk_bytes)
                           if config.same_step_budget_s > 0 and not config.groups else None)
+        # Hits to the last cached token: one full-attention group only (a partial chunk
+        # of a sliding window would need window blocks that its chunk does not store).
+        self.tails = (TailIndex() if config.partial_hits and not self.chunk_map.hybrid
+                      else None)
 
     @property
     def disk_enabled(self) -> bool:
@@ -176,16 +184,17 @@ class OffloadScheduler:
         keys = self._keys(request, for_load=True)
         first = num_computed_tokens // self.config.chunk_tokens
         state.same_step = False
-        if first >= len(keys) or state.load_given_up or self.paused:
+        if first > len(keys) or state.load_given_up or self.paused \
+                or (first == len(keys) and self.tails is None):
             hit_tokens = 0
         else:
-            run = self._loadable_run(state, keys, first)
-            if run is None:  # the remote tier's answer is pending: vLLM asks next step
+            found = self._hit_run(state, keys, first)
+            if found is None:  # the remote tier's answer is pending: vLLM asks next step
                 return None
+            run, _, end = found
             if self.disk_enabled:
                 disk_hits = sum(s.disk is not None for s in run)
-                state.disk_outcome = (disk_hits, len(keys) - first - len(run))
-            end = (first + len(run)) * self.config.chunk_tokens
+                state.disk_outcome = (disk_hits, max(0, len(keys) - first - len(run)))
             hit_tokens = max(0, end - num_computed_tokens)
             state.same_step = (hit_tokens > 0 and self.same_step is not None
                                and all_ready_in_cpu(run) and self.same_step.take(len(run)))
@@ -228,6 +237,28 @@ class OffloadScheduler:
 
         run = loadable_run(self.cpu, self.disk_tier, keys, first, remote_hits)
         return None if pending else run
+
+    def _hit_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int
+                 ) -> tuple[list[Source], list[ChunkKey], int] | None:
+        """The loadable run from chunk ``first`` (``_loadable_run``), its keys and the
+        token it ends at; with partial hits the run goes on, where its whole chunks end,
+        with part of a chunk (``lookup.partial_source``). None while the remote tier's
+        answer is pending."""
+        run = self._loadable_run(state, keys, first)
+        if run is None:
+            return None
+        chunk, end = self.config.chunk_tokens, first + len(run)
+        whole = (run, list(keys), end * chunk)
+        partial = None if self.tails is None else partial_source(
+            self.cpu, self.disk_tier, self.tails, state.request, keys, end,
+            chunk_tokens=chunk, tokens_per_hash=self.config.tokens_per_hash)
+        if partial is None:
+            return whole
+        source, num_tokens = partial
+        with_partial = within_staging_budget(self.cpu, [*run, source])
+        if len(with_partial) <= len(run):  # no CPU slot left to stage it into
+            return with_partial, list(keys), (first + len(with_partial)) * chunk
+        return with_partial, [*keys[:end], source.key], end * chunk + num_tokens
 
     def _remote_lookup(self, state: RequestState, keys: Sequence[ChunkKey], start: int
                        ) -> int | None:
@@ -283,12 +314,16 @@ class OffloadScheduler:
         if num_external_tokens <= 0:
             return
         chunk = self.config.chunk_tokens
-        first, last = num_local // chunk, (num_local + num_external_tokens) // chunk
+        end = num_local + num_external_tokens
+        first, last = num_local // chunk, -(-end // chunk)  # a partial last chunk counts
         keys = self._keys(request, for_load=True)
         # A question asked anew here (the local run changed since) is not waited for.
-        run = (self._loadable_run(state, keys, first) or [])[:last - first]
+        found = self._hit_run(state, keys, first)
+        run, keys = (found[0], found[1]) if found is not None else ([], keys)
+        run = run[:last - first]
         if self.events is not None:  # staged and filled chunks are announced too
             self.events.capture(request, range(first, first + len(run)), keys)
+        keys = [*keys, *[b""] * (last - len(keys))]  # chunks gone since: failed moves
         same_step = state.same_step
         if same_step:  # nothing can be staged before this step's forward: the rest fails
             run = list(itertools.takewhile(ready_in_cpu, run))
@@ -297,7 +332,8 @@ class OffloadScheduler:
         for c in range(first, last):
             try:
                 blocks.append(self.chunk_map.load_blocks(tables, c, skip_before=num_local,
-                                                         ends_load=c == last - 1))
+                                                         ends_load=c == last - 1,
+                                                         load_end=end))
             except UnservableChunkError as exc:  # never with vLLM 0.32's rules: recompute
                 logger.warning("kv-offload: %s; recomputing from there", exc)
                 run = run[:c - first]  # this chunk and the rest fail (vLLM recomputes)
@@ -306,10 +342,12 @@ class OffloadScheduler:
                                 same_step=same_step)
         self.counters.loads_same_step += same_step
         state.tier_tokens = {}
-        for c, tier in zip(range(first, last), tiers):
+        for c, tier, source in itertools.zip_longest(range(first, last), tiers, run):
             if tier is not None:
-                tokens = (c + 1) * chunk - max(num_local, c * chunk)
+                tokens = min(end, (c + 1) * chunk) - max(num_local, c * chunk)
                 state.tier_tokens[tier] = state.tier_tokens.get(tier, 0) + tokens
+                if self.tails is not None and source is not None and source.key in self.tails:
+                    self.counters.hit_tokens_tail += tokens
         for tier, tokens in state.tier_tokens.items():
             name = f"hit_tokens_{tier}"
             setattr(self.counters, name, getattr(self.counters, name) + tokens)
@@ -364,6 +402,7 @@ class OffloadScheduler:
         chunk is stored only with the state handed over for its end (else counted in
         ``stores_without_state``; the chunks of a paused step are lost so)."""
         stores: list[tuple[ChunkKey, tuple[int, ...], str]] = []
+        tails: list[tuple[ChunkKey, tuple[int, ...], str]] = []
         for req_id, computed in scheduled:
             state = self._requests.get(req_id)
             if state is not None:
@@ -371,6 +410,7 @@ class OffloadScheduler:
                 if not self.paused:
                     stores += self._completed_chunks(
                         req_id, state, computed, (boundary_states or {}).get(req_id, ()))
+                    tails += self._completed_tail(req_id, state, computed)
         # Fence first: a request preempted and resumed in this schedule() (vLLM's reset
         # with running requests) has copies of its old blocks, which the workers' fence
         # covers, and may get a store job of its new blocks below, which must be held.
@@ -382,16 +422,18 @@ class OffloadScheduler:
         if self.same_step is not None:
             self.same_step.new_step()
         self.holds.forget(fenced)  # the fence protects their freed blocks: never held later
-        store_job = self.stores.plan(stores) if stores else None
-        if store_job is not None:
-            self.holds.copying(store_job.job_id, store_job.req_ids,
-                               self._window_sources_of(store_job))
+        store_jobs = []
+        for job in (self.stores.plan(stores) if stores else None,
+                    self.stores.plan(tails, tail=True) if tails else None):
+            if job is not None:
+                self.holds.copying(job.job_id, job.req_ids, self._window_sources_of(job))
+                store_jobs.append(job)
         self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
         self._maybe_flush_access()
         loads = self.take_pending_loads()  # last: if anything above raised, the connector
         # hands them out itself (a load never handed out would leave its request waiting)
-        return StepPlan(loads, (store_job,) if store_job is not None else (),
-                        held=self.holds.take_new(), preempted=fenced)
+        return StepPlan(loads, tuple(store_jobs), held=self.holds.take_new(),
+                        preempted=fenced)
 
     def _completed_chunks(self, req_id: str, state: RequestState, computed: int,
                           handed_over: Iterable[tuple[int, int, int]] = ()
@@ -428,6 +470,26 @@ class OffloadScheduler:
             self.events.capture(request, range(state.next_store_chunk, num_done), keys)
         state.next_store_chunk = num_done
         return out
+
+    def _completed_tail(self, req_id: str, state: RequestState, computed: int
+                        ) -> list[tuple[ChunkKey, tuple[int, ...], str]]:
+        """The tail of a request's prompt (``tails.tail_to_store``) once this step
+        computes its last token, into the CPU tier, once per request; a longer tail of
+        the same sequence supersedes the ones it extends (their slots are discarded)."""
+        request = state.request
+        if self.tails is None or state.tail_planned or computed < request.num_prompt_tokens:
+            return []
+        state.tail_planned = True
+        tail = tail_to_store(request, block_tables(self._block_ids_of(req_id)),
+                             self.chunk_map, tokens_per_hash=self.config.tokens_per_hash)
+        if tail is None or tail.key in self.cpu:
+            self.cpu.touch([tail.key] if tail is not None else [])
+            return []
+        for superseded in self.tails.add(tail.parent, tail.key, tail.tokens):
+            self.cpu.discard(superseded)  # a pinned one goes at its last unpin
+        if len(self.tails) > 2 * self.cpu.num_slots:  # evicted tails, forgotten lazily
+            self.tails.prune(self.cpu.__contains__)
+        return [(tail.key, tail.blocks, req_id)]
 
     def _window_sources_of(self, job: StoreJob) -> dict[str, set[WindowSource]]:
         """Per request, the sliding-window and mamba state blocks ``job`` copies, by

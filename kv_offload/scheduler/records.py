@@ -27,6 +27,7 @@ class RequestState:
     loading: bool = False  # a load was planned and the request has not run since
     same_step: bool = False  # the last lookup's hit loads in the step that schedules it
     load_from: int = 0  # tokens vLLM had computed locally when the last load was planned
+    tail_planned: bool = False  # its prompt's tail was offered for storing (tails.py)
     # True: vLLM gave the last load up as a whole (freed its blocks, asked again), so
     # the request is answered a miss until it runs; None: no such load.
     load_given_up: bool | None = None
@@ -70,6 +71,7 @@ class StoreRecord:
     phase: StorePhase = StorePhase.COPYING
     ranks_copied: int = 0  # ranks whose engine -> host copy ended, well or not
     copy_failed: bool = False  # some rank's copy raised: the chunks are discarded
+    tail: bool = False  # a request's tail (scheduler/tails.py): the CPU tier only
     disk_sums_by_rank: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
     remote_ok_by_rank: dict[int, tuple[bool, ...]] = field(default_factory=dict)
 

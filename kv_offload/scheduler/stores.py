@@ -32,9 +32,12 @@ class StorePlanner:
         self._job_ids = job_ids
         self.events: TierEvents | None = None  # told which chunks the remote tier holds
 
-    def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...], str]]) -> StoreJob | None:
+    def plan(self, chunks: Sequence[tuple[ChunkKey, tuple[int, ...], str]], *,
+             tail: bool = False) -> StoreJob | None:
         """One StoreJob for ``chunks`` (key, engine blocks, request), each key once; a
         chunk that finds no CPU slot is skipped (counted). None when none found a slot.
+        ``tail``: request tails (``tails.py``), kept in the CPU tier only (the disk and
+        remote tiers would find them no more after a restart: no tail index there).
         All or nothing: if a step raises, the slots reserved so far are given back
         before the exception propagates (no chunk is left STORING for a job that never
         runs)."""
@@ -55,20 +58,22 @@ class StorePlanner:
                 undo.callback(self.cpu.discard_slot, slot)
                 reserved.append((key, blocks, req_id, slot))
             # Disk slots only for chunks that got a CPU slot: each may evict a disk entry.
-            disk_slots = self.disk.allocate([key for key, *_ in reserved])
+            disk_slots = (self.disk.allocate([key for key, *_ in reserved]) if not tail
+                          else [None] * len(reserved))
             undo.callback(self.disk.release, [s for s in disk_slots if s is not None])
             for (key, blocks, req_id, slot), disk_slot in zip(reserved, disk_slots):
                 keys.append(key)
                 slots.append(slot)
                 req_ids.append(req_id)
                 moves.append(ChunkMove(blocks, slot, disk_slot,
-                                       remote_key=key if self.with_remote else None))
+                                       remote_key=key if self.with_remote and not tail
+                                       else None))
             undo.pop_all()
         if not moves:
             return None
         job_id = next(self._job_ids)
-        self.records[job_id] = StoreRecord(tuple(keys), tuple(slots), tuple(moves))
-        return StoreJob(job_id, tuple(moves), tuple(req_ids))
+        self.records[job_id] = StoreRecord(tuple(keys), tuple(slots), tuple(moves), tail=tail)
+        return StoreJob(job_id, tuple(moves), tuple(req_ids), audited=not tail)
 
     def on_copied(self, job_id: int, num_ranks: int, num_failed: int = 0) -> bool:
         """``num_ranks`` more ranks finished the job's engine -> host copy, ``num_failed``
@@ -91,6 +96,7 @@ class StorePlanner:
             self._maybe_finish(job_id, record)
             return True
         self.counters.chunks_stored_cpu += len(record.keys)
+        self.counters.tails_stored += len(record.keys) if record.tail else 0
         for slot, move in zip(record.slots, record.moves):
             self.cpu.publish(slot)
             if move.disk_slot is None and move.remote_key is None:

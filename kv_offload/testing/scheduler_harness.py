@@ -133,7 +133,7 @@ class SchedulerHarness:
                  connector_reset: str = "cpu", windows: tuple[int, ...] = (),
                  mamba: bool = False, model_runner: str | None = None,
                  max_num_inflight_kv_loads: int | None = None,
-                 sync_load_budget_ms: float = 20.0) -> None:
+                 sync_load_budget_ms: float = 20.0, partial_hits: bool = True) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
         with the CPU backend's synchronous engine. ``connector_reset``: the option of that
@@ -144,7 +144,8 @@ class SchedulerHarness:
         those (see the module docstring). ``model_runner``: the hook order of the fake
         model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on).
         ``max_num_inflight_kv_loads``: vLLM's option of that name (0.34 on), which lets
-        loads the connector says may be asynchronous start while the batch is full."""
+        loads the connector says may be asynchronous start while the batch is full.
+        ``partial_hits``: the option of that name (request tails, partial chunks)."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
@@ -169,7 +170,7 @@ class SchedulerHarness:
             disk_path=str(tmp_path / "store") if disk else None, disk_size=256 * slot_bytes,
             load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1,
             cpu_background_stores=background_stores, connector_reset=connector_reset,
-            sync_load_budget_ms=sync_load_budget_ms)
+            sync_load_budget_ms=sync_load_budget_ms, partial_hits=partial_hits)
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)
@@ -424,6 +425,7 @@ class SchedulerHarness:
             for hit in planner.cpu.lookup_prefix([key]):
                 if not self._slot_holds(hit.slot, hashes, end):
                     out.append(f"CPU slot {hit.slot} does not hold the KV of its key")
+        out += self._tail_problems(chunks)
         if planner.disk is None or not planner.disk_enabled or self.offload.disk_path is None:
             return out
         from kv_offload.disk import iter_entries
@@ -442,6 +444,44 @@ class SchedulerHarness:
         view[:] = saved
         return out
 
+    def _tail_problems(self, chunks: dict[bytes, tuple[int, list[int]]]) -> list[str]:
+        """Every READY request tail (scheduler/tails.py) holds the KV of its tokens after
+        its parent chunk: found through a request that has the parent and those tokens."""
+        planner, out = self.scheduler_side, []
+        if planner.tails is None:
+            return out
+        for parent, key, tokens in planner.tails.entries():
+            hit = planner.cpu.hit(key)
+            if hit is None:
+                continue
+            expected = self._tail_hashes(parent, tokens, chunks)
+            if expected is None:
+                out.append(f"CPU slot {hit.slot} holds a tail no request has")
+            elif not self._slot_holds(hit.slot, *expected):
+                out.append(f"CPU slot {hit.slot} does not hold the KV of its tail")
+        return out
+
+    def _tail_hashes(self, parent: bytes, tokens: tuple[int, ...],
+                     chunks: dict[bytes, tuple[int, list[int]]]
+                     ) -> tuple[list[int], int, int] | None:
+        """(prefix hashes, tail start, tail end) of a request that has this tail: its
+        chunk ``parent`` (or, at token 0, its seed), then ``tokens``."""
+        from kv_offload.scheduler.tails import tail_seed
+
+        for request in self.requests.values():
+            keys = chunk_keys(request.block_hashes, tokens_per_hash=self.block_size,
+                              chunk_tokens=self.chunk_tokens)
+            if parent in keys:
+                start = (keys.index(parent) + 1) * self.chunk_tokens
+            elif tail_seed(request) == parent:
+                start = 0
+            else:
+                continue
+            all_tokens = list(request.all_token_ids)
+            if tuple(all_tokens[start:start + len(tokens)]) == tokens:
+                return prefix_hashes(all_tokens, []), start, start + len(tokens)
+        return None
+
     def _chunks_by_key(self) -> dict[bytes, tuple[int, list[int]]]:
         """Chunk key -> (chunk end, prefix hashes of the tokens), over every request."""
         chunks: dict[bytes, tuple[int, list[int]]] = {}
@@ -454,9 +494,15 @@ class SchedulerHarness:
                 chunks[key] = ((i + 1) * self.chunk_tokens, hashes)
         return chunks
 
-    def _slot_holds(self, slot: int, hashes: list[int], end: int) -> bool:
+    def _slot_holds(self, slot: int, hashes: list[int], end: int,
+                    tail_end: int | None = None) -> bool:
         """Whether host slot ``slot`` holds, for every group, the KV of the blocks of the
-        chunk ending at ``end`` that it stores (a sliding-window group: the tail)."""
+        chunk ending at ``end`` that it stores (a sliding-window group: the tail). With
+        ``tail_end``, ``end`` is a request tail's start and the slot holds the KV of the
+        tokens up to ``tail_end`` (one group; what follows in its last block is not
+        compared: a load never reports it)."""
+        if tail_end is not None:
+            return self._tail_holds(slot, hashes, end, tail_end)
         chunk_map = self.worker_connector.layout.chunk_map
         scratch = np.arange(1, 1 + chunk_map.positions, dtype=np.int64)
         saved = [layer[scratch].clone() for layer in self.kv]  # free blocks stay cached
@@ -482,6 +528,24 @@ class SchedulerHarness:
         finally:
             for layer, old in zip(self.kv, saved):
                 layer[scratch] = old
+
+    def _tail_holds(self, slot: int, hashes: list[int], start: int, end: int) -> bool:
+        num = -(-(end - start) // self.block_size)
+        scratch = np.full(self.worker_connector.layout.chunk_map.positions, -1, dtype=np.int64)
+        scratch[:num] = np.arange(1, 1 + num)
+        saved = [layer[1:1 + num].clone() for layer in self.kv]
+        engine = self.worker.engine.unfaulty
+        engine.wait(engine.load(np.array([slot], dtype=np.int64), scratch[None, :]))
+        try:
+            for tensor, layer_index in zip(self.kv, self.groups[0].layers):
+                rows = tensor.numpy()[1:1 + num].reshape(num * self.block_size, -1)
+                if not np.array_equal(rows[:end - start], kv_rows(hashes[start:end],
+                                                                  layer_index)):
+                    return False
+            return True
+        finally:
+            for layer, old in zip(self.kv, saved):
+                layer[1:1 + num] = old
 
     def close(self) -> None:
         self.worker_connector.shutdown()

@@ -152,11 +152,12 @@ class HostCopies:
         self._issued: list[HostCopy] = []  # every copy not yet seen done, in issue order
         self._paused = False
 
-    def issue(self, block_ids: np.ndarray, slots: np.ndarray, req_ids: Iterable[str]
-              ) -> HostCopy:
+    def issue(self, block_ids: np.ndarray, slots: np.ndarray, req_ids: Iterable[str], *,
+              audited: bool = True) -> HostCopy:
         """Start copying ``block_ids`` into ``slots`` (the engine's ``store``), ordered
         after the compute issued so far; the blocks belong to ``req_ids``. While paused,
-        a copy that failed with ``KVCacheReleasedError`` (no block is read)."""
+        a copy that failed with ``KVCacheReleasedError`` (no block is read).
+        ``audited``: False keeps the runtime audit off this copy (``StoreJob.audited``)."""
         if self._paused:
             return self.refused(KVCacheReleasedError(
                 "vLLM released the KV cache (unregister_kv_caches): nothing was copied"))
@@ -169,7 +170,7 @@ class HostCopies:
         else:
             future = self._thread.submit(self.engine.store, block_ids, slots)
         check = None
-        if self._audit is not None:  # the check re-reads blocks these requests hold
+        if self._audit is not None and audited:  # it re-reads blocks the requests hold
             check = self._audit.check_store(lambda: self.engine.wait(future.result()),
                                             block_ids, slots)
         copy = HostCopy(self.engine, future, check)

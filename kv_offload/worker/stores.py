@@ -86,7 +86,7 @@ class WorkerStores:
             start = self._clock()
             handle = (self._copies.refused(ComputedOnFailedLoadError(
                 "this step's forward read a same-step load that failed")) if discard
-                else self._copies.issue(blocks, slots, job.req_ids))
+                else self._copies.issue(blocks, slots, job.req_ids, audited=job.audited))
             if not discard:  # issue time (the copy runs in the background, or inline)
                 self._count(WorkerCounters(
                     bytes_store=chunk_bytes(blocks, self.host.slot_bytes),
