@@ -77,12 +77,13 @@ class LayerWaits:
         """Whether ``issue`` copies layer by layer in this step."""
         return self._per_layer and self.layers is not None and not self._broken
 
-    def issue(self, slots: np.ndarray, block_ids: np.ndarray, load: WorkerLoad,
-              rows: Sequence[int]) -> CopyHandle:
-        """Issue ``load``'s copy of ``rows`` (``slots``, ``block_ids``) after the compute
-        queued so far: layer by layer (``per_layer``), else fenced whole, so the forward
-        queued next starts after all of it. Never blocks the host. Raises what the engine
-        raises (nothing was left in flight then)."""
+    def issue(self, slots: np.ndarray, block_ids: np.ndarray,
+              loads: Sequence[tuple[WorkerLoad, Sequence[int]]]) -> CopyHandle:
+        """Issue the copy of ``slots`` into ``block_ids``, the rows of ``loads`` (this
+        step's same-step loads, in that order), after the compute queued so far: layer by
+        layer over all of them (``per_layer``: layer 0 of every load first), else fenced
+        whole, so the forward queued next starts after all of it. Never blocks the host.
+        Raises what the engine raises (nothing was left in flight then)."""
         engine = self._engine()
         if not self.per_layer or self.layers is None:
             handle = engine.load(slots, block_ids)
@@ -90,7 +91,7 @@ class LayerWaits:
             return handle
         copy = engine.load_by_layer(slots, block_ids, self.layers)
         self._marks.append(copy.layer_marks)
-        self._loads.append((load, rows))
+        self._loads.extend(loads)
         return copy.handle
 
     def wait(self, layer_name: str) -> None:

@@ -63,6 +63,15 @@ class WorkerLoad:
                 ok_rows.append(i)
         return ok_rows
 
+    def same_step_rows(self) -> list[int]:
+        """The chunk indexes a same-step load copies (in a CPU slot, nothing to read);
+        marks the others failed."""
+        chunks = self.job.chunks
+        rows = [i for i, m in enumerate(chunks)
+                if m.cpu_slot is not None and m.disk_slot is None and m.remote_key is None]
+        self.failed.update(set(range(len(chunks))) - set(rows))
+        return rows
+
     def copy_arrays(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Host slots and engine blocks of these chunks, for ``CopyEngine.load``."""
         chunks = self.job.chunks

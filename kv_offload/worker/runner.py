@@ -29,6 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kv_offload.counters import WorkerCounters, WorkerTally
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.worker.affinity import ThreadPlacement
@@ -169,14 +171,10 @@ class OffloadWorker:
         next poll, vLLM recomputes them); its reads still fill the host slots it stages.
 
         Same-step jobs (``LoadJob.same_step``) are copied, or issued before the forward,
-        here (``_load_same_step``). Returns False when one of them failed: this step's
-        forward then reads wrong KV for its request (vLLM recomputes it)."""
+        here (``_load_same_step``). False when one failed: the forward reads wrong KV."""
         now = self._clock()
-        all_loaded = True
-        for job in jobs:
-            if job.same_step:
-                all_loaded &= self._load_same_step(job, now)
-                continue
+        all_loaded = self._load_same_step([job for job in jobs if job.same_step], now)
+        for job in (job for job in jobs if not job.same_step):
             # Its copy waits for the compute queued before this mark (one per job: each
             # load releases its own once its copy is issued).
             load = WorkerLoad(job, now, None if self._paused else self.engine.compute_mark())
@@ -208,44 +206,48 @@ class OffloadWorker:
         self._copy_ready()
         return all_loaded
 
-    def _load_same_step(self, job: LoadJob, now: float) -> bool:
-        """Copy ``job`` (READY CPU slots) into the engine before this step's forward: a
-        synchronous engine copies here; one with streams issues it here, each attention
-        layer, or the whole forward, ordered after it on the device (``layer_waits``).
-        This step's ``poll`` reports failed chunks as load errors. False when one failed."""
-        load = WorkerLoad(job, now)
+    def _load_same_step(self, jobs: Sequence[LoadJob], now: float) -> bool:
+        """Copy ``jobs`` (READY CPU slots) into the engine before this step's forward: a
+        synchronous engine copies here, one with streams issues one copy of all of them
+        (``_issue_before_forward``). This step's ``poll`` reports failed chunks as load
+        errors. False when a chunk failed."""
+        loads, issue = [], []
+        for job in jobs:
+            load = WorkerLoad(job, now)
+            loads.append(load)
+            with self._lock:
+                self._loads[job.job_id] = load
+                if self._paused:  # every block is reported failed by this step's poll
+                    load.cancel()
+                    continue
+                load.begin_copy()
+            rows = load.same_step_rows()
+            if rows and self.engine.synchronous:
+                self._copy_rows(load, rows)
+            elif rows:
+                issue.append((load, rows))
+        future = self._issue_before_forward(issue) if issue else None  # None: no copy left
+        issued = {id(load) for load, _ in issue}
         with self._lock:
-            self._loads[job.job_id] = load
-            if self._paused:  # every block is reported failed by this step's poll
-                load.cancel()
-                load.future = completed()
-                return False
-            load.begin_copy()
-        rows = [i for i, m in enumerate(job.chunks)
-                if m.cpu_slot is not None and m.disk_slot is None and m.remote_key is None]
-        load.failed.update(set(range(len(job.chunks))) - set(rows))
-        future = None
-        if rows and self.engine.synchronous:
-            self._copy_rows(load, rows)
-        elif rows:
-            future = self._issue_before_forward(load, rows)
-        with self._lock:
-            if future is None:
-                load.end_copy()
-            load.future = future or completed()
-        load.future.add_done_callback(lambda _: self._progress.set())
-        return not load.failed
+            for load in loads:
+                ended = future is None or id(load) not in issued
+                if ended and load.phase is WorkerLoadPhase.COPYING:
+                    load.end_copy()
+                load.future = completed() if future is None or ended else future
+                load.future.add_done_callback(lambda _: self._progress.set())
+        return not any(load.failed or load.phase is WorkerLoadPhase.CANCELLED for load in loads)
 
-    def _issue_before_forward(self, load: WorkerLoad, rows: Sequence[int]) -> Future | None:
-        """Issue a same-step copy, ordered before the compute that reads it (no host wait:
-        ``LayerWaits.issue``) and await it on the copy thread (the future; None: none)."""
-        slots, blocks = load.copy_arrays(rows)
-        start = self._clock()
+    def _issue_before_forward(self, issue: list[tuple[WorkerLoad, list[int]]]) -> Future | None:
+        """Issue these same-step copies as one before the compute that reads them (no host
+        wait: ``LayerWaits.issue``); the future that ends them on the copy thread, or None."""
+        slots, blocks = (np.concatenate(a) for a in zip(*(ld.copy_arrays(r) for ld, r in issue)))
+        start, job_ids = self._clock(), [load.job.job_id for load, _ in issue]
         try:
-            handle = self.layer_waits.issue(slots, blocks, load, rows)
+            handle = self.layer_waits.issue(slots, blocks, issue)
         except Exception:
-            logger.exception("kv-offload: issuing same-step load %d failed", load.job.job_id)
-            load.failed.update(rows)
+            logger.exception("kv-offload: issuing same-step loads %s failed", job_ids)
+            for load, rows in issue:
+                load.failed.update(rows)
             return None
 
         def settle() -> None:
@@ -255,11 +257,13 @@ class OffloadWorker:
                     bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
                     seconds_load=self._clock() - start))
             except Exception:  # a device error: too late for this step's load errors
-                logger.exception("kv-offload: same-step load %d failed after its step "
-                                 "used it", load.job.job_id)
-                load.failed.update(rows)
+                logger.exception("kv-offload: same-step loads %s failed after their step "
+                                 "used them", job_ids)
+                for load, rows in issue:
+                    load.failed.update(rows)
             with self._lock:
-                load.end_copy()
+                for load, _ in issue:
+                    load.end_copy()
 
         try:
             return self._copier.submit(settle)

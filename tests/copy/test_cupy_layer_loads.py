@@ -8,6 +8,7 @@ the whole load, so the forward's first layer waited for the last layer's copy.""
 from __future__ import annotations
 
 import ctypes
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -259,4 +260,41 @@ def test_where_layers_do_not_wait_the_forward_is_fenced_after_the_whole_load(fak
         worker.layer_waits.wait("l0")
         assert len(compute_waits(trace)) == 1
     assert worker.poll().failed_block_ids == set()
+    worker.close()
+
+
+def test_the_same_step_loads_of_one_step_are_issued_as_one_copy_layer_after_layer(fake):
+    """Two hits in one step: layer 0 of both is copied first, then its one event, and so
+    on; issued one job after the other, layer 0's attention would wait for every layer of
+    the first job. Both are reported loaded, with the bytes of their slots."""
+    from kv_offload.jobs import ChunkMove, LoadJob
+
+    trace = traced(fake)
+    worker, planes, layout, host = layered_worker(fake)
+    worker.layer_waits.expect(piecewise_forward())
+    assert worker.start_loads([
+        LoadJob(1, "a", (ChunkMove((5, 6), 2),), same_step=True),
+        LoadJob(2, "b", (ChunkMove((9, 10), 1), ChunkMove((11, 12), None)), same_step=True)])\
+        is False  # b's second chunk vanished: a load error of this step
+    marks = [e[1] for e in trace if e[0] == "record" and e[2] != COMPUTE_STREAM]
+    assert len(marks) == LAYERS
+    plane_layer = {p.data_ptr(): i // 2 for i, p in enumerate(planes)}
+    order = []
+    for entry in trace:
+        if entry[0] == "copy":
+            base = max(b for b in plane_layer if b <= entry[1])
+            order.append(("copy", plane_layer[base]))
+        elif entry[0] == "record" and entry[1] in marks:
+            order.append(("mark", marks.index(entry[1])))
+    assert [key for key, _ in itertools.groupby(order)] == [
+        item for i in range(LAYERS) for item in (("copy", i), ("mark", i))]
+    assert all(order.count(("copy", i)) >= 4 for i in range(LAYERS))  # K, V of both jobs
+    for name in ("l0", "l1", "l2"):
+        worker.layer_waits.wait(name)
+    assert worker.poll().failed_block_ids == {11, 12}
+    for blocks, slot in (((5, 6), 2), ((9, 10), 1)):
+        for i, block in enumerate(blocks):
+            for p, plane in enumerate(planes):
+                start = layout.plane_offsets[p] + i * PLANE_BYTES
+                assert torch.equal(plane[block], host.tensor[slot, start:start + PLANE_BYTES])
     worker.close()
