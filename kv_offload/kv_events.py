@@ -75,7 +75,7 @@ def attach_events(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                     "size %d; the tiers publish no KV events", block_size)
         return None
     events = TierEvents(chunk_tokens=scheduler.config.chunk_tokens, block_size=block_size,
-                        extra_keys_of=_extra_keys)
+                        extra_keys_of=_extra_keys, counters=scheduler.counters)
     connect(scheduler, events)
     logger.info("kv-offload: publishing the CPU%s%s tiers' chunks as KV events",
                 ", disk" if scheduler.disk_enabled else "",

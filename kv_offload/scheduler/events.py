@@ -10,7 +10,7 @@ Pure: no vLLM, no I/O. The planner captures each chunk's ``ChunkBlocks`` from it
 (``capture``) when it plans a store or a load; the tiers report what became loadable and
 what stopped (``stored``/``removed``); ``take`` hands out ``TierEvent`` values, which
 ``kv_offload/kv_events.py`` turns into vLLM's event classes. The queue is bounded: past
-``max_queued`` an event is dropped, counted (``num_dropped``) and logged, and serving never
+``max_queued`` an event is dropped, counted (``kv_offload_kv_events_dropped_total``) and logged, and serving never
 waits. Scheduler thread only.
 
 Tiers, as vLLM's events name them (``medium``, ``locality``, ``ownership``):
@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kv_offload.counters import SchedulerCounters
 from kv_offload.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,8 @@ class TierEvents:
 
     def __init__(self, *, chunk_tokens: int, block_size: int,
                  extra_keys_of: ExtraKeysOf | None = None, max_queued: int = MAX_QUEUED,
-                 max_payloads: int = MAX_PAYLOADS, max_remote: int = MAX_REMOTE) -> None:
+                 max_payloads: int = MAX_PAYLOADS, max_remote: int = MAX_REMOTE,
+                 counters: SchedulerCounters | None = None) -> None:
         if chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens={chunk_tokens} is not a multiple of the block "
                              f"size {block_size}")
@@ -197,7 +199,8 @@ class TierEvents:
         self._captured: OrderedDict[ChunkKey, ChunkBlocks] = OrderedDict()
         self._cpu: dict[ChunkKey, tuple[bytes, ...]] = {}
         self._remote: OrderedDict[ChunkKey, tuple[bytes, ...]] = OrderedDict()
-        self.num_dropped = 0
+        self.num_dropped = 0  # also in counters.kv_events_dropped
+        self._counters = counters
         self.num_unknown = 0  # chunks announced without a payload (none captured): skipped
         self._announce: Callable[[int], list[tuple[ChunkKey, ChunkBlocks | None]]] | None = None
         self._withdraw = False
@@ -325,6 +328,8 @@ class TierEvents:
     def _put(self, event: TierEvent) -> None:
         if len(self._queue) >= self._max_queued:
             self.num_dropped += 1
+            if self._counters is not None:
+                self._counters.kv_events_dropped += 1
             if self.num_dropped == 1 or self.num_dropped % 10000 == 0:
                 logger.warning("kv-offload: %d KV events dropped so far (more than %d queued "
                                "between two engine steps); routers may see a stale view of "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kv_offload.counters import SchedulerCounters
 from kv_offload.disk import DiskIndex
 from kv_offload.jobs import WorkerReport
 from kv_offload.kv_events import connect, to_vllm
@@ -69,13 +70,14 @@ def test_the_disk_record_round_trips_and_a_damaged_one_is_none():
 
 
 def test_the_queue_is_bounded_and_drops_are_counted_and_logged(caplog):
-    events = tier_events(max_queued=2)
+    counters = SchedulerCounters()
+    events = tier_events(max_queued=2, counters=counters)
     req = request("r", list(range(3 * CHUNK)))
     keys = [req.block_hashes[(c + 1) * (CHUNK // BLOCK) - 1] for c in range(3)]
     events.capture(req, range(3), keys)
     with caplog.at_level(logging.WARNING, logger="kv_offload"):
         events.stored(Tier.CPU, keys)
-    assert len(events.take()) == 2 and events.num_dropped == 1
+    assert len(events.take()) == 2 and events.num_dropped == counters.kv_events_dropped == 1
     assert "KV events dropped" in caplog.text
     assert events.take() == []
 
