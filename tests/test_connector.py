@@ -42,7 +42,7 @@ class FakeCacheManager:
 
 @pytest.fixture
 def connector(request):
-    extra = getattr(request, "param", {})
+    extra = {"partial_hits": False, **getattr(request, "param", {})}  # one store job a step
     offload = OffloadConfig(cpu_size=64 * 2 * CHUNK * 4 * 4 * 4, chunk_tokens=CHUNK, **extra)
     vllm_config = build_vllm_config(offload, block_size=BLOCK, max_num_batched_tokens=64,
                                     max_num_seqs=8)
@@ -389,3 +389,19 @@ def test_each_attention_layers_wait_reaches_the_workers_per_layer_waits(worker_c
     conn.clear_connector_metadata()
     assert calls == [("expect", "forward-context"), ("start_loads", 1)] + [
         ("wait", name) for name in names]
+
+
+@pytest.mark.parametrize("connector", [{"partial_hits": True}], indirect=True)
+def test_a_prompts_tail_is_a_store_job_of_its_own_kept_out_of_the_audit(connector):
+    """Issue 33: the prompt's tokens past its last whole chunk are copied after the
+    forward that computed them, in a CPU-only job the runtime audit does not re-read (the
+    request's next steps write its last block past the tail)."""
+    conn, manager = connector
+    request = new_request(manager, "a", 3 * CHUNK + 5, first_block=10)
+    admit(conn, request)
+    plan = conn.build_connector_meta(scheduler_output(new=[(request, 3 * CHUNK + 5)])).plan
+    chunks, tail = plan.stores
+    assert len(chunks.chunks) == 3 and chunks.audited
+    (move,) = tail.chunks
+    assert not tail.audited and move.disk_slot is None and move.remote_key is None
+    assert tail.req_ids == ("a",)

@@ -19,8 +19,11 @@ Scheduler thread only. Pure bookkeeping: no I/O, no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
+BlockTables = Sequence[Sequence[int]] | Sequence[int]
+"""A request's engine blocks: one table per KV cache group, or one flat table."""
 WindowSource = tuple[int, int, int]
 """A sliding-window or mamba state block a copy reads: (group, index in the request's
 table, block id)."""
@@ -113,3 +116,38 @@ class BlockHolds:
 
     def is_copying(self, req_id: str) -> bool:
         return req_id in self._jobs_of
+
+
+def block_tables(block_ids: BlockTables) -> Sequence[Sequence[int]]:
+    """One table per KV cache group, also from a flat table (one group)."""
+    if len(block_ids) and not isinstance(block_ids[0], (list, tuple)):
+        return (block_ids,)  # type: ignore[return-value]
+    if not len(block_ids):
+        return ((),)
+    return block_ids  # type: ignore[return-value]
+
+
+def sources_freed(sources: Iterable[WindowSource], tables: Sequence[Sequence[int]]) -> bool:
+    """Whether a block of ``sources`` (copies in flight) is no longer at its place in a
+    request's ``tables``: vLLM freed it."""
+    return any(g >= len(tables) or index >= len(tables[g]) or int(tables[g][index]) != block
+               for g, index, block in sources)
+
+
+def window_sources_of(job: Any, positions: Sequence[tuple[int, int]],
+                      block_ids_of: Callable[[str], Any]) -> dict[str, set[WindowSource]]:
+    """Per request, the sliding-window and mamba state blocks store ``job`` copies, by
+    (group, table index, block id) in the request's tables now (``block_ids_of``);
+    ``positions``: ``ChunkMap.released_positions`` (empty without such groups)."""
+    out: dict[str, set[WindowSource]] = {}
+    if not positions:
+        return out
+    index_of: dict[str, list[dict[int, int]]] = {}  # per request and group: block -> index
+    for move, req in zip(job.chunks, job.req_ids):
+        if req not in index_of:  # a block is once in a table: vLLM's own
+            index_of[req] = [{int(b): i for i, b in enumerate(table)}
+                             for table in block_tables(block_ids_of(req))]
+        for position, group in positions:
+            block = move.block_ids[position]
+            out.setdefault(req, set()).add((group, index_of[req][group][block], block))
+    return out

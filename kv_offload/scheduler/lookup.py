@@ -140,3 +140,49 @@ def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any
     if match is None:
         return None
     return Source(match.key, cpu.hit(match.key)), match.num_tokens
+
+
+class RemoteAsks:
+    """The planner's questions to the remote tier: how many leading chunks of a request
+    it holds. Never waits on the network: the tier's ``RemoteLookups`` asks the server
+    on its own threads (started with the first question), within the lookup budget; the
+    answer is memoised per request (``RequestState.remote``: vLLM asks again, next step,
+    while a request waits). Counts lookups, their errors and time. ``on``: False after
+    the connector's reset (``OffloadScheduler.reset_all``)."""
+
+    def __init__(self, remote: Any, counters: Any, clock: Callable[[], float]) -> None:
+        self.remote, self.counters, self._clock = remote, counters, clock
+        self.on = remote is not None
+        self._lookups: Any = None
+        self._errors = 0
+
+    def ask(self, state: Any, keys: Sequence[ChunkKey], start: int) -> int | None:
+        """Leading chunks of ``keys[start:]`` the remote tier holds; None while pending."""
+        if self.remote is None or not self.on or start >= len(keys):
+            return 0
+        memo = state.remote
+        if memo is not None and memo[:2] == (start, len(keys)):
+            return len(memo[2])
+        if self._lookups is None:
+            self._lookups = self.remote.async_lookups(clock=self._clock)
+            self._errors = self.remote.health.num_failures
+        began = self._clock()
+        hits = self._lookups.ask(state.request.request_id, keys[start:])
+        self.counters.seconds_remote_lookup += self._clock() - began
+        if hits is None:
+            return None
+        self.counters.remote_lookups += 1
+        # Failed round trips and answers past the budget since the last answer.
+        errors = self._lookups.num_timeouts + self.remote.health.num_failures
+        self.counters.remote_lookup_errors += max(0, errors - self._errors)
+        self._errors = errors
+        state.remote = (start, len(keys), frozenset(keys[start:start + hits]))
+        return hits
+
+    def forget(self, req_id: str) -> None:
+        if self._lookups is not None:
+            self._lookups.forget(req_id)
+
+    def close(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()

@@ -23,15 +23,22 @@ from dataclasses import dataclass
 
 from kv_offload.counters import SchedulerCounters
 from kv_offload.groups import ChunkMap, KVGroup, UnservableChunkError
-from kv_offload.jobs import SKIP_BLOCK, StepPlan, StoreJob, WorkerReport
+from kv_offload.jobs import SKIP_BLOCK, StepPlan, WorkerReport
 from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.cpu_index import CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.events import Tier, TierEvents
-from kv_offload.scheduler.holds import BlockHolds, WindowSource
+from kv_offload.scheduler.holds import (
+    BlockHolds,
+    BlockTables,
+    block_tables,
+    sources_freed,
+    window_sources_of,
+)
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import (
+    RemoteAsks,
     Source,
     first_chunk_held,
     hits_discarded,
@@ -42,17 +49,14 @@ from kv_offload.scheduler.lookup import (
 from kv_offload.scheduler.records import RequestState
 from kv_offload.scheduler.same_step import SameStepBudget, all_ready_in_cpu, ready_in_cpu
 from kv_offload.scheduler.stores import StorePlanner
-from kv_offload.scheduler.tails import TailIndex, tail_to_store
+from kv_offload.scheduler.tails import TailIndex, offer_tail
 from kv_offload.scheduler.tiers import (
     DiskIndexLike,
-    RemoteLookupsLike,
     RemoteTierLike,
     RequestLike,
 )
 
 logger = logging.getLogger(__name__)
-BlockTables = Sequence[Sequence[int]] | Sequence[int]
-"""A request's engine blocks: one table per KV cache group, or one flat table."""
 BoundaryStates = Mapping[str, Iterable[tuple[int, int, int]]]
 """vLLM's mamba "align" hand-offs of one step (``KVConnectorBlockState.
 boundary_state_offloads``): per request, (group, block id, boundary tokens) of each state
@@ -113,10 +117,8 @@ class OffloadScheduler:
         self.disk = disk_index  # the raw index (stats); the planner goes through disk_tier
         self.disk_tier = DiskTier(disk_index)
         self.remote = remote
-        self._remote_on = remote is not None  # False after reset_all
-        self._remote_lookups: RemoteLookupsLike | None = None  # see _remote_lookup
-        self._remote_errors = 0
         self.counters = SchedulerCounters()
+        self._remote_asks = RemoteAsks(remote, self.counters, clock)
         job_ids = itertools.count(1)  # one sequence: a report names a load or a store
         self.loads = LoadPlanner(cpu=self.cpu, disk=self.disk_tier, counters=self.counters,
                                  job_ids=job_ids, num_ranks=config.num_ranks)
@@ -231,7 +233,7 @@ class OffloadScheduler:
 
         def remote_hits(start: int) -> int:
             nonlocal pending
-            hits = self._remote_lookup(state, keys, start)
+            hits = self._remote_asks.ask(state, keys, start)
             pending = hits is None
             return hits or 0
 
@@ -259,33 +261,6 @@ class OffloadScheduler:
         if len(with_partial) <= len(run):  # no CPU slot left to stage it into
             return with_partial, list(keys), (first + len(with_partial)) * chunk
         return with_partial, [*keys[:end], source.key], end * chunk + num_tokens
-
-    def _remote_lookup(self, state: RequestState, keys: Sequence[ChunkKey], start: int
-                       ) -> int | None:
-        """Leading chunks of ``keys[start:]`` held by the remote tier; None while the
-        answer is pending. Never waits on the network: the tier's ``RemoteLookups`` asks
-        the server on its own threads, within the lookup budget, and the answer is
-        memoised per request (vLLM asks again, next step, while a request waits)."""
-        if self.remote is None or not self._remote_on or start >= len(keys):
-            return 0
-        memo = state.remote
-        if memo is not None and memo[:2] == (start, len(keys)):
-            return len(memo[2])
-        if self._remote_lookups is None:  # its threads start with the first question
-            self._remote_lookups = self.remote.async_lookups(clock=self._clock)
-            self._remote_errors = self.remote.health.num_failures
-        began = self._clock()
-        hits = self._remote_lookups.ask(state.request.request_id, keys[start:])
-        self.counters.seconds_remote_lookup += self._clock() - began
-        if hits is None:
-            return None
-        self.counters.remote_lookups += 1
-        # Failed round trips and answers past the budget since the last answer.
-        errors = self._remote_lookups.num_timeouts + self.remote.health.num_failures
-        self.counters.remote_lookup_errors += max(0, errors - self._remote_errors)
-        self._remote_errors = errors
-        state.remote = (start, len(keys), frozenset(keys[start:start + hits]))
-        return hits
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -426,7 +401,8 @@ class OffloadScheduler:
         for job in (self.stores.plan(stores) if stores else None,
                     self.stores.plan(tails, tail=True) if tails else None):
             if job is not None:
-                self.holds.copying(job.job_id, job.req_ids, self._window_sources_of(job))
+                self.holds.copying(job.job_id, job.req_ids, window_sources_of(job, self.chunk_map.released_positions,
+                                                                   self._block_ids_of))
                 store_jobs.append(job)
         self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
         self._maybe_flush_access()
@@ -473,41 +449,15 @@ class OffloadScheduler:
 
     def _completed_tail(self, req_id: str, state: RequestState, computed: int
                         ) -> list[tuple[ChunkKey, tuple[int, ...], str]]:
-        """The tail of a request's prompt (``tails.tail_to_store``) once this step
-        computes its last token, into the CPU tier, once per request; a longer tail of
-        the same sequence supersedes the ones it extends (their slots are discarded)."""
+        """The tail of a request's prompt, once this step computes its last token, to
+        store into the CPU tier (``tails.offer_tail``); once per request."""
         request = state.request
         if self.tails is None or state.tail_planned or computed < request.num_prompt_tokens:
             return []
         state.tail_planned = True
-        tail = tail_to_store(request, block_tables(self._block_ids_of(req_id)),
-                             self.chunk_map, tokens_per_hash=self.config.tokens_per_hash)
-        if tail is None or tail.key in self.cpu:
-            self.cpu.touch([tail.key] if tail is not None else [])
-            return []
-        for superseded in self.tails.add(tail.parent, tail.key, tail.tokens):
-            self.cpu.discard(superseded)  # a pinned one goes at its last unpin
-        if len(self.tails) > 2 * self.cpu.num_slots:  # evicted tails, forgotten lazily
-            self.tails.prune(self.cpu.__contains__)
-        return [(tail.key, tail.blocks, req_id)]
-
-    def _window_sources_of(self, job: StoreJob) -> dict[str, set[WindowSource]]:
-        """Per request, the sliding-window and mamba state blocks ``job`` copies, by
-        (group, table index, block id) in the request's tables now (empty without such
-        groups)."""
-        positions = self.chunk_map.released_positions
-        out: dict[str, set[WindowSource]] = {}
-        if not positions:
-            return out
-        index_of: dict[str, list[dict[int, int]]] = {}  # per request and group: block -> index
-        for move, req in zip(job.chunks, job.req_ids):
-            if req not in index_of:  # a block is once in a table: vLLM's own
-                index_of[req] = [{int(b): i for i, b in enumerate(table)}
-                                 for table in block_tables(self._block_ids_of(req))]
-            for position, group in positions:
-                block = move.block_ids[position]
-                out.setdefault(req, set()).add((group, index_of[req][group][block], block))
-        return out
+        tail = offer_tail(self.tails, self.cpu, request, block_tables(self._block_ids_of(
+            req_id)), self.chunk_map, tokens_per_hash=self.config.tokens_per_hash)
+        return [] if tail is None else [(tail.key, tail.blocks, req_id)]
 
     def _window_freed(self, *, exclude: Sequence[str]) -> tuple[str, ...]:
         """Running requests with a copy in flight of a sliding-window block that vLLM has
@@ -582,8 +532,7 @@ class OffloadScheduler:
         asks, so a hold cannot keep those: when a copy in flight reads one, the request's
         copies are fenced before the next step's forward instead (and it is not held)."""
         state = self._requests.pop(req_id, None)
-        if self._remote_lookups is not None:
-            self._remote_lookups.forget(req_id)
+        self._remote_asks.forget(req_id)
         if state is not None and state.loading:
             return False
         if block_ids is not None and sources_freed(self.holds.window_sources().get(req_id, ()),
@@ -624,7 +573,7 @@ class OffloadScheduler:
                 "namespace_salt if the weights changed) to use them again, or set "
                 "connector_reset='cpu' if the weights never change in place.")
         self.disk_tier.disable("reset", failed=False)
-        self._remote_on = False
+        self._remote_asks.on = False
         self.stores.with_remote = False
         if self.events is not None:
             self.events.tier_off(Tier.REMOTE)
@@ -639,24 +588,8 @@ class OffloadScheduler:
             self.disk_tier.flush_access()
 
     def close(self) -> None:
-        if self._remote_lookups is not None:
-            self._remote_lookups.close()
+        self._remote_asks.close()
         if self.remote is not None:
             self.remote.close()
         self.disk_tier.close()
 
-
-def block_tables(block_ids: BlockTables) -> Sequence[Sequence[int]]:
-    """One table per KV cache group, also from a flat table (one group)."""
-    if len(block_ids) and not isinstance(block_ids[0], (list, tuple)):
-        return (block_ids,)  # type: ignore[return-value]
-    if not len(block_ids):
-        return ((),)
-    return block_ids  # type: ignore[return-value]
-
-
-def sources_freed(sources: Iterable[WindowSource], tables: Sequence[Sequence[int]]) -> bool:
-    """Whether a block of ``sources`` (copies in flight) is no longer at its place in a
-    request's ``tables``: vLLM freed it."""
-    return any(g >= len(tables) or index >= len(tables[g]) or int(tables[g][index]) != block
-               for g, index, block in sources)

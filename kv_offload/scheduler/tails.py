@@ -103,6 +103,23 @@ def tail_to_store(request: Any, tables: Sequence[Sequence[int]], chunk_map: Chun
     return TailStore(parent, tail_key(parent, tokens), tokens, blocks)
 
 
+def offer_tail(tails: TailIndex, cpu: Any, request: Any, tables: Sequence[Sequence[int]],
+               chunk_map: ChunkMap, *, tokens_per_hash: int) -> TailStore | None:
+    """The request's tail (``tail_to_store``) to store, listed in ``tails``; None when
+    there is none or the CPU tier (``cpu``, a ``CpuIndex``) holds it already (then it is
+    touched). The tails it supersedes are discarded from the CPU tier (a pinned one at
+    its last unpin); evicted tails are forgotten once they outnumber the slots."""
+    tail = tail_to_store(request, tables, chunk_map, tokens_per_hash=tokens_per_hash)
+    if tail is None or tail.key in cpu:
+        cpu.touch([tail.key] if tail is not None else [])
+        return None
+    for superseded in tails.add(tail.parent, tail.key, tail.tokens):
+        cpu.discard(superseded)
+    if len(tails) > 2 * cpu.num_slots:
+        tails.prune(cpu.__contains__)
+    return tail
+
+
 class _Tail(NamedTuple):
     key: ChunkKey
     tokens: tuple[int, ...]

@@ -445,12 +445,9 @@ class SchedulerHarness:
         return out
 
     def _tail_problems(self, chunks: dict[bytes, tuple[int, list[int]]]) -> list[str]:
-        """Every READY request tail (scheduler/tails.py) holds the KV of its tokens after
-        its parent chunk: found through a request that has the parent and those tokens."""
-        planner, out = self.scheduler_side, []
-        if planner.tails is None:
-            return out
-        for parent, key, tokens in planner.tails.entries():
+        """Every loadable request tail (scheduler/tails.py) holds the KV of its tokens."""
+        planner, out = self.scheduler_side, list[str]()
+        for parent, key, tokens in planner.tails.entries() if planner.tails else ():
             hit = planner.cpu.hit(key)
             if hit is None:
                 continue

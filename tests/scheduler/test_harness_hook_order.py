@@ -100,7 +100,8 @@ def test_store_copies_start_at_finish_forward_on_v2_and_at_wait_for_save_on_v1(
     the forward (before sampling and ``post_forward``); on V1, which never calls it, in
     ``wait_for_save``; once either way. The next request loads what they copied (the
     fake forward checks every loaded token's KV) and the engine ends idle."""
-    harness = make_harness(model_runner=model_runner, disk=False, copy_thread=False)
+    harness = make_harness(model_runner=model_runner, disk=False, copy_thread=False,
+                           partial_hits=False)  # no tails: one store job
     events: list[str] = []
     conn = harness.runner.connector
     for name in ("finish_forward", "wait_for_save"):
