@@ -14,7 +14,8 @@ and said so; CuPy missing is a failure). Each part writes into one JSON file:
    orders (``v1``, ``v2``; engines whose new blocks V2 zeroes before the fence, mamba or
    mixed precisions, are refused at start-up, so that order is not run), and V1 with
    every copy audited
-   (``audit``: no audit mismatch either).
+   (``audit``: no audit mismatch either), and both orders with same-step loads waited
+   for per layer (``same_step_v1``, ``same_step_v2``; ``same_step_loads`` must be > 0).
 4. ``transfer``: the CuPy engine's store and load GB/s against one large pinned
    ``cudaMemcpyAsync`` of the same bytes (target >= 0.8x), per copy path: DMA batch,
    DMA 2-D, one DMA copy per range, the SM kernel.
@@ -185,6 +186,10 @@ STEP_LOOP_CASES: dict[str, dict[str, Any]] = {
     # (V2 with new blocks zeroed before the fence races the copies: such engines, mamba
     # or mixed precisions, are refused at start-up, engine_info.layout_from_vllm)
     "audit": {"runner": "v1", "audit_rate": 1.0},
+    # synchronous scheduling, CPU-tier hits loaded in their step, each layer waiting for
+    # its own copies (issue 29)
+    "same_step_v1": {"runner": "v1", "same_step": True},
+    "same_step_v2": {"runner": "v2", "same_step": True},
 }
 
 
@@ -201,7 +206,8 @@ def step_loop(steps: int, forward_ms: float) -> dict[str, Any]:
             case = run_step_loop("cuda", steps=steps, seed=7, slow_forward_cycles=cycles,
                                  **kwargs)
         case["ok"] = (case["mismatches"] == 0 and case["stored_mismatches"] == 0
-                      and case["audit_mismatches"] == 0)
+                      and case["audit_mismatches"] == 0
+                      and (case["same_step_loads"] > 0 or not kwargs.get("same_step")))
         out["cases"][name] = case
     out["ok"] = all(case["ok"] for case in out["cases"].values())
     return out

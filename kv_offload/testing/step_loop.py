@@ -16,6 +16,12 @@ worker in one model runner's order (``runner``):
   connector issues V2's stores), sampling, then ``post_forward``: ``start_loads``,
   ``poll``.
 
+``same_step=True`` runs vLLM's synchronous scheduling with same-step loads (issue 29):
+CPU-tier hits run in the step that schedules them, their loads start before the forward
+on both runners, and the forward waits for each layer's copies before it reads that
+layer (``LayerWaits.wait``, as ``wait_for_layer_load``); the GPU's lag is queued before
+the loads start, so a layer read before its copy reads wrong bytes.
+
 The forward (kernels on the compute stream) writes every scheduled token's KV and checks
 the KV of every loaded token. Freed blocks go back LIFO, so the next request reuses them
 at once; requests are preempted now and then. KV is a function of the token prefix, so
@@ -33,6 +39,7 @@ import hashlib
 import random
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -40,6 +47,7 @@ import torch
 
 from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
 from kv_offload.copy.host_buffer import allocate_host_slots
+from kv_offload.copy.layers import PlaneLayers
 from kv_offload.jobs import WorkerReport
 from kv_offload.keys import chunk_keys
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
@@ -48,6 +56,8 @@ from kv_offload.worker.runner import OffloadWorker, PollResult
 
 BLOCK, BLOCKS_PER_CHUNK, LAYERS, HEADS, CONTENT = 16, 2, 4, 2, 128
 RUNNERS = ("v1", "v2")
+EAGER_FORWARD = SimpleNamespace(attn_metadata={}, cudagraph_runtime_mode=None,
+                                ubatch_slices=None)  # a forward whose layers each wait
 
 
 @dataclass
@@ -89,12 +99,12 @@ class StepLoop:
     def __init__(self, device: str, *, num_blocks: int = 48, cpu_slots: int = 24, seed: int = 0,
                  background_stores: bool = False, slow_forward_cycles: int = 0,
                  runner: str = "v1", zero_new_blocks: bool = False, audit_rate: float = 0.0,
-                 copy_mode: str = "auto") -> None:
+                 copy_mode: str = "auto", same_step: bool = False) -> None:
         if runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         self.device, self.rng = torch.device(device), random.Random(seed)
         self.num_blocks, self.slow = num_blocks, slow_forward_cycles
-        self.runner, self.zero_new_blocks = runner, zero_new_blocks
+        self.runner, self.zero_new_blocks, self.same_step = runner, zero_new_blocks, same_step
         self.kv = [torch.zeros((num_blocks, HEADS, BLOCK, CONTENT), dtype=torch.float32,
                                device=self.device) for _ in range(LAYERS)]
         planes = [p for t in self.kv for p in planes_from_kv_tensor(t, num_blocks, block_dim=0)]
@@ -106,8 +116,12 @@ class StepLoop:
         self.worker = OffloadWorker(rank=0, engine=self.engine, host=self.host, slab=None,
                                     background_stores=background_stores, load_timeout_s=60,
                                     audit=audit)
+        self.worker.layer_waits.layers = PlaneLayers.from_counts(
+            [f"layer{i}" for i in range(LAYERS)], [len(planes) // LAYERS] * LAYERS)
         config = PlannerConfig(chunk_tokens=BLOCK * BLOCKS_PER_CHUNK, block_size=BLOCK,
-                               tokens_per_hash=BLOCK, num_ranks=1, num_cpu_slots=cpu_slots)
+                               tokens_per_hash=BLOCK, num_ranks=1, num_cpu_slots=cpu_slots,
+                               same_step_budget_s=1.0 if same_step else 0.0,
+                               chunk_bytes=slot_bytes)
         self.sched = OffloadScheduler(config, disk_index=None,
                                       block_ids_of=lambda rid: self.requests[rid].blocks)
         self.free = list(range(1, num_blocks))  # block 0 stays unused, as vLLM's null block
@@ -117,7 +131,8 @@ class StepLoop:
         self.held: set[str] = set()
         self.mismatches = torch.zeros((), dtype=torch.int64, device=self.device)
         self.counts = {"steps": 0, "requests": 0, "tokens_loaded": 0, "chunks_stored": 0,
-                       "held": 0, "preempted": 0, "fenced": 0, "blocks_zeroed": 0}
+                       "held": 0, "preempted": 0, "fenced": 0, "blocks_zeroed": 0,
+                       "same_step_loads": 0}
         self.stats: dict[str, float] = {}  # the worker's counters (the audit's among them)
         self._outputs: tuple[PollResult, WorkerReport | None, list[str]] | None = None
         self._new_blocks: list[int] = []  # allocated this step (V2 zeroes them first)
@@ -152,8 +167,8 @@ class StepLoop:
             self.waiting.remove(rid)
             self.running.append(rid)
             req.computed = req.loaded = hit
-            req.waiting_load = hit > 0
-            if not hit:
+            req.waiting_load = hit > 0 and self.sched.load_is_async(rid)
+            if not req.waiting_load:  # a miss, or a same-step hit
                 scheduled.append((rid, req.num_tokens))
 
     def _preempt_one(self) -> list[str]:
@@ -203,6 +218,8 @@ class StepLoop:
         if not self.draining and self.rng.random() < 0.5:
             self.add_request()
         preempted = self._preempt_one()
+        if self.same_step:  # synchronous scheduling: last step's outputs first
+            self._apply_outputs()
         scheduled: list[tuple[str, int]] = []
         for rid in self.running:
             req = self.requests[rid]
@@ -222,6 +239,12 @@ class StepLoop:
         # V1 in vLLM 0.32 starts asynchronous loads after the forward, older versions
         # before it: every other step each way. V2 starts them in post_forward.
         loads_first = self.runner == "v1" and self.counts["steps"] % 2 == 1
+        if self.same_step and any(job.same_step for job in plan.loads):
+            loads_first = True  # has_sync_kv_loads: before the forward on both runners
+            self.counts["same_step_loads"] += sum(job.same_step for job in plan.loads)
+            if self.slow and self.device.type == "cuda":
+                torch.cuda._sleep(self.slow)  # the lag is before the copies, not between
+            self.worker.layer_waits.expect(EAGER_FORWARD)
         if loads_first:
             self.worker.start_loads(plan.loads)
         self._forward(scheduled)
@@ -246,7 +269,7 @@ class StepLoop:
 
     def _forward(self, scheduled: list[tuple[str, int]]) -> None:
         """Check loaded KV, write the KV of the scheduled tokens (on the current stream)."""
-        if self.slow and self.device.type == "cuda":
+        if self.slow and self.device.type == "cuda" and not self.same_step:
             torch.cuda._sleep(self.slow)  # the GPU lags behind the host, as in real runs
         for rid, _ in scheduled:
             req = self.requests[rid]
@@ -302,6 +325,7 @@ class StepLoop:
     def _check(self, req: _Request, start: int, end: int) -> None:
         blocks, offsets, values = self._positions(req, start, end)
         for layer, t in enumerate(self.kv):
+            self.worker.layer_waits.wait(f"layer{layer}")  # wait_for_layer_load
             want = (values + layer)[:, None, None]
             self.mismatches += (t[blocks, :, offsets, :] != want).sum()
 
