@@ -35,10 +35,14 @@ class PrefixIndex:
         self.children: dict[tuple, object] = {}  # (parent hash, token ids) -> block hash
         self.tiers: dict[object, set[tuple]] = {}  # block hash -> {(medium, locality)}
         self.num_events = 0
+        # block hash -> (parent, token ids, extra keys) as vLLM's GPU events and ours say
+        self.described: dict[str, dict[object, tuple]] = {"GPU": {}, "ours": {}}
 
     def apply(self, event) -> None:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
+        if isinstance(event, BlockStored):
+            self._describe(event)
         if getattr(event, "medium", None) in (None, "GPU"):
             return
         self.num_events += 1
@@ -53,6 +57,14 @@ class PrefixIndex:
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
                 self.tiers.get(h, set()).discard(tier)
+
+    def _describe(self, event) -> None:
+        seen = self.described["GPU" if event.medium == "GPU" else "ours"]
+        parent, size = event.parent_block_hash, event.block_size
+        for i, h in enumerate(event.block_hashes):
+            extra = event.extra_keys[i] if event.extra_keys else None
+            seen[h] = (parent, tuple(event.token_ids[i * size:(i + 1) * size]), extra)
+            parent = h
 
     def predicted_hit(self, tokens: list[int]) -> int:
         """Tokens kv-offload can load for a prompt of ``tokens``: the leading blocks held
@@ -124,6 +136,7 @@ def prompt(seed: int) -> list[int]:
 
 
 PROMPTS = [prompt(s) for s in range(5)]
+SALTED = 4  # this prompt carries a cache_salt: its first block's extra keys name it
 
 
 def start(model: Path, store: Path, port: int, log: Path) -> EngineProcess:
@@ -143,7 +156,10 @@ def run_checked(engine: EngineProcess, sub: Subscriber, order: list[int]) -> lis
         engine.drain()
         assert engine.reset()
         predicted = sub.settle().predicted_hit(PROMPTS[i])
-        got = engine.generate([{"prompt_token_ids": PROMPTS[i]}], max_tokens=2)
+        request = {"prompt_token_ids": PROMPTS[i]}
+        if i == SALTED:
+            request["cache_salt"] = "tenant-a"
+        got = engine.generate([request], max_tokens=2)
         loaded = int(got["metrics"]["external_hits"])
         out.append((i, predicted, loaded // CHUNK * CHUNK))  # whole chunks: a partial
     return out  # hit's tail (CPU tier only) is below vLLM's block size, never announced
@@ -168,6 +184,10 @@ def test_replayed_events_predict_every_load_through_evictions_a_reset_and_a_rest
             assert engine.reset(connector=True)  # the CPU tier and, for the run, the disk
             seen += run_checked(engine, sub, [1, 4])
         assert all(p == got for _, p, got in seen), seen
+        gpu, ours = sub.index.described["GPU"], sub.index.described["ours"]
+        assert ours and ours.keys() <= gpu.keys()  # every block we announced, vLLM did too
+        assert all(ours[h] == gpu[h] for h in ours)  # with its parent, tokens, extra keys
+        assert any(extra for _, _, extra in ours.values())  # the salted prompt's first block
     finally:
         sub.close()
 
