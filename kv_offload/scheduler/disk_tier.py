@@ -106,9 +106,11 @@ class DiskTier:
         if events is None:
             return index.settle(commits, releases, keys)[1] if keys else (
                 index.settle(commits, releases)[1])
-        payloads = {key: p for key, _, _ in commits if (p := events.payload(key)) is not None}
-        done, slots = index.settle(commits, releases, keys,
-                                   blocks={k: encode(p) for k, p in payloads.items()})
+        payloads, records = {}, {}
+        for key, _, _ in commits:
+            if (payload := events.payload(key)) is not None and (raw := encode(payload)):
+                payloads[key], records[key] = payload, raw
+        done, slots = index.settle(commits, releases, keys, blocks=records)
         if self.enabled:
             events.disk_stored((c[0], payloads.get(c[0])) for c, ok in zip(commits, done) if ok)
         self._report_removed()

@@ -140,17 +140,19 @@ _RECORD_VERSION = 1
 def encode(blocks: ChunkBlocks) -> bytes:
     """The disk index's record of ``blocks`` (``decode`` reads it back): a head, the
     parent and block hashes, the token ids (u32) and a JSON tail (block size, LoRA,
-    extra keys)."""
+    extra keys). b"" for what it cannot hold (an extra key of an unknown type): that
+    chunk is then not announced after a restart."""
     width = len(blocks.block_hashes[0])
-    tail = json.dumps([blocks.block_size, blocks.lora_id, blocks.lora_name,
-                       None if blocks.extra_keys is None else
-                       [None if k is None else list(k) for k in blocks.extra_keys]],
-                      separators=(",", ":")).encode()
+    try:
+        tail = json.dumps([blocks.block_size, blocks.lora_id, blocks.lora_name,
+                           _tagged(blocks.extra_keys)], separators=(",", ":")).encode()
+        tokens = struct.pack(f"<{len(blocks.token_ids)}I", *blocks.token_ids)
+    except (TypeError, ValueError, struct.error):
+        return b""
     return b"".join([
         _HEAD.pack(_RECORD_VERSION, width, len(blocks.block_hashes), len(blocks.token_ids)),
         blocks.parent_hash or b"\0" * width, b"\1" if blocks.parent_hash else b"\0",
-        *blocks.block_hashes, struct.pack(f"<{len(blocks.token_ids)}I", *blocks.token_ids),
-        tail])
+        *blocks.block_hashes, tokens, tail])
 
 
 def decode(raw: bytes | None) -> ChunkBlocks | None:
@@ -170,14 +172,43 @@ def decode(raw: bytes | None) -> ChunkBlocks | None:
         tokens = struct.unpack_from(f"<{num_tokens}I", raw, at)
         at += 4 * num_tokens
         size, lora_id, lora_name, extra = json.loads(raw[at:])
+        extra = _untagged(extra)
         if (len(hashes[-1]) != width or not isinstance(size, int) or size <= 0
-                or num_tokens != size * num_blocks or has_parent not in (0, 1)):
+                or num_tokens != size * num_blocks or has_parent not in (0, 1)
+                or not isinstance(lora_id, int | None) or not isinstance(lora_name, str | None)
+                or not isinstance(extra, tuple | None)
+                or (extra is not None and len(extra) != num_blocks)):
             return None
         return ChunkBlocks(hashes, parent if has_parent else None, tokens, size, lora_id,
-                           lora_name, None if extra is None else tuple(
-                               None if k is None else tuple(k) for k in extra))
-    except (struct.error, ValueError, TypeError, IndexError):
+                           lora_name, extra)
+    except (struct.error, ValueError, TypeError, IndexError, AttributeError):
         return None
+
+
+def _tagged(value: Any) -> Any:
+    """``value`` (extra keys: tuples of str, int, bytes and tuples, or None) as JSON:
+    a tuple as {"t": [...]}, bytes (prompt-embedding digests) as {"b": hex}."""
+    if isinstance(value, tuple):
+        return {"t": [_tagged(v) for v in value]}
+    if isinstance(value, bytes):
+        return {"b": value.hex()}
+    if value is None or isinstance(value, str | int | float):
+        return value
+    raise TypeError(f"extra key of type {type(value).__name__}")
+
+
+def _untagged(value: Any) -> Any:
+    """``_tagged`` undone (ValueError, TypeError or AttributeError for a damaged one)."""
+    if isinstance(value, dict):
+        ((tag, inner),) = value.items()
+        if tag == "t":
+            return tuple(_untagged(v) for v in inner)
+        if tag == "b":
+            return bytes.fromhex(inner)
+        raise ValueError(f"unknown tag {tag!r}")
+    if isinstance(value, list):
+        raise ValueError("an untagged list")
+    return value
 
 
 class TierEvents:
@@ -202,6 +233,7 @@ class TierEvents:
         self.num_dropped = 0  # also in counters.kv_events_dropped
         self._counters = counters
         self.num_unknown = 0  # chunks announced without a payload (none captured): skipped
+        self.num_uncaptured = 0  # payloads that could not be built (see capture)
         self._announce: Callable[[int], list[tuple[ChunkKey, ChunkBlocks | None]]] | None = None
         self._withdraw = False
         self.num_announced = 0
@@ -217,8 +249,16 @@ class TierEvents:
                 if c < len(keys):
                     self._captured.move_to_end(keys[c])
                 continue
-            blocks = chunk_blocks(request, c, chunk_tokens=self.chunk_tokens,
-                                  block_size=self.block_size, extra_keys_of=self._extra_keys_of)
+            try:
+                blocks = chunk_blocks(request, c, chunk_tokens=self.chunk_tokens,
+                                      block_size=self.block_size,
+                                      extra_keys_of=self._extra_keys_of)
+            except Exception:  # a request vLLM's helpers cannot describe: not announced
+                if not self.num_uncaptured:
+                    logger.exception("kv-offload: a chunk's KV event payload could not be "
+                                     "built; such chunks are not announced")
+                self.num_uncaptured += 1
+                continue
             if blocks is not None and blocks.block_hashes[-1] == keys[c]:
                 self._captured[keys[c]] = blocks
                 if len(self._captured) > self._max_payloads:

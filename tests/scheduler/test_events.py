@@ -59,9 +59,12 @@ def test_a_chunk_payload_is_its_vllm_blocks():
 
 
 def test_the_disk_record_round_trips_and_a_damaged_one_is_none():
+    extra = (("lora", ("mm-hash", 0), b"\x01embeds-digest"), None)  # vLLM's shapes
     blocks = ChunkBlocks((b"a" * 32, b"b" * 32), b"p" * 32, tuple(range(8)), 4, 3, "lora",
-                         (("lora", "salt"), None))
+                         extra)
     assert decode(encode(blocks)) == blocks
+    assert encode(ChunkBlocks((b"a" * 32,), None, (1, 2, 3, 4), 4, None, None,
+                              ({"x"},))) == b""  # a key of unknown type: no record
     root = ChunkBlocks((b"a" * 32,), None, (1, 2, 3, 4), 4)
     assert decode(encode(root)) == root
     raw = encode(blocks)
@@ -80,6 +83,19 @@ def test_the_queue_is_bounded_and_drops_are_counted_and_logged(caplog):
     assert len(events.take()) == 2 and events.num_dropped == counters.kv_events_dropped == 1
     assert "KV events dropped" in caplog.text
     assert events.take() == []
+
+
+def test_a_payload_vllm_cannot_describe_is_skipped_and_logged_never_raised(caplog):
+    """Capture runs inside store planning: a failure there must cost only the event."""
+    def broken(request, start, end):
+        raise RuntimeError("an odd multimodal request")
+
+    events = tier_events(extra_keys_of=broken)
+    req = request("r", list(range(CHUNK)))
+    with caplog.at_level(logging.ERROR, logger="kv_offload"):
+        events.capture(req, [0], [req.block_hashes[-1]])
+    assert events.payload(req.block_hashes[-1]) is None and events.num_uncaptured == 1
+    assert "not announced" in caplog.text
 
 
 def test_cpu_tier_announces_published_chunks_and_withdraws_evicted_ones():
