@@ -344,7 +344,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return bool(held), None
 
     def take_events(self) -> list[KVCacheEvent]:  # the tiers' chunks, for routers
-        return self._guard.call("take_events", list, self._events.take) if self._events else []
+        return (self._guard.call("take_events", list, self._events.take) or []) if self._events else []
 
     def has_pending_block_frees(self) -> bool:
         # Held blocks come back within a step or two: vLLM waits rather than preempting.
