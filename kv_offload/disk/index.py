@@ -227,14 +227,16 @@ class DiskIndex:
 
     def settle(self, commits: Sequence[tuple[bytes, int, tuple[int, ...]]] = (),
                releases: Sequence[int] = (), keys: Sequence[bytes] = (),
-               blocks: Mapping[bytes, bytes] | None = None
+               blocks: Mapping[bytes, bytes] | None = None,
+               tails: Mapping[bytes, tuple[bytes, Sequence[int]]] | None = None
                ) -> tuple[list[bool], list[int | None]]:
         """``release``, ``commit`` and ``allocate`` in one write transaction, in that
         order (a released slot may be reserved again at once): the scheduler's writes of
         a step cost one transaction. Returns (published per commit, slot per key).
         ``blocks``: per committed key, its vLLM blocks record (kept with the entry, for
-        its KV events: ``read_blocks``, ``take_removed``). Atomic: if any part raises,
-        nothing is written."""
+        its KV events: ``read_blocks``, ``take_removed``). ``tails``: per committed key that
+        is a request tail, its (parent, token ids) (``tails_of``). Atomic: if any part
+        raises, nothing is written."""
         for key, _slot, checksums in commits:
             check_key(key)
             if len(checksums) != self._num_ranks:
@@ -251,6 +253,8 @@ class DiskIndex:
             for (key, _, _), ok in zip(commits, done):
                 if ok and blocks and key in blocks:
                     op.put_blocks(key, blocks[key])
+                if ok and tails and key in tails:
+                    op.put_tail(key, *tails[key])
             return done, self._reserve(op, keys, tick) if keys else []
 
         done, slots = self._write(fn)
@@ -347,6 +351,21 @@ class DiskIndex:
                 if len(value) == self._committed.size and value[0] == COMMITTED:
                     out.append((key, op.blocks(key)))
         return out
+
+    def tail_of(self, key: bytes) -> tuple[bytes, tuple[int, ...]] | None:
+        """(parent, token ids) of ``key`` if it is a request tail (checks, ``verify``)."""
+        self._check_open()
+        with self._env.read() as txn:
+            return NamespaceTxn(txn, self._dbs, self._namespace_id, record=self._record,
+                                root=self._env.root).tail_of(key)
+
+    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, token ids) of the committed request tails of ``parent`` (one short read
+        transaction; ``find_prefix`` of a key gives its entry)."""
+        self._check_open()
+        with self._env.read() as txn:
+            return NamespaceTxn(txn, self._dbs, self._namespace_id, record=self._record,
+                                root=self._env.root).tails_of(parent)
 
     def num_pending_accesses(self) -> int:
         """Hits recorded in memory and not yet written (``flush_access``)."""

@@ -16,6 +16,7 @@ in ``bad_records``: one bad record costs one miss.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,8 @@ from kv_offload.disk.env import clear_hint
 from kv_offload.disk.errors import NamespaceMismatchError, StoreCorruptError, StoreError
 from kv_offload.disk.records import (
     BLOCKS_TAG,
+    TAIL_KEY_TAG,
+    TAIL_TAG,
     CounterRecord,
     EntryRecord,
     EntryState,
@@ -123,11 +126,41 @@ class NamespaceTxn:
 
     def _forget_blocks(self, key: bytes) -> None:
         """``key`` stops being loadable: note it in ``removed`` with its blocks record,
-        which is deleted."""
+        which is deleted, and delete its tail records (``put_tail``) if it is a tail."""
         raw = self.blocks(key)
         if raw is not None:
             self.delete("counters", BLOCKS_TAG + key)
         self.removed.append((key, raw))
+        parent = self.get("counters", TAIL_KEY_TAG + key)
+        if parent is not None:
+            self.delete("counters", TAIL_KEY_TAG + key)
+            self.delete("counters", _tail_prefix(parent) + key)
+
+    def put_tail(self, key: bytes, parent: bytes, tokens: Sequence[int]) -> None:
+        """Record that committed entry ``key`` is a request tail of ``parent`` holding
+        ``tokens`` (records.py, ``TAIL_TAG``)."""
+        self.put("counters", _tail_prefix(parent) + key,
+                 struct.pack(f"<{len(tokens)}I", *tokens))
+        self.put("counters", TAIL_KEY_TAG + key, parent)
+
+    def tail_of(self, key: bytes) -> tuple[bytes, tuple[int, ...]] | None:
+        """(parent, token ids) of ``key`` if it is a recorded tail."""
+        parent = self.get("counters", TAIL_KEY_TAG + key)
+        found = dict(self.tails_of(parent)) if parent is not None else {}
+        return (parent, found[key]) if parent is not None and key in found else None
+
+    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, token ids) of the tails recorded under ``parent``; a record that does not
+        parse is skipped (invariant 9)."""
+        prefix = _tail_prefix(parent)
+        out = []
+        for name, value in self.scan("counters", prefix):
+            if not name.startswith(prefix):
+                break
+            key = name[len(prefix):]
+            if key and len(value) % 4 == 0 and 0 < len(value) // 4 <= 1 << 20:
+                out.append((key, struct.unpack(f"<{len(value) // 4}I", value)))
+        return out
 
     def discard_bad(self, key: bytes, value: bytes) -> None:
         """Remove the malformed entries record ``value`` of ``key`` and the records that
@@ -441,3 +474,7 @@ def open_namespace(op: NamespaceTxn, record: dict, *, create: bool, root: object
         logger.info("disk tier: reclaimed %d slots reserved by dead processes", reclaimed)
     op.finish()
     return stored
+
+
+def _tail_prefix(parent: bytes) -> bytes:
+    return TAIL_TAG + bytes([len(parent)]) + parent

@@ -19,6 +19,10 @@ is 8-byte big-endian, so that cursors walk slots and ticks in order.
                 announce after a restart; absent for chunks an older kv-offload stored. In
                 ``counters``, not a table of its own, so that older kv-offload versions keep
                 opening (and clearing) the store: they read counters by name only.
+                P + TAIL_TAG + u8 len + parent + key -> a committed request tail's token
+                ids (u32 each; ``scheduler/tails.py``): the tails of a parent are one range
+                scan (``DiskIndex.tails_of``), found again after a restart.
+                P + TAIL_KEY_TAG + key -> that tail's parent, to delete both with the entry.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ FORMAT_VERSION = 1
 MAX_KEY_BYTES = 64
 DB_NAMES = ("meta", "namespaces", "entries", "slots", "lru", "free", "reservations", "counters")
 BLOCKS_TAG = b"\0blocks\0"  # no counter name starts with NUL
+TAIL_TAG = b"\0tail\0"
+TAIL_KEY_TAG = b"\0tailkey\0"
 PERSISTENT_COUNTERS = ("hits", "misses", "checksum_failures", "commits", "evictions", "reclaimed",
                        "bad_records")
 

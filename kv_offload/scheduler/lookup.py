@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from kv_offload.keys import ChunkKey
 from kv_offload.scheduler.cpu_index import CpuHit, CpuIndex
 from kv_offload.scheduler.disk_tier import DiskTier
-from kv_offload.scheduler.tails import TailIndex, tail_seed
+from kv_offload.scheduler.tails import TailIndex, longest_shared, tail_seed
 from kv_offload.scheduler.tiers import DiskEntryLike
 
 
@@ -117,7 +117,8 @@ def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any
     lacks) can come from, and how many, short of the request's last token: that whole
     chunk when the request ends with it (CPU or disk tier; its last token is left to
     compute), else the stored tail of the chunk before it that shares the most tokens
-    with the request (CPU tier, ``tails.TailIndex``). Read-only."""
+    with the request (CPU tier, ``tails.TailIndex``, or disk tier, ``tails_of``).
+    Read-only."""
     start, limit = index * chunk_tokens, request.num_tokens - 1
     if limit <= start:
         return None
@@ -135,8 +136,16 @@ def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any
     if seed is None:
         return None
     tokens = request.all_token_ids[start:min(limit, start + chunk_tokens)]
-    match = tails.best(keys[index - 1] if index else seed, tokens,
-                       lambda key: cpu.hit(key) is not None)
+    parent = keys[index - 1] if index else seed
+    match = tails.best(parent, tokens, lambda key: cpu.hit(key) is not None)
+    if match is not None and match.num_tokens == len(tokens):
+        return Source(match.key, cpu.hit(match.key)), match.num_tokens
+    stored = longest_shared(disk.tails_of(parent), tokens) if disk.enabled else None
+    if stored is not None and (match is None or stored.num_tokens > match.num_tokens):
+        hit = cpu.hit(stored.key)  # staged from the disk tier by an earlier load
+        on_disk = disk.find_prefix([stored.key]) if hit is None and stored.key not in cpu else []
+        if hit is not None or on_disk:
+            return Source(stored.key, hit, on_disk[0] if on_disk else None), stored.num_tokens
     if match is None:
         return None
     return Source(match.key, cpu.hit(match.key)), match.num_tokens

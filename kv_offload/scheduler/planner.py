@@ -457,7 +457,10 @@ class OffloadScheduler:
         state.tail_planned = True
         tail = offer_tail(self.tails, self.cpu, request, block_tables(self._block_ids_of(
             req_id)), self.chunk_map, tokens_per_hash=self.config.tokens_per_hash)
-        return [] if tail is None else [(tail.key, tail.blocks, req_id)]
+        if tail is None:
+            return []
+        self.disk_tier.note_tail(tail.key, tail.parent, tail.tokens)  # with its commit
+        return [(tail.key, tail.blocks, req_id)]
 
     def _window_freed(self, *, exclude: Sequence[str]) -> tuple[str, ...]:
         """Running requests with a copy in flight of a sliding-window block that vLLM has

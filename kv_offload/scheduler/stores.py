@@ -36,8 +36,8 @@ class StorePlanner:
              tail: bool = False) -> StoreJob | None:
         """One StoreJob for ``chunks`` (key, engine blocks, request), each key once; a
         chunk that finds no CPU slot is skipped (counted). None when none found a slot.
-        ``tail``: request tails (``tails.py``), kept in the CPU tier only (the disk and
-        remote tiers would find them no more after a restart: no tail index there).
+        ``tail``: request tails (``tails.py``), kept in the CPU and disk tiers (the remote
+        tier has no index of tails: it keeps whole chunks only).
         All or nothing: if a step raises, the slots reserved so far are given back
         before the exception propagates (no chunk is left STORING for a job that never
         runs)."""
@@ -58,8 +58,7 @@ class StorePlanner:
                 undo.callback(self.cpu.discard_slot, slot)
                 reserved.append((key, blocks, req_id, slot))
             # Disk slots only for chunks that got a CPU slot: each may evict a disk entry.
-            disk_slots = (self.disk.allocate([key for key, *_ in reserved]) if not tail
-                          else [None] * len(reserved))
+            disk_slots = self.disk.allocate([key for key, *_ in reserved])
             undo.callback(self.disk.release, [s for s in disk_slots if s is not None])
             for (key, blocks, req_id, slot), disk_slot in zip(reserved, disk_slots):
                 keys.append(key)

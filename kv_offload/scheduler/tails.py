@@ -120,6 +120,18 @@ def offer_tail(tails: TailIndex, cpu: Any, request: Any, tables: Sequence[Sequen
     return tail
 
 
+def longest_shared(tails: Sequence[tuple[ChunkKey, Sequence[int]]], tokens: Sequence[int]
+                   ) -> TailMatch | None:
+    """Of ``tails`` (key, token ids), the one that shares the longest prefix with
+    ``tokens`` (at least one token); the last on a tie."""
+    best: TailMatch | None = None
+    for key, tail in tails:
+        shared = len(os.path.commonprefix([tuple(tail), tuple(tokens[:len(tail)])]))
+        if shared and (best is None or shared >= best.num_tokens):
+            best = TailMatch(key, shared)
+    return best
+
+
 class _Tail(NamedTuple):
     key: ChunkKey
     tokens: tuple[int, ...]
@@ -159,17 +171,8 @@ class TailIndex:
         """The tail of ``parent`` that shares the longest prefix with ``tokens`` (at least
         one token), among those ``is_live`` (loadable now); the newest on a tie. Tails no
         longer in the CPU index (``is_live`` false and not stored) are forgotten."""
-        tails = self._by_parent.get(parent)
-        if not tails:
-            return None
-        best: TailMatch | None = None
-        for tail in tails:
-            if not is_live(tail.key):
-                continue
-            shared = len(os.path.commonprefix([tail.tokens, tuple(tokens[:len(tail.tokens)])]))
-            if shared and (best is None or shared >= best.num_tokens):
-                best = TailMatch(tail.key, shared)
-        return best
+        return longest_shared([t for t in self._by_parent.get(parent, ()) if is_live(t.key)],
+                              tokens)
 
     def forget(self, keys: Sequence[ChunkKey] | set[ChunkKey]) -> None:
         """Drop these tails (their slots were evicted or discarded)."""

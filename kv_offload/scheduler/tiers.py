@@ -60,8 +60,11 @@ class DiskIndexLike(Protocol):
 
     def settle(self, commits: Sequence[tuple[bytes, int, tuple[int, ...]]] = (),
                releases: Sequence[int] = (), keys: Sequence[bytes] = (),
-               blocks: Mapping[bytes, bytes] | None = None
+               blocks: Mapping[bytes, bytes] | None = None,
+               tails: Mapping[bytes, tuple[bytes, Sequence[int]]] | None = None
                ) -> tuple[list[bool], list[int | None]]: ...
+
+    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]: ...
 
     # The KV events of the disk tier (``scheduler/events.py``): only used when they are on.
     track_removed: bool

@@ -434,12 +434,14 @@ class SchedulerHarness:
         view = self.worker.host.slot_view(scratch)
         saved = bytes(view)
         for entry, _ in iter_entries(self.offload.disk_path, self.scheduler.connector.namespace):
-            if entry.key not in chunks:
+            tail = planner.disk.tail_of(entry.key) if entry.key not in chunks else None
+            expected: tuple | None = (chunks.get(entry.key) if tail is None else
+                                      self._tail_hashes(tail[0], tail[1], chunks))
+            if expected is None:
                 out.append(f"disk slot {entry.slot} holds an unknown key")
                 continue
-            end, hashes = chunks[entry.key]
             ok = self.worker.slab.unfaulty.read(entry.slot, view, entry.checksums[0])
-            if not ok or not self._slot_holds(scratch, hashes, end):
+            if not ok or not self._slot_holds(scratch, *(expected if tail else expected[::-1])):
                 out.append(f"disk slot {entry.slot} does not hold the KV of its key")
         view[:] = saved
         return out
@@ -461,8 +463,7 @@ class SchedulerHarness:
     def _tail_hashes(self, parent: bytes, tokens: tuple[int, ...],
                      chunks: dict[bytes, tuple[int, list[int]]]
                      ) -> tuple[list[int], int, int] | None:
-        """(prefix hashes, tail start, tail end) of a request that has this tail: its
-        chunk ``parent`` (or, at token 0, its seed), then ``tokens``."""
+        """(prefix hashes, tail start, end) of a request with ``parent``, then ``tokens``."""
         from kv_offload.scheduler.tails import tail_seed
 
         for request in self.requests.values():

@@ -311,3 +311,27 @@ def test_clear_refuses_a_directory_that_is_not_a_store(tmp_path):
 def test_namespace_id_must_be_lowercase_hex(tmp_path, bad):
     with pytest.raises(ValueError, match="namespace_id"):
         make_index(tmp_path, namespace_id=bad)
+
+
+def test_a_tail_is_found_by_its_parent_after_a_reopen_and_leaves_with_its_entry(tmp_path):
+    """Issue 33: a committed request tail's parent and token ids are recorded with it
+    (found by the parent, also after the store is reopened) and deleted with the entry,
+    when it is evicted or dropped; a record that does not parse is skipped."""
+    parent, other = b"p" * 32, b"q" * 16
+    index = make_index(tmp_path / "store", num_slots=3, clock=FakeClock())
+    slots = index.allocate([key(1), key(2)])
+    index.settle([(key(1), slots[0], (1,)), (key(2), slots[1], (2,))],
+                 tails={key(1): (parent, (5, 6, 7)), key(2): (other, (9,))})
+    index.close()
+    index = make_index(tmp_path / "store", num_slots=3, clock=FakeClock())
+    assert index.tails_of(parent) == [(key(1), (5, 6, 7))]
+    assert index.tail_of(key(2)) == (other, (9,))
+    assert index.tails_of(b"p" * 31) == []  # a parent that is a prefix of another's
+    (entry,) = index.find_prefix([key(2)])
+    assert index.drop(key(2), entry.slot)
+    assert index.tails_of(other) == [] and index.tail_of(key(2)) is None
+    store(index, [key(3), key(4), key(5)])  # evicts key(1), the least recently used
+    assert index.find_prefix([key(1)]) == []
+    assert index.tails_of(parent) == [] and index.tail_of(key(1)) is None
+    assert index.check() == []
+    index.close()

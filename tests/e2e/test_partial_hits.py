@@ -3,8 +3,8 @@
 One N-token prompt served again after vLLM's own prefix cache was reset is loaded up to
 its last token but one (N - 1 tokens) from the CPU tier, for N a multiple of the chunk
 (256), of the block (32) and neither; its greedy tokens equal vLLM's without the
-connector. After a restart the disk tier serves whole chunks and a prompt that ends
-with one up to its last token but one; request tails live in the CPU tier only.
+connector; after a restart, from the disk tier (request tails are found there by their
+parent chunk and tokens).
 """
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ def test_cpu_tier_serves_all_but_the_last_token(first_engine, reference, n):
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_disk_tier_serves_whole_chunks_and_a_chunk_a_prompt_ends_with(restarted_engine,
-                                                                      reference, n):
+def test_disk_tier_serves_all_but_the_last_token_after_a_restart(restarted_engine,
+                                                                 reference, n):
     phase = next(p for p in restarted_engine["phases"] if p["name"] == f"disk-{n}")
     assert phase["tokens"] == [reference[n]]
-    expected = n - 1 if n % CHUNK == 0 else (n - 1) // CHUNK * CHUNK  # no tails on disk
-    assert phase["metrics"]["external_hits"] == expected
+    assert phase["metrics"]["external_hits"] == phase["metrics"]["hits_disk"] == n - 1
+    tail = phase["kv_offload"].get("kv_offload_tail_hit_tokens_total{}", 0)
+    assert tail == (n - 1) % CHUNK if n % CHUNK else tail == 0

@@ -112,3 +112,20 @@ def test_a_tail_is_stored_once_its_prompt_is_computed_and_kept_across_preemption
     out = _serve(h, "b", _doc(40, 0) + _doc(9, 800))
     assert h.scheduler_side.counters.hit_tokens_tail == 8
     assert len(out) == 3 and h.check_idle() == []
+
+
+def test_a_tail_is_served_from_the_disk_tier_once_the_cpu_tier_lost_it(harness):
+    """Tails are written to the disk tier with their parent and tokens (records of the
+    disk index): once the CPU tier dropped everything, the disk tier serves the tail,
+    staged into host RAM like any disk chunk; ``check_idle`` reads every disk slot back,
+    tails included."""
+    h = harness(disk=True)
+    _serve(h, "a", _doc(40, 0), reset=False)
+    assert h.reset_prefix_cache(reset_connector=True)  # the CPU tier is emptied
+    assert h.scheduler_side.cpu.counts()["ready"] == 0
+    out = _serve(h, "b", _doc(37, 0) + _doc(10, 500), reset=False)
+    counters = h.scheduler_side.counters
+    assert counters.hit_tokens_disk == 32 + 5 and counters.hit_tokens_tail == 5
+    reference = harness(disk=False, partial_hits=False)
+    assert out == _serve(reference, "b", _doc(37, 0) + _doc(10, 500), reset=False)
+    assert h.check_idle() == []
