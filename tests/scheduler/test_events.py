@@ -231,3 +231,28 @@ def test_vllm_events_carry_the_gpu_events_fields():
     assert (stored.medium, stored.locality, stored.ownership, stored.group_idx) == (
         "STORAGE", "LOCAL", "disk", 0)
     assert (removed.medium, removed.group_idx) == ("STORAGE", 0)
+
+
+def test_events_cost_nothing_unless_vllm_publishes_kv_events():
+    """Off: nothing is captured or queued (no TierEvents at all). On: the full-attention
+    groups at the hash block size are the ones the events name."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import KVEventsConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kv_offload.kv_events import attach_events
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64,
+                             dtype=torch.float32)
+    kv_cache = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    sched, _ = make_scheduler()
+    off = SimpleNamespace(kv_events_config=None)
+    assert attach_events(off, kv_cache, sched) is None and sched.events is None
+    assert sched.cpu.events is None and sched.stores.events is None
+    on = SimpleNamespace(kv_events_config=KVEventsConfig(enable_kv_cache_events=True))
+    attached = attach_events(on, kv_cache, sched)
+    assert attached is not None and attached.groups == [(0, "full_attention")]
+    assert sched.events is sched.cpu.events is sched.stores.events is attached.events
