@@ -131,7 +131,8 @@ def _namespace_report(root: Path, ns: dict) -> dict:
         "namespace_id": ns["namespace_id"], "descriptor": ns["descriptor"],
         "created": ns.get("created"), "chunk_tokens": ns["descriptor"].get("chunk_tokens"),
         "slot_bytes": ns["slot_bytes"], "num_ranks": ns["num_ranks"], "chunk_bytes": chunk,
-        "chunks": c["entries"], "reserved": c["reserved"], "num_slots": ns["num_slots"],
+        "chunks": c["entries"], "tails": ns.get("tails", 0), "reserved": c["reserved"],
+        "num_slots": ns["num_slots"],
         "used_bytes": c["entries"] * chunk, "capacity_bytes": ns["num_slots"] * chunk,
         "disk_bytes": disk_bytes(root, ns["namespace_id"]),
         "oldest_access": _when(ns["oldest_access"]), "newest_access": _when(ns["newest_access"]),
@@ -168,6 +169,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  chunk      {r['chunk_tokens']} tokens = {format_size(r['slot_bytes'])} x "
               f"{r['num_ranks']} rank(s) = {format_size(r['chunk_bytes'])}")
         print(f"  chunks     {r['chunks']} of {r['num_slots']} slots"
+              + (f", {r['tails']} of them request tails" if r["tails"] else "")
               + (f" ({r['reserved']} being written)" if r["reserved"] else ""))
         print(f"  bytes      {format_size(r['used_bytes'])} used of "
               f"{format_size(r['capacity_bytes'])} ({pct:.0f}%), "

@@ -71,6 +71,7 @@ def list_namespaces(root: str | os.PathLike) -> list[dict]:
                 assert info is not None  # the cursor just found it
                 names = ("entries", "reserved", "free", *PERSISTENT_COUNTERS)
                 info["counters"] = {name: op.counter(name) for name in names}
+                info["tails"] = op.num_tails()  # request tails among the entries
                 cursor = txn.cursor(db=env.dbs["lru"])  # "/" + 1 == "0": past the prefix
                 ok = cursor.prev() if cursor.set_range(op.p[:-1] + b"0") else cursor.last()
                 newest, oldest = cursor.key() if ok else b"", next(op.scan("lru"), None)

@@ -15,6 +15,7 @@ in ``bad_records``: one bad record costs one miss.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import time
@@ -142,6 +143,11 @@ class NamespaceTxn:
         self.put("counters", _tail_prefix(parent) + key,
                  struct.pack(f"<{len(tokens)}I", *tokens))
         self.put("counters", TAIL_KEY_TAG + key, parent)
+
+    def num_tails(self) -> int:
+        """How many committed entries are request tails (a scan of their records)."""
+        return sum(1 for name, _ in itertools.takewhile(
+            lambda item: item[0].startswith(TAIL_KEY_TAG), self.scan("counters", TAIL_KEY_TAG)))
 
     def tail_of(self, key: bytes) -> tuple[bytes, tuple[int, ...]] | None:
         """(parent, token ids) of ``key`` if it is a recorded tail."""

@@ -25,6 +25,7 @@ class Source(NamedTuple):
     cpu: CpuHit | None = None
     disk: DiskEntryLike | None = None
     remote: bool = False
+    tail: bool = False  # a request tail (tails.py), not a chunk
 
 
 def hits_discarded(request: Any) -> bool:
@@ -139,16 +140,17 @@ def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any
     parent = keys[index - 1] if index else seed
     match = tails.best(parent, tokens, lambda key: cpu.hit(key) is not None)
     if match is not None and match.num_tokens == len(tokens):
-        return Source(match.key, cpu.hit(match.key)), match.num_tokens
+        return Source(match.key, cpu.hit(match.key), tail=True), match.num_tokens
     stored = longest_shared(disk.tails_of(parent), tokens) if disk.enabled else None
     if stored is not None and (match is None or stored.num_tokens > match.num_tokens):
         hit = cpu.hit(stored.key)  # staged from the disk tier by an earlier load
         on_disk = disk.find_prefix([stored.key]) if hit is None and stored.key not in cpu else []
         if hit is not None or on_disk:
-            return Source(stored.key, hit, on_disk[0] if on_disk else None), stored.num_tokens
+            return (Source(stored.key, hit, on_disk[0] if on_disk else None, tail=True),
+                    stored.num_tokens)
     if match is None:
         return None
-    return Source(match.key, cpu.hit(match.key)), match.num_tokens
+    return Source(match.key, cpu.hit(match.key), tail=True), match.num_tokens
 
 
 class RemoteAsks:

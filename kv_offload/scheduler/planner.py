@@ -321,7 +321,7 @@ class OffloadScheduler:
             if tier is not None:
                 tokens = min(end, (c + 1) * chunk) - max(num_local, c * chunk)
                 state.tier_tokens[tier] = state.tier_tokens.get(tier, 0) + tokens
-                if self.tails is not None and source is not None and source.key in self.tails:
+                if source is not None and source.tail:
                     self.counters.hit_tokens_tail += tokens
         for tier, tokens in state.tier_tokens.items():
             name = f"hit_tokens_{tier}"

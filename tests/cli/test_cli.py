@@ -120,6 +120,22 @@ def test_inspect_json_counts_bytes_and_access_times(store, capsys):
     assert a["descriptor"]["model"] == "model-a"
 
 
+def test_inspect_counts_request_tails(store, capsys):
+    """Issue 33: the request tails among a namespace's chunks are counted (each takes a
+    slot like a chunk)."""
+    with DiskIndex.open(store, namespace_id=NS_B, descriptor={"model": "model-b"},
+                        slot_bytes=SLOT, num_ranks=1, capacity_bytes=NUM_SLOTS * SLOT) as index:
+        key = key_of("tail")
+        (slot,) = index.allocate([key])
+        index.settle([(key, slot, (0,))], tails={key: (key_of("b0"), (1, 2, 3))})
+    code, out, _ = run(capsys, "inspect", store, "--json")
+    by_id = {n["namespace_id"]: n for n in json.loads(out)["namespaces"]}
+    assert by_id[NS_B]["chunks"] == 4 and by_id[NS_B]["tails"] == 1
+    assert by_id[NS_A]["tails"] == 0
+    code, out, _ = run(capsys, "inspect", store)
+    assert code == EXIT_OK and "4 of 64 slots, 1 of them request tails" in out
+
+
 def test_namespace_option_takes_a_unique_prefix(store, capsys):
     code, out, _ = run(capsys, "inspect", store, "--namespace", NS_B[:6], "--json")
     assert code == EXIT_OK
