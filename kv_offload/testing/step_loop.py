@@ -16,11 +16,13 @@ worker in one model runner's order (``runner``):
   connector issues V2's stores), sampling, then ``post_forward``: ``start_loads``,
   ``poll``.
 
-``same_step=True`` runs vLLM's synchronous scheduling with same-step loads (issue 29):
-CPU-tier hits run in the step that schedules them, their loads start before the forward
-on both runners, and the forward waits for each layer's copies before it reads that
-layer (``LayerWaits.wait``, as ``wait_for_layer_load``); the GPU's lag is queued before
-the loads start, so a layer read before its copy reads wrong bytes.
+``same_step=True`` runs vLLM's synchronous scheduling with same-step loads (issue 29) and
+hits to the last cached token (request tails): CPU-tier hits run in the step that
+schedules them, their loads start before the forward on both runners, and the forward
+goes layer by layer as vLLM's does: the new tokens' KV written, the layer's wait
+(``LayerWaits.wait``, as ``wait_for_layer_load``), every token's KV read and checked. The
+GPU's lag is queued before the loads start, so a layer read before its copy, or new KV
+overwritten by a copy of the block it shares with a hit, reads wrong bytes.
 
 The forward (kernels on the compute stream) writes every scheduled token's KV and checks
 the KV of every loaded token. Freed blocks go back LIFO, so the next request reuses them
@@ -76,6 +78,10 @@ class _Request:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def all_token_ids(self) -> list[int]:  # as vLLM's Request: its tail can be stored
+        return self.tokens
+
     def rehash(self) -> None:
         while len(self.block_hashes) < len(self.tokens) // BLOCK:
             i = len(self.block_hashes)
@@ -121,7 +127,7 @@ class StepLoop:
         config = PlannerConfig(chunk_tokens=BLOCK * BLOCKS_PER_CHUNK, block_size=BLOCK,
                                tokens_per_hash=BLOCK, num_ranks=1, num_cpu_slots=cpu_slots,
                                same_step_budget_s=1.0 if same_step else 0.0,
-                               chunk_bytes=slot_bytes)
+                               chunk_bytes=slot_bytes, partial_hits=same_step)
         self.sched = OffloadScheduler(config, disk_index=None,
                                       block_ids_of=lambda rid: self.requests[rid].blocks)
         self.free = list(range(1, num_blocks))  # block 0 stays unused, as vLLM's null block
@@ -132,7 +138,7 @@ class StepLoop:
         self.mismatches = torch.zeros((), dtype=torch.int64, device=self.device)
         self.counts = {"steps": 0, "requests": 0, "tokens_loaded": 0, "chunks_stored": 0,
                        "held": 0, "preempted": 0, "fenced": 0, "blocks_zeroed": 0,
-                       "same_step_loads": 0}
+                       "same_step_loads": 0, "hits_inside_a_block": 0}
         self.stats: dict[str, float] = {}  # the worker's counters (the audit's among them)
         self._outputs: tuple[PollResult, WorkerReport | None, list[str]] | None = None
         self._new_blocks: list[int] = []  # allocated this step (V2 zeroes them first)
@@ -147,8 +153,13 @@ class StepLoop:
         prefix = self._prefixes[n % len(self._prefixes)]
         cut = self.rng.choice((BLOCK * 2, BLOCK * 4, BLOCK * 6))
         tail = [self.rng.randrange(1, 30_000) for _ in range(self.rng.randrange(3, 70))]
-        req = _Request(f"r{n}", prefix[:cut] + tail, cut + len(tail),
-                       max_tokens=self.rng.randrange(1, 12))
+        prompt = prefix[:cut] + tail
+        if self.same_step and n % 3 == 2:  # a prompt again, its last 0-4 tokens changed:
+            again = self.requests[f"r{self.rng.randrange(n)}"]  # a hit inside a block
+            prompt = again.tokens[:again.num_prompt_tokens]
+            changed = self.rng.randrange(5)
+            prompt = prompt[:len(prompt) - changed] + [30_001 + i for i in range(changed)]
+        req = _Request(f"r{n}", prompt, len(prompt), max_tokens=self.rng.randrange(1, 12))
         req.rehash()
         self.requests[req.request_id] = req
         self.waiting.append(req.request_id)
@@ -167,6 +178,7 @@ class StepLoop:
             self.waiting.remove(rid)
             self.running.append(rid)
             req.computed = req.loaded = hit
+            self.counts["hits_inside_a_block"] += hit % BLOCK != 0
             req.waiting_load = hit > 0 and self.sched.load_is_async(rid)
             if not req.waiting_load:  # a miss, or a same-step hit
                 scheduled.append((rid, req.num_tokens))
@@ -247,7 +259,7 @@ class StepLoop:
             self.worker.layer_waits.expect(EAGER_FORWARD)
         if loads_first:
             self.worker.start_loads(plan.loads)
-        self._forward(scheduled)
+        (self._forward_by_layer if self.same_step else self._forward)(scheduled)
         finished: list[str] = []
         if self.runner == "v2":  # finish_forward: before sampling and post_forward
             self.worker.run_stores(plan.stores)
@@ -279,6 +291,25 @@ class StepLoop:
                 req.loaded = 0
             self._write(req, req.computed, req.num_tokens)
             req.computed = req.num_tokens
+
+    def _forward_by_layer(self, scheduled: list[tuple[str, int]]) -> None:
+        """vLLM's order in each attention layer: the new tokens' KV is written, the layer
+        waits for its load (``wait_for_layer_load``), attention reads every token's KV
+        (checked). A hit that ends inside a block shares it with the new tokens."""
+        spans = [(self.requests[rid], self._positions(self.requests[rid], 0,
+                                                      self.requests[rid].num_tokens))
+                 for rid, _ in scheduled]
+        for layer, t in enumerate(self.kv):
+            for req, (blocks, offsets, values) in spans:
+                new = slice(req.computed, req.num_tokens)
+                t[blocks[new], :, offsets[new], :] = (values[new] + layer)[:, None, None]
+            self.worker.layer_waits.wait(f"layer{layer}")
+            for _, (blocks, offsets, values) in spans:
+                want = (values + layer)[:, None, None]
+                self.mismatches += (t[blocks, :, offsets, :] != want).sum()
+        for req, _ in spans:
+            self.counts["tokens_loaded"] += req.loaded
+            req.loaded, req.computed = 0, req.num_tokens
 
     def _sample(self, scheduled: list[tuple[str, int]]) -> list[str]:
         """One token per scheduled request (host only: no KV is written). Returns the

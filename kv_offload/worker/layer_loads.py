@@ -5,7 +5,9 @@ vLLM's attention layers call ``wait_for_layer_load(layer_name)`` before they rea
 engine with streams a same-step load is issued in ``start_load_kv`` one layer at a time on
 the load stream, an event recorded after each layer (``CopyEngine.load_by_layer``); each
 layer's wait makes the compute stream wait for that layer's event only, so layer i+1's
-copy overlaps layer i's compute and no host thread waits for a device copy. Where the
+copy overlaps layer i's compute and no host thread waits for a device copy. Each load's
+last block, which the forward may write before any wait (a hit that ends inside it), is
+copied first and the forward fenced after it (``last_blocks_apart``). Where the
 layers will not call the hook (a FULL CUDA graph replays without Python; micro-batches;
 no attention metadata) or the engine's layers are unknown, the forward is fenced after
 the whole load instead. docs/architecture.md, "One same-step load".
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from kv_offload.copy.layers import PlaneLayers
     from kv_offload.worker.loads import WorkerLoad
 
-__all__ = ["LayerWaits", "attention_waits_per_layer"]
+__all__ = ["LayerWaits", "attention_waits_per_layer", "last_blocks_apart"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,23 @@ def attention_waits_per_layer(forward_context: Any) -> bool:
     return (getattr(forward_context, "attn_metadata", None) is not None
             and getattr(mode, "name", "NONE") != "FULL"
             and getattr(forward_context, "ubatch_slices", None) is None)
+
+
+def last_blocks_apart(block_ids: np.ndarray, rows_per_load: Sequence[int]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """``block_ids`` (the rows of several loads, one load after the other) as two copies:
+    ``(last, rest)``, ``last`` holding only each load's last block (the last one not
+    ``SKIP_BLOCK`` in its last row), ``rest`` every other block; ``SKIP_BLOCK`` elsewhere.
+    A load that ends inside a block (a hit to the last token but one, a request tail)
+    shares that block with tokens the forward writes before any layer waits, so it must
+    land before the forward. Pure; returns new arrays."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    last, rest = np.full_like(ids, SKIP_BLOCK), ids.copy()
+    for end in np.cumsum(rows_per_load)[np.asarray(rows_per_load) > 0].tolist():
+        cols = np.flatnonzero(ids[end - 1] != SKIP_BLOCK)
+        if cols.size:
+            last[end - 1, cols[-1]], rest[end - 1, cols[-1]] = ids[end - 1, cols[-1]], SKIP_BLOCK
+    return last, rest
 
 
 class LayerWaits:
@@ -80,16 +99,21 @@ class LayerWaits:
     def issue(self, slots: np.ndarray, block_ids: np.ndarray,
               loads: Sequence[tuple[WorkerLoad, Sequence[int]]]) -> CopyHandle:
         """Issue the copy of ``slots`` into ``block_ids``, the rows of ``loads`` (this
-        step's same-step loads, in that order), after the compute queued so far: layer by
-        layer over all of them (``per_layer``: layer 0 of every load first), else fenced
-        whole, so the forward queued next starts after all of it. Never blocks the host.
-        Raises what the engine raises (nothing was left in flight then)."""
+        step's same-step loads, in that order), after the compute queued so far, and never
+        wait on the host: fenced whole, so the forward queued next starts after all of it;
+        or (``per_layer``) each load's last block fenced whole (``last_blocks_apart``), then
+        the rest layer by layer over all loads (layer 0 of every load first). Returns the
+        handle of the last copy issued (the load stream runs them in order). Raises what
+        the engine raises (nothing was left in flight then)."""
         engine = self._engine()
         if not self.per_layer or self.layers is None:
             handle = engine.load(slots, block_ids)
             engine.fence(handle)
             return handle
-        copy = engine.load_by_layer(slots, block_ids, self.layers)
+        last, rest = last_blocks_apart(block_ids, [len(rows) for _, rows in loads])
+        if (last != SKIP_BLOCK).any():
+            engine.fence(engine.load(slots, last))
+        copy = engine.load_by_layer(slots, rest, self.layers)
         self._marks.append(copy.layer_marks)
         self._loads.extend(loads)
         return copy.handle

@@ -173,11 +173,39 @@ def compute_waits(trace):
             if stream == COMPUTE_STREAM]
 
 
+def copied(entries, planes):
+    """(layer, engine block) of every block the traced copies in ``entries`` wrote."""
+    out = set()
+    for _, dst, size in (e for e in entries if e[0] == "copy"):
+        for p, plane in enumerate(planes):
+            offset = dst - plane.data_ptr()
+            if 0 <= offset < NUM_BLOCKS * PLANE_BYTES:
+                first = offset // PLANE_BYTES
+                out |= {(p // 2, b) for b in range(first, first + -(-size // PLANE_BYTES))}
+    return out
+
+
+def first_compute_wait(trace):
+    return next(i for i, e in enumerate(trace) if e[0] == "wait" and e[1] == COMPUTE_STREAM)
+
+
+def test_last_blocks_apart_keeps_each_loads_last_block_for_a_whole_fence():
+    from kv_offload.jobs import SKIP_BLOCK as S
+    from kv_offload.worker.layer_loads import last_blocks_apart
+
+    ids = np.array([[S, 4], [5, 6], [9, 10], [11, S]])
+    last, rest = last_blocks_apart(ids, [2, 0, 2])
+    assert last.tolist() == [[S, S], [S, 6], [S, S], [11, S]]
+    assert rest.tolist() == [[S, 4], [5, S], [9, 10], [S, S]]
+
+
 def test_each_attention_layer_waits_only_for_its_own_copies_never_the_whole_load(fake):
     """Issue 29. Regression of the whole-load fence: ``start_load_kv`` made the compute
     stream wait for the end of the whole same-step load, so layer 0's attention waited
-    for every layer's copy. Now nothing waits at issue; ``wait_for_layer_load(l1)`` waits
-    on layer 1's event only; the step then ends with no load error and the bytes right."""
+    for every layer's copy. Now the forward waits at issue only for the load's last block
+    (which this step's new tokens may share: a hit ending inside a block), copied first;
+    ``wait_for_layer_load(l1)`` waits on layer 1's event only; the step then ends with no
+    load error and the bytes right."""
     from kv_offload.jobs import ChunkMove, LoadJob
 
     trace = traced(fake)
@@ -185,18 +213,23 @@ def test_each_attention_layer_waits_only_for_its_own_copies_never_the_whole_load
     worker.layer_waits.expect(piecewise_forward())
     job = LoadJob(1, "req", (ChunkMove((5, 6), 2), ChunkMove((9, 10), 1)), same_step=True)
     assert worker.start_loads([job])
-    assert compute_waits(trace) == []  # the forward is not fenced after the whole load
     marks = [entry[1] for entry in trace if entry[0] == "record" and entry[2] != COMPUTE_STREAM]
     assert len(marks) == LAYERS  # one event per layer on the copy stream
+    (fence,) = compute_waits(trace)  # the last block's copy, not the whole load
+    assert fence not in marks
+    cut = first_compute_wait(trace)
+    assert copied(trace[:cut], planes) == {(layer, 10) for layer in range(LAYERS)}
+    assert copied(trace[cut:], planes) == {(layer, b) for layer in range(LAYERS)
+                                           for b in (5, 6, 9)}
     worker.layer_waits.wait("l1")
-    assert compute_waits(trace) == [marks[1]]
+    assert compute_waits(trace) == [fence, marks[1]]
     worker.layer_waits.wait("l0")
     worker.layer_waits.wait("l2")
-    assert compute_waits(trace) == [marks[1], marks[0], marks[2]]
+    assert compute_waits(trace) == [fence, marks[1], marks[0], marks[2]]
     result = worker.poll()  # after the forward: nothing failed, the marks are released
     assert result.failed_block_ids == set() and result.finished_req_ids == set()
     worker.layer_waits.wait("l0")  # a later step's layers wait for nothing
-    assert compute_waits(trace) == [marks[1], marks[0], marks[2]]
+    assert compute_waits(trace) == [fence, marks[1], marks[0], marks[2]]
     for blocks, slot in (((5, 6), 2), ((9, 10), 1)):
         for i, block in enumerate(blocks):
             for p, plane in enumerate(planes):
@@ -220,7 +253,8 @@ def test_a_layer_never_waited_for_fails_the_load_in_its_step_and_fences_later_lo
     marks = [entry[1] for entry in trace if entry[0] == "record" and entry[2] != COMPUTE_STREAM]
     worker.layer_waits.wait("l0")
     worker.run_stores([StoreJob(7, (ChunkMove((12, 13), 3),), ("other",))])
-    assert compute_waits(trace) == [marks[0]] + marks  # the rest fenced after the forward
+    fence = compute_waits(trace)[0]  # the last block's, at issue
+    assert compute_waits(trace) == [fence, marks[0]] + marks  # the rest fenced after it
     assert worker.poll().failed_block_ids == {5, 6}
     assert worker.take_report().host_failed == {7: 1}  # the store: discarded, uncopied
     del trace[:]
@@ -252,9 +286,9 @@ def test_where_layers_do_not_wait_the_forward_is_fenced_after_the_whole_load(fak
     worker.layer_waits.expect(forward)
     assert worker.start_loads([LoadJob(1, "req", (ChunkMove((5, 6), 2),), same_step=True)])
     if context == "unknown_layer":
-        assert compute_waits(trace) == []
+        assert len(compute_waits(trace)) == 1  # the last block's, at issue
         worker.layer_waits.wait("model.layers.0.cross_attn")
-        assert len(compute_waits(trace)) == LAYERS
+        assert len(compute_waits(trace)) == 1 + LAYERS
     else:
         assert len(compute_waits(trace)) == 1  # the whole load, at issue
         worker.layer_waits.wait("l0")
@@ -280,7 +314,10 @@ def test_the_same_step_loads_of_one_step_are_issued_as_one_copy_layer_after_laye
     assert len(marks) == LAYERS
     plane_layer = {p.data_ptr(): i // 2 for i, p in enumerate(planes)}
     order = []
-    for entry in trace:
+    cut = first_compute_wait(trace)  # the two last blocks (6 and 10), fenced whole first
+    assert copied(trace[:cut], planes) == {(layer, b) for layer in range(LAYERS)
+                                           for b in (6, 10)}
+    for entry in trace[cut:]:
         if entry[0] == "copy":
             base = max(b for b in plane_layer if b <= entry[1])
             order.append(("copy", plane_layer[base]))
