@@ -119,6 +119,27 @@ def test_each_layer_is_copied_then_marked_and_a_wait_waits_for_its_layer_only(fa
     engine.close()
 
 
+def test_kernel_mode_launches_one_kernel_per_layer_and_copies_the_right_bytes(fake):
+    _, planes = layer_planes()
+    layout = SlotLayout.packed([PLANE_BYTES] * len(planes), BPC)
+    host = HostSlots(torch.from_numpy(np.random.default_rng(6).integers(
+        0, 256, (4, layout.slot_bytes), dtype=np.uint8)), pinned=True)
+    engine = CupyCopyEngine(planes, host, BPC, device=ENGINE_DEVICE,
+                            compute_stream=COMPUTE_STREAM, mode="kernel")
+    layers = PlaneLayers.from_counts([f"l{i}" for i in range(LAYERS)], [2] * LAYERS)
+    slots, ids = np.array([2, 0]), np.array([[5, 6], [11, 3]])
+    copy = engine.load_by_layer(slots, ids, layers)
+    assert all(mark is not None for mark in copy.layer_marks)
+    assert fake.calls().count("launch") == LAYERS
+    for c, slot in enumerate(slots):
+        for i, block in enumerate(ids[c]):
+            for p, plane in enumerate(planes):
+                start = layout.plane_offsets[p] + i * PLANE_BYTES
+                assert torch.equal(plane[block], host.tensor[slot, start:start + PLANE_BYTES])
+    engine.wait(copy.handle)
+    engine.close()
+
+
 def test_layers_without_copies_get_no_mark_and_a_plain_load_records_none(fake):
     trace = traced(fake)
     _, planes = layer_planes()
