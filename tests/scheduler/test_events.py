@@ -256,3 +256,57 @@ def test_events_cost_nothing_unless_vllm_publishes_kv_events():
     attached = attach_events(on, kv_cache, sched)
     assert attached is not None and attached.groups == [(0, "full_attention")]
     assert sched.events is sched.cpu.events is sched.stores.events is attached.events
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replayed_events_equal_what_the_tiers_hold_through_a_random_workload(disk, seed):
+    """Stores, hits staged from disk, evictions from both tiers, CPU resets and at last a
+    full reset: after every step, a router's replay of the events holds exactly the CPU
+    tier's READY chunks and the disk index's committed ones, block by block."""
+    import random
+
+    rng = random.Random(seed)
+    idx = disk(capacity_slots=4)
+    sched, blocks = make_scheduler(disk_index=idx, num_cpu_slots=3)
+    events = tier_events()
+    connect(sched, events)
+    prefixes = [[rng.randrange(256) for _ in range(CHUNK)] for _ in range(3)]
+    chunks: dict[bytes, tuple[bytes, ...]] = {}  # every chunk key seen -> its block hashes
+    seen: list = []
+
+    def truth() -> set:
+        held = {(Tier.CPU, h) for k, hs in chunks.items() if sched.cpu.hit(k) is not None
+                and sched.cpu.hit(k).staging_job is None for h in hs}
+        if sched.disk_enabled:
+            held |= {(Tier.DISK, h) for k, _ in idx.read_blocks(b"", 1000) for h in chunks[k]}
+        return held
+
+    for step in range(40):
+        if rng.random() < 0.15:
+            sched.reset_cpu_tier()
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(256) for _ in range(
+                rng.choice([1, CHUNK, 2 * CHUNK]))]
+            req = request(f"r{step}", tokens)
+            per = CHUNK // BLOCK
+            for c in range(len(req.block_hashes) // per):
+                chunks[req.block_hashes[(c + 1) * per - 1]] = tuple(
+                    req.block_hashes[c * per:(c + 1) * per])
+            blocks[req.request_id] = list(range(len(tokens) // BLOCK + 1))
+            hit = sched.num_matched_tokens(req, 0)
+            sched.plan_load(req, blocks[req.request_id], hit)
+            plan = sched.plan_step([(req.request_id, req.num_tokens)])
+            for load in plan.loads:
+                sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset()}}))
+            for job in plan.stores:
+                sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+                sched.on_report(WorkerReport(disk_stored={job.job_id: {0: (7,) * len(job.chunks)}}))
+            sched.request_finished(req.request_id)
+            sched.plan_step([])  # the step's disk transaction
+        seen += events.take()
+        assert index(seen) == truth(), f"step {step}"
+    assert sched.counters.evictions_cpu and idx.stats()["counters"]["evictions"]
+    assert sched.counters.chunks_loaded_disk and sched.counters.chunks_loaded_cpu
+    sched.reset_all()
+    seen += events.take() + events.take()
+    assert index(seen) == set()
