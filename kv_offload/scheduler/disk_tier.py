@@ -26,6 +26,7 @@ from kv_offload.scheduler.tiers import DiskEntryLike, DiskIndexLike
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_TAIL_NOTES = 4096
 
 
 class DiskTier:
@@ -44,6 +45,24 @@ class DiskTier:
         self._releases: list[int] = []
         self._events: TierEvents | None = None  # attach_events
         self._read_after = b""  # the next batch of read_blocks (announcing)
+        self._tails: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}  # note_tail
+
+    def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
+        """``key`` is a request tail of ``parent``: its tail records are written with its
+        commit (``tails_of`` finds it, also after a restart). Notes of tails that never
+        commit age out past ``MAX_TAIL_NOTES``."""
+        self._tails[key] = (parent, tokens)
+        while len(self._tails) > MAX_TAIL_NOTES:
+            del self._tails[next(iter(self._tails))]
+
+    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, token ids) of the request tails of ``parent`` on disk ([] while off)."""
+        index = self._active()
+        if index is None:
+            return []
+        with self._guard("lookup"):
+            return index.tails_of(parent)
+        return []
 
     def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]:
         index = self._active()
@@ -103,14 +122,15 @@ class DiskTier:
         """``index.settle``; with KV events, each commit's blocks are kept with it and
         what became loadable (while the tier is on) or stopped is reported."""
         events = self._events
+        tails = {c[0]: t for c in commits if (t := self._tails.pop(c[0], None)) is not None}
         if events is None:
-            return index.settle(commits, releases, keys)[1] if keys else (
-                index.settle(commits, releases)[1])
+            return index.settle(commits, releases, keys, tails=tails or None)[1]
         payloads, records = {}, {}
         for key, _, _ in commits:
             if (payload := events.payload(key)) is not None and (raw := encode(payload)):
                 payloads[key], records[key] = payload, raw
-        done, slots = index.settle(commits, releases, keys, blocks=records)
+        done, slots = index.settle(commits, releases, keys, blocks=records,
+                                   tails=tails or None)
         if self.enabled:
             events.disk_stored((c[0], payloads.get(c[0])) for c, ok in zip(commits, done) if ok)
         self._report_removed()
