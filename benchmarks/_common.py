@@ -9,6 +9,7 @@ import json
 import mmap
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -123,6 +124,14 @@ def rotated(items: list, r: int) -> list:
     k = (r // 2) % len(items)
     order = items[k:] + items[:k]
     return order[::-1] if r % 2 else order
+
+
+def paired(num: Any, den: Any) -> float | None:
+    """Median of num[i] / den[i]: samples measured in pairs; None unless both are lists
+    of the same non-zero length (not measured in pairs: an earlier run, an engine died)."""
+    if not (isinstance(num, list) and isinstance(den, list) and num and len(num) == len(den)):
+        return None
+    return statistics.median(x / y for x, y in zip(num, den))
 
 
 def timed(fn: Callable[[], object]) -> float:

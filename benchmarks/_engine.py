@@ -3,9 +3,11 @@ engines measured side by side and one thread layout for all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
-from kv_offload.testing.engine import IN_PROCESS_ENV
+from kv_offload.testing.engine import IN_PROCESS_ENV, EngineProcess, start_engines
 
 # The TTFT benchmarks' default model: the test model's geometry with room for 16k positions.
 TTFT_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -41,3 +43,13 @@ def benchmark_env(*, in_process: bool, vllm_default_binding: bool) -> dict[str, 
     if in_process:
         env.update(IN_PROCESS_ENV)
     return env
+
+
+@contextlib.contextmanager
+def running(engines: list[EngineProcess]) -> Iterator[list[EngineProcess]]:
+    """``engines`` (spawned together) once all are ready; all closed on exit."""
+    try:
+        yield start_engines(engines)
+    finally:
+        for engine in engines:
+            engine.close()

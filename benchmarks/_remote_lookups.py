@@ -18,6 +18,7 @@ from kv_offload.config import OffloadConfig
 from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.remote.tier import RemoteTarget, RemoteTier
 from kv_offload.testing.redis_server import RedisCluster, SlowProxy
+from kv_offload.testing.soak import percentile
 
 NAMESPACE = "bench"
 BUDGET_S = OffloadConfig.remote_lookup_budget_ms / 1000  # the default budget
@@ -54,9 +55,8 @@ def _time_lookups(lookup: Callable[[list[bytes]], int], sizes: list[int], calls:
                                    f"{n if hit else 0}")
     rows = []
     for (n, hit), times in samples.items():
-        us = sorted(t * 1e6 for t in times)
-        p99 = us[min(len(us) - 1, round(0.99 * (len(us) - 1)))]
-        med = statistics.median(us)
+        us = [t * 1e6 for t in times]
+        p99, med = percentile(us, 0.99), statistics.median(us)
         rows.append({"keys": n, "present": hit, "calls": len(us), "median_us": round(med, 1),
                      "p99_us": round(p99, 1), "median_us_per_key": round(med / n, 2),
                      "p99_us_per_key": round(p99 / n, 2)})
@@ -159,7 +159,7 @@ def bench_scheduler_thread(args: argparse.Namespace, server_port: int) -> dict:
             "server": scenario, "label": label, "method": "RemoteLookups.ask",
             "requests": len(got),
             "thread_us_median": round(statistics.median(thread_us), 1),
-            "thread_us_p99": round(thread_us[min(len(got) - 1, round(0.99 * len(got)))], 1),
+            "thread_us_p99": round(percentile(thread_us, 0.99), 1),
             "thread_us_total_per_request": round(sum(thread_us) / len(got), 1),
             "answer_ms_median": round(statistics.median(wait_ms), 2),
             "answer_ms_max": round(wait_ms[-1], 2),

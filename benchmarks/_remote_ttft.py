@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import paired
 from _engine import SETTLE_S, TTFT_MODEL, benchmark_env
 from _markdown import Targets, fill, fmt, table, verdict
 
@@ -160,9 +161,8 @@ def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
     local_hits = dict.fromkeys(engines, 0.0)
     try:
         start_engines(list(engines.values()))
-        for i, eng in enumerate(engines.values()):
-            tokens[list(engines)[i]].append(
-                eng.generate(local, max_tokens=1, one_by_one=True)["tokens"])
+        for name, eng in engines.items():
+            tokens[name].append(eng.generate(local, max_tokens=1, one_by_one=True)["tokens"])
             _flush(eng, 60_000)
         for rnd in range(args.rounds):
             fresh = [_prompt(n, 70_000 + 100 * rnd + n) for n in lengths]
@@ -190,11 +190,11 @@ def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
     ratios = {kind: {str(n): round(medians["remote"][kind][str(n)]
                                    / medians["plain"][kind][str(n)], 3) for n in lengths}
               for kind in ("local", "fresh")}
-    paired = {kind: {str(n): round(statistics.median(
-        r / p for r, p in zip(samples["remote"][kind][n], samples["plain"][kind][n])), 3)
-        for n in lengths} for kind in ("local", "fresh")}
+    pairs = {kind: {str(n): round(paired(samples["remote"][kind][n],
+                                         samples["plain"][kind][n]) or 0.0, 3)
+                    for n in lengths} for kind in ("local", "fresh")}
     return {"delay_ms": [d * 1e3 for d in DELAY_S], "lengths": lengths, "rounds": args.rounds,
-            "median_s": medians, "ratios": ratios, "paired_ratio_medians": paired,
+            "median_s": medians, "ratios": ratios, "paired_ratio_medians": pairs,
             "local_hit_tokens": local_hits,
             "tokens_equal": tokens["plain"] == tokens["remote"],
             "samples_s": samples}

@@ -37,9 +37,9 @@ SUFFIX_TOKENS = 16
 TARGET = 0.97  # issue 15: no_reuse and store_heavy throughput ours/plain
 WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
 CONTENDERS = ("plain", "ours", "ours_bg", "ours_cpu", "ours_noaudit", "ours_ref")
-VARIANTS = {  # name -> (cpu_background_stores, disk tier on, audit_rate; None: the default)
-    "ours": (False, True, None), "ours_bg": (True, True, None), "ours_cpu": (False, False, None),
-    "ours_noaudit": (False, True, 0.0)}  # ours/ours_noaudit: what the runtime audit costs
+VARIANTS: dict[str, dict[str, Any]] = {  # name -> kv-offload options over the base config (disk_path None: no disk tier)
+    "ours": {}, "ours_bg": {"cpu_background_stores": True}, "ours_cpu": {"disk_path": None},
+    "ours_noaudit": {"audit_rate": 0.0}}  # ours/ours_noaudit: what the runtime audit costs
 GRADED = ("no_reuse", "store_heavy")
 PAIRS = (  # (numerator, denominator, key suffix) of the ratios paired per round
     ("ours", "plain", ""), ("ours_bg", "plain", "_bg"), ("ours_cpu", "plain", "_cpu"),
@@ -167,14 +167,9 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
 def reference_text(data: dict) -> str:
     """The report's sentence on ours_ref, empty without ``--reference-tree``."""
     ref = data.get("reference")
-    if not ref:
-        return ""
-    if ref.get("caveat"):  # a run found wrong after the fact: say so where it is shown
-        return (f" `ours_ref` was meant to run `ours` from another checkout, at {ref['commit']} "
-                f"(`--reference-tree`), but {ref['caveat']}")
     return (f" `ours_ref`: `ours` run from another checkout, at {ref['commit']} "
             "(`--reference-tree`), so that `ours/ours_ref` measures the change since then "
-            "side by side.")
+            "side by side.") if ref else ""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,17 +214,6 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def variant_config(base: dict, store: Path, background: bool, disk: bool,
-                   audit: float | None = None) -> dict:
-    """``base`` with this variant's store thread, audit rate and disk store (or none)."""
-    config = {**base, "cpu_background_stores": background,
-              **({} if audit is None else {"audit_rate": audit})}
-    if disk:
-        return {**config, "disk_path": str(store)}
-    config.pop("disk_size", None)
-    return config
-
-
 def reference_of(tree: Path | None) -> dict | None:
     """Which checkout ours_ref ran: its path and commit (None without one)."""
     if tree is None:
@@ -243,18 +227,19 @@ def start_contenders(args: argparse.Namespace, base: Path, ours_cfg: dict, model
                      engine: dict, env: dict) -> dict[str, EngineProcess]:
     """Plain vLLM and each variant (each with a store of its own: no shared hits), plus
     ours_ref from ``--reference-tree`` (its checkout first on PYTHONPATH)."""
-    configs: dict[str, dict | None] = {"plain": None, **{
-        name: variant_config(ours_cfg, base / f"store-{name}", *VARIANTS[name])
-        for name in VARIANTS}}
-    envs = dict.fromkeys(configs, env)
-    if args.reference_tree:
-        configs["ours_ref"] = variant_config(ours_cfg, base / "store-ours_ref", False, True)
-        envs["ours_ref"] = {**env, "PYTHONPATH": str(args.reference_tree.resolve())}
+    configs: dict[str, dict | None] = {"plain": None}
+    variants: dict[str, dict] = {**VARIANTS, **({"ours_ref": {}} if args.reference_tree else {})}
+    for name, extra in variants.items():
+        config = {**ours_cfg, "disk_path": str(base / f"store-{name}"), **extra}
+        if config["disk_path"] is None:  # no disk tier
+            del config["disk_path"], config["disk_size"]
+        configs[name] = config
+    ref_env = {**env, "PYTHONPATH": str(args.reference_tree.resolve())} if args.reference_tree else env
     names = [n for n in CONTENDERS if n in configs]
     return dict(zip(names, start_engines([
         EngineProcess(model, log_path=base / "logs" / f"{name}.log", engine=engine,
                       transfer=configs[name] and offload_transfer(configs[name]),
-                      in_process=args.in_process, env=envs[name])
+                      in_process=args.in_process, env=ref_env if name == "ours_ref" else env)
         for name in names])))
 
 
@@ -289,8 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = new_result(
         "overhead", args, model={"name": "test default", "path": str(model)}, engine=engine,
         env=env, in_process=args.in_process, ours_config=ours_cfg,
-        variants={n: {"cpu_background_stores": bg, "disk_tier": disk, "audit_rate": audit}
-                  for n, (bg, disk, audit) in VARIANTS.items()},
+        variants=VARIANTS,
         **{k: getattr(args, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "rounds",
                                          "heavy_prompts", "heavy_prompt_tokens",
                                          "heavy_max_tokens", "workloads")},

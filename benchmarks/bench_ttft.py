@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BenchParser, add_engine_flags, csv, finish, new_result, rotated, workdir
-from _engine import TTFT_MODEL, Turns, benchmark_env
+from _common import BenchParser, add_engine_flags, csv, finish, new_result, paired, rotated, workdir
+from _engine import TTFT_MODEL, Turns, benchmark_env, running
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
 from kv_offload.testing import kv_capacity as kv
@@ -30,7 +30,6 @@ from kv_offload.testing.engine import (
     engine_kwargs,
     example_transfer_config,
     offload_transfer,
-    start_engines,
 )
 from kv_offload.testing.tiny_model import (
     BENCH_MODEL_KWARGS,
@@ -166,8 +165,7 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
     peer = None if args.no_peer else spawn(args, model, "peer-1",
                                            example_transfer_config(dirs["peer"]), dirs)
     plain = None if args.no_plain else spawn(args, model, "plain", None, dirs)
-    engines = start_engines([e for e in (ours, peer, plain) if e is not None])
-    try:
+    with running([e for e in (ours, peer, plain) if e is not None]) as engines:
         rec.warm_up(engines)
         cold = [(plain, "cold"), (ours, "cold_ours"), (peer, "cold_peer")]
         if plain is None:  # cold and vllm_hit on ours
@@ -190,16 +188,13 @@ def wave_one(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path],
                   [(n, prompt(n, rep, suffix=1)) for rep in range(args.reps) for n in args.lengths])
         return {name: e.startup_s for name, e in (("ours", ours), ("peer", peer), ("plain", plain))
                 if e is not None}
-    finally:
-        for e in engines:
-            e.close()
 
 
 def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProcess]
              ) -> dict[str, float]:
     """Fresh processes on the same stores: our disk tier against the peer's warm TTFT."""
-    ours, peer = [*start_engines(engines), None][:2]
-    try:
+    with running(engines):
+        ours, peer = [*engines, None][:2]
         rec.warm_up(engines)
         exact = [(n, prompt(n, rep)) for rep in range(args.reps) for n in args.lengths]
         for k in range(args.passes):
@@ -211,9 +206,6 @@ def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProces
                 if mode == "disk":
                     rec.block(ours, "own_hit_restarted", exact)
         return {f"{name}_restarted": e.startup_s for name, e in zip(("ours", "peer"), engines)}
-    finally:
-        for e in engines:
-            e.close()
 
 
 def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
@@ -221,12 +213,6 @@ def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
     of the samples measured in pairs (``PAIRED``)."""
     def get(mode: str, length: str, what: str) -> object:
         return modes.get(mode, {}).get(length, {}).get(what)
-
-    def paired(num: str, den: str, length: str) -> float | None:
-        a, b = get(num, length, "samples_s"), get(den, length, "samples_s")
-        if not (isinstance(a, list) and isinstance(b, list) and a and len(a) == len(b)):
-            return None  # not measured in pairs (an earlier run, or an engine died)
-        return statistics.median(x / y for x, y in zip(a, b))
 
     out: dict[str, dict[str, float]] = {}
     for length in modes.get("cold", {}):
@@ -236,7 +222,8 @@ def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
             if isinstance(a, float) and isinstance(b, float) and b:
                 row[name] = round(a / b, 4)
         for name, num, den in PAIRED:
-            if (value := paired(num, den, length)) is not None:
+            value = paired(get(num, length, "samples_s"), get(den, length, "samples_s"))
+            if value is not None:
                 row[name] = round(value, 4)
     return out
 
