@@ -138,7 +138,9 @@ def _flush(engine: EngineProcess, seed: int) -> None:
     """Short requests that step the engine, with pauses for the I/O threads, so that
     earlier stores (host copies, remote writes) are reported to the scheduler."""
     for i in range(2):
-        engine.generate([make_prompt(32, seed=seed + i)], max_tokens=1)
+        # two tokens: a request that ends in its prefill step is held while its prompt
+        # tail is copied (reported a step later), and vLLM then refuses a reset
+        engine.generate([make_prompt(32, seed=seed + i)], max_tokens=2)
         time.sleep(0.3)
 
 
