@@ -10,6 +10,7 @@ Commands (stdin) and answers (one JSON line each, ``{"ok": true, ...}`` or
      "one_by_one": false, "abort": {"after_steps": n, "indexes": [...]} | absent,
      "prompt_logprobs": n | absent}
         -> tokens, texts, seconds, latency_s (per request when one_by_one), ttft_s,
+           cached_tokens (per request: vLLM's and the connector's hits),
            num_prompt_tokens, num_output_tokens, metrics and kv_offload (deltas of
            engine_state.metric_totals / kv_offload_samples over this call); with
            prompt_logprobs also prompt_logprobs: per request, the logprob of each prompt
@@ -98,6 +99,7 @@ def generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
         "seconds": seconds, "latency_s": latencies,
         "ttft_s": [o.metrics.first_token_latency for o in outputs
                    if getattr(o, "metrics", None) is not None],
+        "cached_tokens": [o.num_cached_tokens or 0 for o in outputs],  # any cache's
         "num_output_tokens": sum(map(len, tokens)),
         "num_prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
         "metrics": {k: after[k] - before[k] for k in after},
