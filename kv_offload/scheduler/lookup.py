@@ -111,28 +111,41 @@ def within_staging_budget(cpu: CpuIndex, run: list[Source]) -> list[Source]:
     return run
 
 
+def final_chunk_key(request: Any, keys: Sequence[ChunkKey], chunk_tokens: int,
+                    tokens_per_hash: int) -> ChunkKey | None:
+    """The key of the whole chunk a request ends with (its tokens a multiple of the chunk),
+    the one past ``keys`` (the chunks below its last token); else None."""
+    end = (len(keys) + 1) * (chunk_tokens // tokens_per_hash)
+    if request.num_tokens != (len(keys) + 1) * chunk_tokens or len(request.block_hashes) < end:
+        return None
+    return bytes(request.block_hashes[end - 1])
+
+
 def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any,
                    keys: Sequence[ChunkKey], index: int, *, chunk_tokens: int,
-                   tokens_per_hash: int) -> tuple[Source, int] | None:
+                   tokens_per_hash: int,
+                   remote_has: Callable[[ChunkKey], bool] | None = None
+                   ) -> tuple[Source, int] | None:
     """Where tokens of chunk ``index`` (the first that the whole-chunk run from ``keys``
     lacks) can come from, and how many, short of the request's last token: that whole
-    chunk when the request ends with it (CPU or disk tier; its last token is left to
+    chunk when the request ends with it (``final_chunk_key``; CPU, disk or remote tier,
+    ``remote_has`` telling from the remote tier's answer; its last token is left to
     compute), else the stored tail of the chunk before it that shares the most tokens
     with the request (CPU tier, ``tails.TailIndex``, or disk tier, ``tails_of``).
     Read-only."""
     start, limit = index * chunk_tokens, request.num_tokens - 1
     if limit <= start:
         return None
-    per_chunk = chunk_tokens // tokens_per_hash
-    hashes = request.block_hashes
-    if index == len(keys) and len(hashes) >= (index + 1) * per_chunk:
-        key = bytes(hashes[(index + 1) * per_chunk - 1])  # it ends with a whole chunk
+    key = final_chunk_key(request, keys, chunk_tokens, tokens_per_hash)
+    if index == len(keys) and key is not None:
         hit = cpu.hit(key)
         if hit is not None:
             return Source(key, hit), limit - start
         on_disk = disk.find_prefix([key]) if key not in cpu else []
         if on_disk:
             return Source(key, None, on_disk[0]), limit - start
+        if key not in cpu and remote_has is not None and remote_has(key):
+            return Source(key, None, None, True), limit - start
     seed = tail_seed(request)
     if seed is None:
         return None

@@ -40,6 +40,7 @@ from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import (
     RemoteAsks,
     Source,
+    final_chunk_key,
     first_chunk_held,
     hits_discarded,
     loadable_run,
@@ -137,10 +138,8 @@ class OffloadScheduler:
         # Same-step loads (issue 29) need vLLM's invalid_block_ids, one KV cache group only.
         self.same_step = (SameStepBudget(config.same_step_budget_s, config.chunk_bytes)
                           if config.same_step_budget_s > 0 and not config.groups else None)
-        # Hits to the last cached token: one full-attention group only (a partial chunk
-        # of a sliding window would need window blocks that its chunk does not store).
-        self.tails = (TailIndex() if config.partial_hits and not self.chunk_map.hybrid
-                      else None)
+        # Partial hits: one full-attention group (a window's part-chunk needs unstored blocks).
+        self.tails = TailIndex() if config.partial_hits and not self.chunk_map.hybrid else None
 
     @property
     def disk_enabled(self) -> bool:
@@ -226,14 +225,16 @@ class OffloadScheduler:
                                 chunk_tokens=self.config.chunk_tokens,
                                 tokens_per_hash=self.config.tokens_per_hash)
 
-    def _loadable_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int
-                      ) -> list[Source] | None:
-        """``lookup.loadable_run``; None while the remote tier's answer is pending."""
+    def _loadable_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int,
+                      last: ChunkKey | None = None) -> list[Source] | None:
+        """``lookup.loadable_run``; None while the remote tier's answer is pending. The
+        remote tier is also asked for ``last`` (``lookup.final_chunk_key``)."""
         pending = False
+        asked = keys if last is None else [*keys, last]
 
         def remote_hits(start: int) -> int:
             nonlocal pending
-            hits = self._remote_asks.ask(state, keys, start)
+            hits = self._remote_asks.ask(state, asked, start)
             pending = hits is None
             return hits or 0
 
@@ -242,18 +243,21 @@ class OffloadScheduler:
 
     def _hit_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int
                  ) -> tuple[list[Source], list[ChunkKey], int] | None:
-        """The loadable run from chunk ``first`` (``_loadable_run``), its keys and the
-        token it ends at; with partial hits the run goes on, where its whole chunks end,
-        with part of a chunk (``lookup.partial_source``). None while the remote tier's
-        answer is pending."""
-        run = self._loadable_run(state, keys, first)
+        """The loadable run from chunk ``first``, its keys and the token it ends at; with
+        partial hits it goes on with part of a chunk (``lookup.partial_source``). None
+        while the remote tier's answer is pending."""
+        chunk, per_hash = self.config.chunk_tokens, self.config.tokens_per_hash
+        last = None if self.tails is None else final_chunk_key(state.request, keys, chunk,
+                                                               per_hash)
+        run = self._loadable_run(state, keys, first, last)
         if run is None:
             return None
-        chunk, end = self.config.chunk_tokens, first + len(run)
+        end = first + len(run)
         whole = (run, list(keys), end * chunk)
         partial = None if self.tails is None else partial_source(
             self.cpu, self.disk_tier, self.tails, state.request, keys, end,
-            chunk_tokens=chunk, tokens_per_hash=self.config.tokens_per_hash)
+            chunk_tokens=chunk, tokens_per_hash=per_hash,
+            remote_has=lambda key: state.remote is not None and key in state.remote[2])
         if partial is None:
             return whole
         source, num_tokens = partial
@@ -449,18 +453,16 @@ class OffloadScheduler:
 
     def _completed_tail(self, req_id: str, state: RequestState, computed: int
                         ) -> list[tuple[ChunkKey, tuple[int, ...], str]]:
-        """The tail of a request's prompt, once this step computes its last token, to
-        store into the CPU tier (``tails.offer_tail``); once per request."""
-        request = state.request
-        if self.tails is None or state.tail_planned or computed < request.num_prompt_tokens:
+        """The prompt's tail to store once this step computes its last token, once per
+        request (``tails.offer_tail``; its disk records go with its commit)."""
+        if self.tails is None or state.tail_planned or computed < state.request.num_prompt_tokens:
             return []
         state.tail_planned = True
-        tail = offer_tail(self.tails, self.cpu, request, block_tables(self._block_ids_of(
+        tail = offer_tail(self.tails, self.cpu, state.request, block_tables(self._block_ids_of(
             req_id)), self.chunk_map, tokens_per_hash=self.config.tokens_per_hash)
-        if tail is None:
-            return []
-        self.disk_tier.note_tail(tail.key, tail.parent, tail.tokens)  # with its commit
-        return [(tail.key, tail.blocks, req_id)]
+        if tail is not None:
+            self.disk_tier.note_tail(tail.key, tail.parent, tail.tokens)
+        return [] if tail is None else [(tail.key, tail.blocks, req_id)]
 
     def _window_freed(self, *, exclude: Sequence[str]) -> tuple[str, ...]:
         """Running requests with a copy in flight of a sliding-window block that vLLM has

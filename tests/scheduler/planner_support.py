@@ -45,10 +45,11 @@ def make_request(req_id: str, tokens: list[int]) -> FakeRequest:
 
 
 def make_scheduler(*, num_ranks=1, num_cpu_slots=16, disk_index=None, blocks=None,
-                   remote=None):
+                   remote=None, partial_hits=False):
     blocks = blocks if blocks is not None else {}
     config = PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
-                           num_ranks=num_ranks, num_cpu_slots=num_cpu_slots)
+                           num_ranks=num_ranks, num_cpu_slots=num_cpu_slots,
+                           partial_hits=partial_hits)
     sched = OffloadScheduler(config, disk_index=disk_index,
                              block_ids_of=lambda rid: blocks[rid], remote=remote)
     return sched, blocks

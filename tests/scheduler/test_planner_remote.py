@@ -228,3 +228,24 @@ def test_the_lookup_threads_stop_with_the_scheduler():
     assert remote.lookups.running
     sched.close()
     assert remote.closed and not remote.lookups.running
+
+
+def test_a_prompt_ending_with_a_whole_chunk_is_served_it_from_the_remote_tier_in_part():
+    """Issue 33: the remote tier is asked for the whole chunk a prompt ends with too, and
+    serves it up to the prompt's last token but one (the CPU and disk tiers do so by
+    their own lookups); staged into the CPU tier like any remote chunk."""
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote, partial_hits=True)
+    req = make_request("r", list(range(16)))  # two whole chunks, nothing after
+    remote.keys.update([req.block_hashes[1], req.block_hashes[3]])
+    assert matched(sched, req)[0] == 15
+    sched.plan_load(req, [10, 11, 12, 13], 15)
+    assert sched.hit_tokens_by_tier("r") == {"remote": 15}
+    (load,) = sched.plan_step([]).loads
+    assert [m.remote_key for m in load.chunks] == [req.block_hashes[1], req.block_hashes[3]]
+    assert [m.block_ids for m in load.chunks] == [(10, 11), (12, 13)]
+    remote.keys.discard(req.block_hashes[3])  # another request, only chunk 0 remotely
+    other = make_request("o", list(range(16)))
+    other.request_id = "o"
+    sched2, _ = remote_scheduler(remote, partial_hits=True)
+    assert matched(sched2, other)[0] == 8
