@@ -76,15 +76,6 @@ class CpuIndex:
         staging = entry.staging_job if entry.state is SlotState.STAGING else None
         return CpuHit(key, entry.slot, staging)
 
-    def lookup_prefix(self, keys: Sequence[ChunkKey]) -> list[CpuHit]:
-        """Hits for the longest prefix of ``keys`` that is READY or STAGING. Read-only."""
-        prefix: list[CpuHit] = []
-        for hit in self.hits(keys):
-            if hit is None:
-                break
-            prefix.append(hit)
-        return prefix
-
     def hits(self, keys: Sequence[ChunkKey]) -> list[CpuHit | None]:
         """Per key of ``keys``, its hit (READY or STAGING) or None (absent), up to the
         first STORING key, excluded: a chunk being stored can be neither loaded nor

@@ -422,9 +422,9 @@ class SchedulerHarness:
         chunks = self._chunks_by_key()
         planner, out = self.scheduler_side, []
         for key, (end, hashes) in chunks.items():
-            for hit in planner.cpu.lookup_prefix([key]):
-                if not self._slot_holds(hit.slot, hashes, end):
-                    out.append(f"CPU slot {hit.slot} does not hold the KV of its key")
+            hit = planner.cpu.hit(key)
+            if hit is not None and not self._slot_holds(hit.slot, hashes, end):
+                out.append(f"CPU slot {hit.slot} does not hold the KV of its key")
         out += self._tail_problems(chunks)
         if planner.disk is None or not planner.disk_enabled or self.offload.disk_path is None:
             return out

@@ -27,9 +27,10 @@ def test_slots_are_unique_and_storing_is_invisible(policy):
     index = CpuIndex(4, policy=policy)
     slots = [index.reserve(key(i), SlotState.STORING) for i in range(4)]
     assert sorted(slots) == [0, 1, 2, 3]
-    assert index.lookup_prefix([key(0)]) == []
+    assert index.hit(key(0)) is None and index.hits([key(0)]) == []
     index.publish(slots[0])
-    assert [h.slot for h in index.lookup_prefix([key(0), key(1)])] == [slots[0]]
+    assert [h.slot for h in index.hits([key(0)])] == [slots[0]]
+    assert index.hits([key(0), key(1)]) == [index.hit(key(0))]  # up to a STORING key
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -61,11 +62,11 @@ def test_lru_evicts_least_recently_used_and_fifo_ignores_hits():
 def test_staging_entries_are_visible_with_their_job():
     index = CpuIndex(2)
     slot = index.reserve(key(0), SlotState.STAGING, staging_job=5)
-    (hit,) = index.lookup_prefix([key(0)])
-    assert hit.staging_job == 5
+    hit = index.hit(key(0))
+    assert hit is not None and hit.staging_job == 5
     index.publish(slot)
-    (hit,) = index.lookup_prefix([key(0)])
-    assert hit.staging_job is None
+    hit = index.hit(key(0))
+    assert hit is not None and hit.staging_job is None
 
 
 def test_discard_frees_the_slot_and_clear_keeps_pinned():
@@ -113,7 +114,8 @@ def test_unpin_by_slot_never_touches_a_newer_entry_of_the_same_key():
 def test_num_reservable_counts_free_and_evictable_slots_except_kept_hits(policy):
     index = CpuIndex(4, policy=policy)
     slots = fill(index, 3)
-    hits = index.lookup_prefix([key(0), key(1)])
+    hits = [h for h in index.hits([key(0), key(1)]) if h is not None]
+    assert len(hits) == 2
     assert index.num_reservable() == 4
     assert index.num_reservable(hits) == 2
     index.pin([slots[2]])
