@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from kv_offload.disk.errors import StoreError
 from kv_offload.scheduler.events import ChunkBlocks, TierEvents, decode, encode
+from kv_offload.scheduler.tails import tail_key
 from kv_offload.scheduler.tiers import DiskEntryLike, DiskIndexLike
 
 logger = logging.getLogger(__name__)
@@ -56,12 +57,16 @@ class DiskTier:
             del self._tails[next(iter(self._tails))]
 
     def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
-        """(key, token ids) of the request tails of ``parent`` on disk ([] while off)."""
+        """(key, token ids) of the request tails of ``parent`` on disk ([] while off).
+        A record whose token ids and parent do not make its key (``tails.tail_key``) is
+        left out (invariant 9: damage, or another writer's records): a load would report
+        tokens whose KV its slot does not hold."""
         index = self._active()
         if index is None:
             return []
         with self._guard("lookup"):
-            return index.tails_of(parent)
+            return [(key, tokens) for key, tokens in index.tails_of(parent)
+                    if tail_key(parent, tokens) == key]
         return []
 
     def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]:

@@ -166,6 +166,29 @@ def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any
     return Source(match.key, cpu.hit(match.key), tail=True), match.num_tokens
 
 
+def planned_again(found: tuple[list[Source], list[ChunkKey], int] | None,
+                  keys: list[ChunkKey], first: int, end: int, *, chunk_tokens: int
+                  ) -> tuple[list[Source], list[ChunkKey]]:
+    """The sources and keys of a load of the tokens up to ``end`` (the lookup's answer),
+    from ``found``: the run from chunk ``first`` planned again when the load is planned
+    (the planner's ``_hit_run``: its sources, keys and the token it ends at; None while
+    the remote tier's answer is pending, since a question asked anew then, the local run
+    having changed since, is not waited for). ``keys``: the request's chunk keys.
+
+    A run planned again that ends before ``end`` lost a source since the lookup (the
+    disk tier may be shared: another engine evicted or dropped it) and may end in
+    another partial source than the lookup's: a tail sharing fewer tokens, or one
+    standing where a whole chunk was. Then only its whole chunks load and the rest are
+    failed moves (vLLM recomputes them): that partial source would report tokens whose
+    KV it does not hold (invariant 10)."""
+    if found is None:
+        return [], keys
+    run, found_keys, covered = found
+    if covered >= end:
+        return run, found_keys
+    return run[:covered // chunk_tokens - first], keys
+
+
 class RemoteAsks:
     """The planner's questions to the remote tier: how many leading chunks of a request
     it holds. Never waits on the network: the tier's ``RemoteLookups`` asks the server

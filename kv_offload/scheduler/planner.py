@@ -45,6 +45,7 @@ from kv_offload.scheduler.lookup import (
     hits_discarded,
     loadable_run,
     partial_source,
+    planned_again,
     within_staging_budget,
 )
 from kv_offload.scheduler.records import RequestState
@@ -296,9 +297,8 @@ class OffloadScheduler:
         end = num_local + num_external_tokens
         first, last = num_local // chunk, -(-end // chunk)  # a partial last chunk counts
         keys = self._keys(request, for_load=True)
-        # A question asked anew here (the local run changed since) is not waited for.
         found = self._hit_run(state, keys, first)
-        run, keys = (found[0], found[1]) if found is not None else ([], keys)
+        run, keys = planned_again(found, keys, first, end, chunk_tokens=chunk)
         run = run[:last - first]
         if self.events is not None:  # staged and filled chunks are announced too
             self.events.capture(request, range(first, first + len(run)), keys)

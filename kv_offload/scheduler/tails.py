@@ -44,17 +44,21 @@ class TailMatch(NamedTuple):
 
 def tail_seed(request: Any) -> bytes | None:
     """The parent of a tail that starts at token 0: the request's ``cache_salt`` and
-    LoRA, which vLLM hashes into a request's first block. None when the request's token
-    ids do not determine its KV (multimodal inputs, prompt embeddings) or it has no
-    token ids: such a request neither stores nor loads tails."""
+    LoRA adapter (name and path), which vLLM hashes into a request's first block. None
+    when the request's token ids do not determine its KV (multimodal inputs, prompt
+    embeddings) or it has no token ids: such a request neither stores nor loads tails."""
     if getattr(request, "all_token_ids", None) is None:
         return None
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
         return None
     lora = getattr(request, "lora_request", None)
-    lora_name = getattr(lora, "lora_name", None) if lora is not None else None
     salt = getattr(request, "cache_salt", None)
-    return hashlib.sha256(_TAG + repr((salt, lora_name)).encode()).digest()
+    if lora is None:
+        return hashlib.sha256(_TAG + repr((salt, None)).encode()).digest()
+    # vLLM hashes the adapter's path with its name (a name re-pointed at another adapter
+    # shares no KV); the path is hashed here even where a vLLM hashes the name only.
+    adapter = (getattr(lora, "lora_name", None), getattr(lora, "lora_path", None))
+    return hashlib.sha256(_TAG + repr((salt, *adapter)).encode()).digest()
 
 
 def tail_key(parent: bytes, tokens: Sequence[int]) -> ChunkKey:
