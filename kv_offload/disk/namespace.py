@@ -135,7 +135,8 @@ class NamespaceTxn:
         parent = self.get("counters", TAIL_KEY_TAG + key)
         if parent is not None:
             self.delete("counters", TAIL_KEY_TAG + key)
-            self.delete("counters", _tail_prefix(parent) + key)
+            if len(parent) <= MAX_PARENT:  # else damaged: no tail record names it
+                self.delete("counters", _tail_prefix(parent) + key)
 
     def put_tail(self, key: bytes, parent: bytes, tokens: Sequence[int]) -> None:
         """Record that committed entry ``key`` is a request tail of ``parent`` holding
@@ -158,6 +159,8 @@ class NamespaceTxn:
     def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
         """(key, token ids) of the tails recorded under ``parent``; a record that does not
         parse is skipped (invariant 9)."""
+        if len(parent) > MAX_PARENT:  # a damaged parent record (``tail_of``)
+            return []
         prefix = _tail_prefix(parent)
         out = []
         for name, value in self.scan("counters", prefix):
@@ -480,6 +483,10 @@ def open_namespace(op: NamespaceTxn, record: dict, *, create: bool, root: object
         logger.info("disk tier: reclaimed %d slots reserved by dead processes", reclaimed)
     op.finish()
     return stored
+
+
+MAX_PARENT = 255
+"""The longest parent a tail record can name (one length byte, ``_tail_prefix``)."""
 
 
 def _tail_prefix(parent: bytes) -> bytes:
