@@ -340,7 +340,7 @@ class OffloadScheduler:
         instead of waiting forever. Holds no pin. A same-step request's table also holds
         the blocks of the tokens it computes in this step: its failed blocks are those
         after its local hit, which vLLM checks (it truncates at the first)."""
-        num_blocks = num_external_tokens // self.config.block_size
+        num_blocks = -(-num_external_tokens // self.config.block_size)  # partial: its block too
         if num_blocks <= 0:
             return
         state = self._requests.get(req_id)

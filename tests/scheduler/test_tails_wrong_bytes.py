@@ -153,3 +153,25 @@ def test_a_seed_separates_adapters_of_one_name_at_other_paths():
     assert tail_seed(with_adapter("/adapters/v1")) != tail_seed(with_adapter("/adapters/v2"))
     plain = SimpleNamespace(all_token_ids=[1, 2], lora_request=None, cache_salt=None)
     assert tail_seed(plain) not in (tail_seed(with_adapter("/adapters/v1")), None)
+
+
+@pytest.mark.parametrize("hit", [CHUNK + 3, 3])
+def test_a_partial_load_that_fails_to_plan_reports_every_block_it_would_write(tmp_path, hit):
+    """When ``plan_load`` raises, the hook guard fails the load (``fail_load``): every
+    block of the hit must be reported failed, the one it ends inside too, else vLLM
+    counts tokens as loaded that nothing wrote (or waits for ever for a load of fewer
+    tokens than a block)."""
+    blocks: dict = {}
+    sched = OffloadScheduler(PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK,
+                                           tokens_per_hash=BLOCK, num_ranks=1,
+                                           num_cpu_slots=16, partial_hits=True),
+                             disk_index=None, block_ids_of=lambda rid: blocks[rid])
+    store(sched, blocks, request("a", PREFIX + [100, 101, 102]), on_disk=False)
+    reader = request("c", PREFIX + [100, 101, 102, 103])
+    local = CHUNK + 3 - hit  # vLLM's own prefix cache holds chunk 0 in the short case
+    assert sched.num_matched_tokens(reader, local) == hit
+    table = [200, 201, 202]  # tokens 0-3, 4-7, 8-11
+    sched.fail_load("c", [table], hit)
+    (load,) = sched.plan_step([]).loads
+    failed = {b for m in load.chunks for b in m.block_ids if m.cpu_slot is None}
+    assert failed == set(table[local // BLOCK:])
