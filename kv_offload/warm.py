@@ -83,6 +83,7 @@ class WarmSummary:
     startup_s: float
     seconds: float
     notes: list[str] = field(default_factory=list)
+    tails: int = 0  # prompt tails stored besides the chunks (partial_hits)
 
     @property
     def complete(self) -> bool:
@@ -105,7 +106,8 @@ class WarmSummary:
             f"{format_size(self.chunk_bytes)})",
             f"  prompts    {self.prompts} warmed, {self.skipped_prompts} skipped",
             f"  chunks     {chunks} in the workload: {self.new_chunks} new, "
-            f"{present} already present, {missing} not stored",
+            f"{present} already present, {missing} not stored"
+            + (f"; {self.tails} prompt tails" if self.tails else ""),
             f"  written    {format_size(self.bytes_written)} ({format_size(int(rate))}/s)",
             f"  durable    {durable}",
         ]
@@ -358,15 +360,16 @@ def _warm(llm: Any, params: Any, prompts: list[WarmPrompt], options: WarmOptions
         poller.join()
     after = namespace_state(root, ns["namespace_id"])
     commits = after["counters"]["commits"] - ns["counters"]["commits"]
+    tails = min(commits, max(0, after.get("tails", 0) - ns.get("tails", 0)))
     progress.close(chunks=commits, bytes=commits * chunk_bytes)
     evictions = after["counters"]["evictions"] - ns["counters"]["evictions"]
     summary = WarmSummary(
         store=root, namespace=ns["namespace_id"], model=desc["model"],
         chunk_tokens=desc["chunk_tokens"], chunk_bytes=chunk_bytes, prompts=len(work),
-        skipped_prompts=len(prompts) - len(work), chunks=None, new_chunks=commits,
+        skipped_prompts=len(prompts) - len(work), chunks=None, new_chunks=commits - tails,
         already_present=None, not_stored=None, bytes_written=commits * chunk_bytes,
         pending_writes=pending, evictions=evictions, startup_s=startup,
-        seconds=time.time() - t0, notes=notes)
+        seconds=time.time() - t0, notes=notes, tails=tails)
     if keys is not None:
         _count_by_keys(summary, root, wanted, before, commits)
     if pending:

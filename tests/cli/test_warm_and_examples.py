@@ -129,7 +129,10 @@ def test_inspect_and_verify_after_warming(second_warm, first_warm, store, model)
     assert proc.returncode == 0, proc.stderr
     (ns,) = json.loads(proc.stdout)["namespaces"]
     assert ns["namespace_id"] == summary["namespace"] and ns["descriptor"]["model"] == str(model)
-    assert ns["chunks"] == summary["chunks"] and ns["counters"]["commits"] == summary["chunks"]
+    # the prompts' tails (their tokens past the last whole chunk) are stored besides
+    assert summary["tails"] > 0 and ns["tails"] == summary["tails"]
+    assert ns["chunks"] - ns["tails"] == summary["chunks"]
+    assert ns["counters"]["commits"] == summary["chunks"] + summary["tails"]
     assert ns["chunk_tokens"] == 64
     proc = run([*kv_offload_cmd(), "verify", store])
     assert proc.returncode == 0 and "no bad chunks" in proc.stdout
