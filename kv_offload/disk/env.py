@@ -51,8 +51,17 @@ _CORRUPT = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError,
             lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadChecksumError, lmdb.IncompatibleError)
 _LMDB_MAGIC = 0xBEEFC0DE
 # An LMDB meta page (64-bit): 16-byte page header, magic, version, address, map size,
-# two MDB_db records (the first's md_pad is the page size), last used page, txn id.
-_META_PAGE = struct.Struct("<16xII16xI92xQQ")  # magic, version, page size, last page, txnid
+# two MDB_db records of 48 bytes (the free pages' and the main database's; the first's
+# md_pad is the page size; md_root at byte 40 of each), last used page, txn id.
+_META_PAGE = struct.Struct("<16xII16xI36xQ40xQQQ")
+# magic, version, page size, free-pages root, main root, last page, txnid
+_NO_PAGE = (1 << 64) - 1  # an empty database's root
+_UNWRITTEN_TAIL_PAGES = 64
+"""Pages at the end of ``data.mdb`` that LMDB may count as used (``mm_last_pg``) without
+having written them: a page allocated and freed again in one write transaction (a split
+undone by deletes) is never flushed, yet its number stays in use. A process killed after
+such a commit leaves the file that much shorter than its last page: normal for LMDB, and
+those pages are free (never read before written)."""
 
 
 def clear_hint(root: Path) -> str:
@@ -77,7 +86,8 @@ def lmdb_failure(store_root: Path, exc: Exception) -> StoreError:
 
 def check_data_file(root: Path, *, strict: bool = False) -> None:
     """Raise StoreCorruptError when ``index/data.mdb`` is shorter than its newest meta page
-    says. LMDB maps the file, so reading past its end (a copy cut short, an OS crash with
+    says: a root page past its end, or more than ``_UNWRITTEN_TAIL_PAGES`` short of its last
+    page. LMDB maps the file, so reading past its end (a copy cut short, an OS crash with
     ``sync=False``) would kill the process with SIGBUS instead of raising. ``strict``
     (a read-only open, which must not initialise it): also when it is too short to hold
     a meta page, e.g. empty."""
@@ -102,8 +112,13 @@ def check_data_file(root: Path, *, strict: bool = False) -> None:
     metas = [_META_PAGE.unpack(first)]
     if len(second) == _META_PAGE.size and _META_PAGE.unpack(second)[0] == _LMDB_MAGIC:
         metas.append(_META_PAGE.unpack(second))
-    needed = (max(metas, key=lambda m: m[4])[3] + 1) * page_size
-    if size < needed:
+    newest = max(metas, key=lambda m: m[6])
+    roots = [r for r in newest[3:5] if r != _NO_PAGE]
+    needed = (newest[5] + 1) * page_size
+    # What a lookup reads first must be there; the last pages may be free ones LMDB never
+    # wrote (_UNWRITTEN_TAIL_PAGES); a file shorter than that was cut.
+    if (any((r + 1) * page_size > size for r in roots)
+            or size < needed - _UNWRITTEN_TAIL_PAGES * page_size):
         raise StoreCorruptError(
             f"the disk-tier index {path} is cut short ({size} of {needed} bytes); "
             + clear_hint(root))

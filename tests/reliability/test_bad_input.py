@@ -100,6 +100,55 @@ def test_truncated_index_file_is_a_clear_error_not_a_crash(tmp_path, keep_pages)
     assert "StoreCorruptError:" in out.stdout and "kv-offload clear" in out.stdout
 
 
+def _newest_meta(data) -> tuple[int, tuple]:
+    from kv_offload.disk.env import _META_PAGE
+
+    raw = data.read_bytes()
+    metas = [(off, _META_PAGE.unpack_from(raw, off)) for off in (0, 4096)]
+    return max(metas, key=lambda m: m[1][6])
+
+
+def _rewrite_meta(data, offset: int, fields: tuple) -> None:
+    from kv_offload.disk.env import _META_PAGE
+
+    raw = bytearray(data.read_bytes())
+    head = bytes(raw[offset:offset + _META_PAGE.size])
+    packed = bytearray(_META_PAGE.pack(*fields))
+    for start, end in ((0, 16), (24, 40), (44, 80), (88, 128)):  # the bytes it skips
+        packed[start:end] = head[start:end]
+    raw[offset:offset + _META_PAGE.size] = bytes(packed)
+    data.write_bytes(bytes(raw))
+
+
+def test_an_index_shorter_than_its_last_page_by_unwritten_free_pages_opens(tmp_path):
+    """LMDB counts pages it allocated and freed again in one commit without writing them:
+    a process killed after such a commit leaves data.mdb shorter than its last page. The
+    store must open and serve (it was refused as cut short: the engine of
+    test_engine_faults' restart after kill -9 exited with StoreCorruptError)."""
+    index = open_index(tmp_path)
+    keys = [i.to_bytes(8, "little") * 4 for i in range(200)]
+    index.commit([(k, s, (1,)) for k, s in zip(keys, index.allocate(keys))])
+    index.close()
+    data = tmp_path / "index" / "data.mdb"
+    offset, meta = _newest_meta(data)
+    _rewrite_meta(data, offset, (*meta[:5], meta[5] + 3, meta[6]))
+    index = open_index(tmp_path)
+    assert len(index.find_prefix(keys)) == 200
+    more = [i.to_bytes(8, "little") * 4 for i in range(200, 260)]
+    assert all(index.commit([(k, s, (1,)) for k, s in zip(more, index.allocate(more))]))
+    index.close()
+
+
+def test_an_index_whose_root_lies_past_its_end_is_refused(tmp_path):
+    index = open_index(tmp_path)
+    index.close()
+    data = tmp_path / "index" / "data.mdb"
+    offset, meta = _newest_meta(data)
+    _rewrite_meta(data, offset, (*meta[:4], meta[5] + 1, *meta[5:]))
+    with pytest.raises(StoreCorruptError, match="cut short"):
+        open_index(tmp_path)
+
+
 def fake_engine(spec_kind: str = "FullAttentionSpec", *, groups: int = 1, pp: int = 1,
                 dcp: int = 1, pcp: int = 1, sleep: bool = False, spec_method: str | None = None):
     """(vllm_config, kv_cache_config) stand-ins with what layout_from_vllm reads first."""
