@@ -93,7 +93,7 @@ def killed(store, start_engine, reference) -> dict:
     engine = start_engine("killed", offload(root), env=ENV, **ENGINE).wait_ready()
     engine.generate(PROMPTS["seed"], max_tokens=MAX_TOKENS)
     engine.drain()
-    baseline = slab_bytes(root)
+    baseline, seed_entries = slab_bytes(root), committed_entries(root)  # its chunks and tail
     engine.submit({"op": "generate", "prompts": H, "max_tokens": MAX_TOKENS})
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
@@ -102,7 +102,7 @@ def killed(store, start_engine, reference) -> dict:
         # Kill once a heavy job is committed (more entries than the seed's) and the next
         # one is being written: on a loaded machine the commit can trail the bytes.
         if (slab_bytes(root) >= baseline + KILL_AFTER_BYTES
-                and committed_entries(root) > 320 // CHUNK):
+                and committed_entries(root) > seed_entries):
             break
         time.sleep(0.05)
     else:
@@ -111,7 +111,7 @@ def killed(store, start_engine, reference) -> dict:
                     f"{engine.log(4000)}")
     written = slab_bytes(root) - baseline
     engine.kill()
-    return {"written_in_heavy": written, "log": engine.log()}
+    return {"written_in_heavy": written, "seed_entries": seed_entries, "log": engine.log()}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_after_kill_every_committed_entry_verifies_without_the_engine(killed, st
     slot_bytes, ns_id = ns["slot_bytes"], ns["namespace_id"]
     buf = np.empty(slot_bytes, np.uint8)
     entries = [entry for entry, _ in iter_entries(root, ns_id)]
-    assert len(entries) > 320 // CHUNK, "no heavy chunk was committed before the kill"
+    assert len(entries) > killed["seed_entries"], "no heavy chunk was committed before the kill"
     with SlabFile(root, namespace_id=ns_id, rank=0, num_ranks=1, slot_bytes=slot_bytes) as slab:
         results = [slab.read(e.slot, buf, e.checksums[0]) for e in entries]
     assert [r.name for r in results if not r] == []
