@@ -25,6 +25,7 @@ from _markdown import Targets, fill, fmt, table
 from kv_offload.disk import DiskIndex
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig, SlotState
+from kv_offload.testing.tiers import secondary_tiers
 
 BLOCK_SIZE = 32
 CHUNK_TOKENS = 256
@@ -67,7 +68,7 @@ class Bench:
                                    capacity_bytes=n * SLOT_BYTES)
         config = PlannerConfig(chunk_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
                                tokens_per_hash=BLOCK_SIZE, num_ranks=1, num_cpu_slots=n)
-        self.sched = OffloadScheduler(config, disk_index=self.disk,
+        self.sched = OffloadScheduler(config, tiers=secondary_tiers(self.disk),
                                       block_ids_of=lambda _rid: self.block_ids)
         self.cpu_groups, self.fill_cpu_s = self._fill(self._fill_cpu)
         self.disk_groups, self.fill_disk_s = self._fill(self._fill_disk)
@@ -142,7 +143,7 @@ class Bench:
         planned = time.perf_counter()
         sums = tuple(0 for _ in job.chunks)
         self.sched.on_report(WorkerReport(host_stored={job.job_id: 1},
-                                          disk_stored={job.job_id: {0: sums}}))
+                                          written={job.job_id: {"disk": {0: sums}}}))
         done = time.perf_counter()
         self.sched.request_finished(req.request_id)
         return planned - start, done - planned
@@ -155,8 +156,7 @@ class Bench:
             self.sched.num_matched_tokens(req, 0)
         plan = self.sched.plan_step([(r.request_id, r.num_tokens) for r in reqs])
         for job in plan.stores:
-            self.sched.on_report(WorkerReport(host_stored={job.job_id: 1}, disk_stored={
-                job.job_id: {0: tuple(0 for _ in job.chunks)}}))
+            self.sched.on_report(WorkerReport(host_stored={job.job_id: 1}, written={job.job_id: {"disk": {0: tuple(0 for _ in job.chunks)}}}))
         times = []
         for step in range(1, num_steps + 1):
             scheduled = [(r.request_id, r.num_tokens + step) for r in reqs]

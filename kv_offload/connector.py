@@ -186,18 +186,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 "\"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config "
                 "(OffloadConfig.to_json() does).",
                 self._kv_transfer_config.kv_load_failure_policy)
-        disk_index = None
+        tiers: list[Any] = []  # the secondary tiers, in the order a lookup asks them
         if self.persistent and self.config.disk_path is not None:
             from kv_offload.disk import DiskIndex
+            from kv_offload.disk.tier import DiskTier
 
-            disk_index = DiskIndex.open(
+            tiers.append(DiskTier(DiskIndex.open(
                 self.config.disk_path, namespace_id=self.namespace,
                 descriptor=self.layout.descriptor(), slot_bytes=self.layout.slot_bytes,
                 num_ranks=self.layout.tp_size, capacity_bytes=self.config.disk_bytes,
-                allow_unsafe_permissions=self.config.disk_allow_unsafe_permissions)
-        remote = None
+                allow_unsafe_permissions=self.config.disk_allow_unsafe_permissions)))
         if self.remote_enabled:
             from kv_offload.remote import remote_tier_for
+            from kv_offload.remote.index import RemoteIndex
 
             # Lookups run on their own threads: remote_lookup_budget_ms bounds each
             # request's wait (RemoteLookups); the connection keeps remote_timeout_s, so
@@ -205,6 +206,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             remote = remote_tier_for(self.config, self.layout, namespace=self.namespace,
                                      who="scheduler")
             remote.publish_descriptor(self.layout.descriptor())
+            tiers.append(RemoteIndex(remote))
         planner_config = PlannerConfig(
             chunk_tokens=self.layout.chunk_tokens, block_size=self.layout.block_size,
             tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,
@@ -213,9 +215,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             eviction_policy=self.config.eviction_policy, groups=self.layout.groups,
             same_step_budget_s=self._same_step_budget_s(),
             chunk_bytes=self.layout.slot_bytes, partial_hits=self.config.partial_hits)
-        self._scheduler = OffloadScheduler(
-            planner_config, disk_index=disk_index, block_ids_of=self._block_ids_of,
-            remote=remote)
+        self._scheduler = OffloadScheduler(planner_config, block_ids_of=self._block_ids_of,
+                                           tiers=tiers)
         self._guard = HookGuard(self._scheduler.counters)
         self._events = attach_events(self._vllm_config, self._kv_cache_config, self._scheduler)
         self._stats = SchedulerStats(self._scheduler, self.layout)

@@ -140,6 +140,14 @@ class SchedulerCounters:
         "kv_offload_remote_lookup_seconds_total",
         "Seconds the scheduler spent in remote existence checks")
 
+    def add_per_tier(self, what: str, tier: str, count: int) -> None:
+        """Add ``count`` to the counter ``{what}_{tier}`` (``chunks_loaded_disk``...). The
+        CPU, disk and remote tiers have them; another tier (a test's) is not counted here
+        (its own ``stats`` may)."""
+        name = f"{what}_{tier}"
+        if name in _PER_TIER:
+            setattr(self, name, getattr(self, name) + count)
+
     def snapshot(self) -> dict[str, float]:
         # Read every step (connector stats): attribute reads, not dataclasses.asdict,
         # which deep-copies each field (~50 us a call).
@@ -287,3 +295,8 @@ def spec(name: str) -> MetricSpec:
         raise UnknownMetricError(f"kv-offload bug: {name!r} is not a declared counter or "
                                  "gauge (kv_offload.counters)")
     return found
+
+
+_PER_TIER = frozenset(f.name for f in dataclasses.fields(SchedulerCounters)
+                      if dict(f.metadata.get(_SPEC, ("", "", {}))[2]).get("tier"))
+"""The scheduler counters that exist once per tier (a ``tier`` label)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_offload.tier_contract import Place
+
 SKIP_BLOCK = -1
 """A block id that means "do not copy this block of the chunk" (it is already computed)."""
 
@@ -19,30 +21,24 @@ class ChunkMove:
 
     ``block_ids``: the engine blocks of the chunk in order, ``SKIP_BLOCK`` for blocks
     that must not be touched. ``cpu_slot``: the host slot; None in a load means the
-    chunk vanished after lookup and must be reported as failed. ``disk_slot``: the slab slot
-    to read (loads) or write (stores), None when the disk is not involved.
-    ``checksums``: per rank, the expected checksum of a disk read.
-    ``after_job``: for loads, a job that is still filling ``cpu_slot`` from disk or the
-    remote tier; this chunk is copied once that read is done (a shared load).
-    ``remote_key``: the chunk key in the remote tier: loads read the chunk from there
-    into ``cpu_slot``; stores also write it there, after the local tiers.
-    ``fill_disk_slot``: for loads from the remote tier, a disk slot to write the fetched
-    chunk to, so the next restart finds it locally.
+    chunk vanished after lookup and must be reported as failed. ``source``: for loads,
+    the secondary tier's place to read the chunk from into ``cpu_slot`` (None: the slot
+    holds it). ``sinks``: the places ``cpu_slot`` is written to once it holds the chunk
+    (a store's tiers; a load's fills of earlier tiers). ``after_job``: for loads, a job
+    that is still filling ``cpu_slot`` from its source; this chunk is copied once that
+    read is done (a shared load).
     """
 
     block_ids: tuple[int, ...]
     cpu_slot: int | None
-    disk_slot: int | None = None
-    checksums: tuple[int, ...] | None = None
+    source: Place | None = None
+    sinks: tuple[Place, ...] = ()
     after_job: int | None = None
-    remote_key: bytes | None = None
-    fill_disk_slot: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
-    """Disk or remote -> host (when ``disk_slot`` or ``remote_key`` is set) -> engine
-    blocks, for one request.
+    """A secondary tier -> host (a move's ``source``) -> engine blocks, for one request.
 
     ``same_step``: every chunk is in a READY CPU slot and vLLM runs the request in this
     very step (the connector answered its lookup with a synchronous hit): the workers copy
@@ -57,7 +53,7 @@ class LoadJob:
 
 @dataclass(frozen=True, slots=True)
 class StoreJob:
-    """Engine blocks -> host slot -> disk slot and remote tier (when set).
+    """Engine blocks -> host slot -> the secondary tiers of each move's ``sinks``.
 
     ``req_ids``: per chunk, the request whose engine blocks it copies (empty when not
     known: then no request's blocks wait for this job). ``audited``: the runtime audit
@@ -89,6 +85,11 @@ class StepPlan:
         return bool(self.loads or self.stores or self.held or self.preempted)
 
 
+Results = dict[int, tuple[object | None, ...]]
+"""Rank -> per chunk of a job, what that rank's write to a tier returned (None: no sink
+there, or not written)."""
+
+
 @dataclass(slots=True)
 class WorkerReport:
     """What workers finished since their last report (merged over ranks by the connector).
@@ -96,16 +97,15 @@ class WorkerReport:
     ``host_stored``: store job -> number of ranks whose engine -> host copy finished.
     ``host_failed``: store job -> number of ranks whose engine -> host copy raised (the
     job's chunks are then discarded, never published).
-    ``disk_stored``: store job -> rank -> per-chunk checksum (None: that write failed);
-    for a load job, the checksums of its ``fill_disk_slot`` writes.
-    ``remote_stored``: store job -> rank -> per chunk, whether its remote write succeeded.
-    ``bad_reads``: load job -> rank -> staged chunks whose read (disk or remote) failed
-    verification or I/O: their host slot does not hold the chunk (the CPU entry is
-    discarded, a disk entry dropped). A staged chunk not listed was read intact, also when
-    its job failed it (engine copy error, timeout): the scheduler then keeps it.
+    ``written``: job -> tier -> rank -> per chunk, the result of its write to that tier
+    (a store's sinks, or a load's fills), once all of the job's writes to it ended.
+    ``bad_reads``: load job -> rank -> staged chunks whose read (from their source tier)
+    failed verification or I/O: their host slot does not hold the chunk (the CPU entry is
+    discarded, the source's entry dropped). A staged chunk not listed was read intact,
+    also when its job failed it (engine copy error, timeout): the scheduler then keeps it.
     ``loaded``: load job -> rank -> indexes of chunks that failed on that rank.
-    ``disk_broken``: a rank's store directory keeps failing (deleted, read-only, I/O
-    errors); the scheduler then stops using the disk tier.
+    ``broken``: tier -> why it keeps failing on a rank (its store directory deleted,
+    read-only, I/O errors); the scheduler then stops using that tier.
     ``paused``: rank -> whether vLLM has taken that rank's KV cache away now
     (``unregister_kv_caches``; False once ``restore_kv_caches`` gave it back), for the
     ranks whose state changed since their last report. While any rank is paused the
@@ -114,16 +114,15 @@ class WorkerReport:
 
     host_stored: dict[int, int] = field(default_factory=dict)
     host_failed: dict[int, int] = field(default_factory=dict)
-    disk_stored: dict[int, dict[int, tuple[int | None, ...]]] = field(default_factory=dict)
+    written: dict[int, dict[str, Results]] = field(default_factory=dict)
     loaded: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
-    remote_stored: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
     bad_reads: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
-    disk_broken: str | None = None
+    broken: dict[str, str] = field(default_factory=dict)
     paused: dict[int, bool] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.host_stored or self.host_failed or self.disk_stored or self.loaded
-                    or self.remote_stored or self.disk_broken or self.paused)
+        return bool(self.host_stored or self.host_failed or self.written or self.loaded
+                    or self.bad_reads or self.broken or self.paused)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Fold ``other`` (another rank's report) into this one; returns self."""
@@ -131,14 +130,15 @@ class WorkerReport:
             self.host_stored[job] = self.host_stored.get(job, 0) + count
         for job, count in other.host_failed.items():
             self.host_failed[job] = self.host_failed.get(job, 0) + count
-        for job, sums in other.disk_stored.items():
-            self.disk_stored.setdefault(job, {}).update(sums)
+        for job, tiers in other.written.items():
+            mine = self.written.setdefault(job, {})
+            for tier, by_rank in tiers.items():
+                mine.setdefault(tier, {}).update(by_rank)
         for job, failed in other.loaded.items():
             self.loaded.setdefault(job, {}).update(failed)
-        for job, written in other.remote_stored.items():
-            self.remote_stored.setdefault(job, {}).update(written)
         for job, bad in other.bad_reads.items():
             self.bad_reads.setdefault(job, {}).update(bad)
-        self.disk_broken = self.disk_broken or other.disk_broken
+        for tier, why in other.broken.items():
+            self.broken.setdefault(tier, why)
         self.paused.update(other.paused)
         return self

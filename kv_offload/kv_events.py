@@ -77,17 +77,17 @@ def attach_events(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     events = TierEvents(chunk_tokens=scheduler.config.chunk_tokens, block_size=block_size,
                         extra_keys_of=_extra_keys, counters=scheduler.counters)
     connect(scheduler, events)
-    logger.info("kv-offload: publishing the CPU%s%s tiers' chunks as KV events",
-                ", disk" if scheduler.disk_enabled else "",
-                ", remote" if scheduler.remote is not None else "")
+    logger.info("kv-offload: publishing the %s tiers' chunks as KV events",
+                ", ".join(["CPU", *(t.name for t in scheduler.tiers if t.enabled)]))
     return VllmTierEvents(events, groups)
 
 
 def connect(scheduler: OffloadScheduler, events: TierEvents) -> None:
     """Have the planner capture chunk payloads and the tiers report to ``events``; the
     disk tier starts announcing what it holds."""
-    scheduler.events = scheduler.cpu.events = scheduler.stores.events = events
-    scheduler.disk_tier.attach_events(events)
+    scheduler.events = scheduler.cpu.events = events
+    for tier in scheduler.tiers:
+        tier.attach_events(events)
 
 
 def to_vllm(events: Iterable[TierEvent], groups: list[tuple[int, str]]) -> list[KVCacheEvent]:

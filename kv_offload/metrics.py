@@ -189,17 +189,18 @@ class SchedulerStats:
 
     def _gauges(self) -> SchedulerGauges:
         sched, slot_bytes = self._sched, self._layout.slot_bytes
-        remote = sched.remote
+        remote, disk = sched.tier("remote"), sched.tier("disk")
+        remote_stats = None if remote is None else remote.stats()
         gauges = SchedulerGauges(
             pending_jobs=sched.num_pending_jobs(), cpu_used_bytes=len(sched.cpu) * slot_bytes,
             cpu_capacity_bytes=sched.cpu.num_slots * slot_bytes,
-            remote_up=None if remote is None else int(remote.health.up))
-        if sched.disk is not None:
-            gauges.disk_up = int(sched.disk_enabled)
+            remote_up=None if remote_stats is None else int(remote_stats["up"]))
+        if disk is not None:
+            gauges.disk_up = int(disk.enabled)
             now = self._clock()
             if now - self._disk_gauges_at >= DISK_STATS_INTERVAL_S:
                 self._disk_gauges_at = now
-                st = sched.disk_tier.stats()  # None: the tier is off (the last gauges stay)
+                st = disk.stats()  # None: the tier is off (the last gauges stay)
                 per_slot = slot_bytes * self._layout.tp_size
                 if st is not None:
                     self._disk_gauges = SchedulerGauges(

@@ -194,7 +194,7 @@ def test_a_healthy_server_slower_than_the_lookup_budget_is_not_a_failure(redis_s
             manager = FakeCacheManager()
             conn._kv_cache_manager = manager
             request = new_request(manager, "r", 2 * CHUNK + 1, first_block=0)
-            remote = conn._scheduler.remote
+            remote = conn._scheduler.tier("remote").remote
             assert remote is not None
             round_trip_over = threading.Event()
 
@@ -403,5 +403,5 @@ def test_a_prompts_tail_is_a_store_job_of_its_own_kept_out_of_the_audit(connecto
     chunks, tail = plan.stores
     assert len(chunks.chunks) == 3 and chunks.audited
     (move,) = tail.chunks
-    assert not tail.audited and move.disk_slot is None and move.remote_key is None
+    assert not tail.audited and move.sinks == ()
     assert tail.req_ids == ("a",)

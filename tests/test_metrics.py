@@ -56,7 +56,7 @@ def make_stats(*, clock=lambda: 0.0):
     """A ``SchedulerStats`` over a real scheduler (CPU tier only, 4 slots of 1 KiB)."""
     config = PlannerConfig(chunk_tokens=16, block_size=16, tokens_per_hash=16, num_ranks=1,
                            num_cpu_slots=4)
-    sched = OffloadScheduler(config, disk_index=None, block_ids_of=lambda rid: [])
+    sched = OffloadScheduler(config, block_ids_of=lambda rid: [])
     return sched, SchedulerStats(sched, SimpleNamespace(slot_bytes=1024, tp_size=1),
                                  clock=clock)
 

@@ -1,30 +1,29 @@
 """Which chunks a load can take now, and from which tier (the planner's lookup).
 
-Pure over its collaborators: reads the CPU index and the disk index, asks the remote
-tier through a callable, mutates nothing. ``hits_discarded`` says for which requests
-vLLM throws the connector's answer away, so that they are not looked up at all.
+Pure over its collaborators: reads the CPU index and asks the secondary tiers
+(``tier_contract.SecondaryTier``) in their order, mutates nothing but the tiers' memos.
+``hits_discarded`` says for which requests vLLM throws the connector's answer away, so
+that they are not looked up at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kv_offload.keys import ChunkKey
 from kv_offload.scheduler.cpu_index import CpuHit, CpuIndex
-from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.tails import TailIndex, longest_shared, tail_seed
-from kv_offload.scheduler.tiers import DiskEntryLike
+from kv_offload.tier_contract import Place, SecondaryTier
 
 
 class Source(NamedTuple):
-    """Where one chunk of a loadable run comes from: a CPU hit, a disk entry, or the
-    remote tier (a NamedTuple: built per chunk on every lookup)."""
+    """Where one chunk of a loadable run comes from: a CPU hit, or the place of a
+    secondary tier to stage it from (a NamedTuple: built per chunk on every lookup)."""
 
     key: ChunkKey
     cpu: CpuHit | None = None
-    disk: DiskEntryLike | None = None
-    remote: bool = False
+    place: Place | None = None
     tail: bool = False  # a request tail (tails.py), not a chunk
 
 
@@ -58,40 +57,48 @@ def first_chunk_held(cpu: CpuIndex, block_hashes: Sequence[bytes], num_tokens: i
     return cpu.hit(bytes(block_hashes[hashes_per_chunk - 1])) is not None
 
 
-def loadable_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey], first: int,
-                 remote_hits: Callable[[int], int]) -> list[Source]:
+def loadable_run(cpu: CpuIndex, tiers: Sequence[SecondaryTier], asker: str,
+                 keys: Sequence[ChunkKey], first: int) -> list[Source] | None:
     """The chunks of ``keys[first:]`` a load can take now, each with its tier: the
-    longest run held by the CPU tier (READY or STAGING), the disk or the remote tier,
-    cut where no CPU slot is left to stage a disk or remote chunk into, so a hit
-    reported to vLLM can always be staged and pinned. ``remote_hits(start)``: how many
-    chunks from ``keys[start]`` on the remote tier holds. Read-only."""
-    run = _local_run(cpu, disk, keys[first:])
-    start = first + len(run)
-    if len(run) == len(keys) - first or cpu.state(keys[start]) is not None:
-        return within_staging_budget(cpu, run)  # the end, or a STORING chunk: the run ends
-    for key in keys[start:start + remote_hits(start)]:
-        hit = cpu.hit(key)
-        if hit is None and key in cpu:
-            break
-        run.append(Source(key, hit, None, hit is None))
-    return within_staging_budget(cpu, run)
+    longest run held by the CPU tier (READY or STAGING) or, for the chunks it lacks, by
+    the secondary tiers (each asked, in order, for the chunks no tier before it holds:
+    ``tier_run``), cut where no CPU slot is left to stage a chunk into, so a hit
+    reported to vLLM can always be staged and pinned. None while a tier's answer is
+    pending (``asker`` asks again next step)."""
+    run = tier_run(cpu, tiers, asker, keys[first:])
+    return None if run is None else within_staging_budget(cpu, run)
 
 
-def _local_run(cpu: CpuIndex, disk: DiskTier, keys: Sequence[ChunkKey]) -> list[Source]:
-    """Leading chunks of ``keys`` in the CPU tier or, for those the CPU tier lacks, on
-    disk (a CPU entry past a CPU miss is used as it is: never staged twice)."""
+def tier_run(cpu: CpuIndex, tiers: Sequence[SecondaryTier], asker: str,
+             keys: Sequence[ChunkKey]) -> list[Source] | None:
+    """The leading chunks of ``keys`` held by the CPU tier or a secondary tier (a CPU
+    entry past a CPU miss is used as it is: never staged twice). A chunk the CPU tier
+    holds in another state (STORING: it is READY soon) ends the run. None while a tier's
+    answer is pending."""
     hits = cpu.hits(keys)
-    if None not in hits:
-        return [Source(h.key, h) for h in hits if h is not None]  # all are hits
-    on_disk = disk.find_prefix([k for k, h in zip(keys, hits) if h is None])
+    missing: list[int] = []  # positions a secondary tier may fill
+    for i, (key, hit) in enumerate(zip(keys, hits)):
+        if hit is None:
+            if key in cpu:
+                break
+            missing.append(i)
+    places: dict[int, Place] = {}
+    for tier in tiers:
+        if not missing:
+            break
+        if not tier.enabled:
+            continue
+        found = tier.find(asker, [keys[i] for i in missing])
+        if found is None:
+            return None
+        places.update(zip(missing, found))
+        missing = missing[len(found):]
     run: list[Source] = []
-    num_disk = 0
-    for key, hit in zip(keys, hits):
+    for i, (key, hit) in enumerate(zip(keys, hits)):
         if hit is not None:
             run.append(Source(key, hit))
-        elif num_disk < len(on_disk):
-            run.append(Source(key, None, on_disk[num_disk]))
-            num_disk += 1
+        elif i in places:
+            run.append(Source(key, None, places[i]))
         else:
             break
     return run
@@ -121,49 +128,37 @@ def final_chunk_key(request: Any, keys: Sequence[ChunkKey], chunk_tokens: int,
     return bytes(request.block_hashes[end - 1])
 
 
-def partial_source(cpu: CpuIndex, disk: DiskTier, tails: TailIndex, request: Any,
-                   keys: Sequence[ChunkKey], index: int, *, chunk_tokens: int,
-                   tokens_per_hash: int,
-                   remote_has: Callable[[ChunkKey], bool] | None = None
-                   ) -> tuple[Source, int] | None:
+def tail_source(cpu: CpuIndex, tiers: Sequence[SecondaryTier], tails: TailIndex,
+                request: Any, keys: Sequence[ChunkKey], index: int, *, chunk_tokens: int
+                ) -> tuple[Source, int] | None:
     """Where tokens of chunk ``index`` (the first that the whole-chunk run from ``keys``
-    lacks) can come from, and how many, short of the request's last token: that whole
-    chunk when the request ends with it (``final_chunk_key``; CPU, disk or remote tier,
-    ``remote_has`` telling from the remote tier's answer; its last token is left to
-    compute), else the stored tail of the chunk before it that shares the most tokens
-    with the request (CPU tier, ``tails.TailIndex``, or disk tier, ``tails_of``).
-    Read-only."""
+    lacks) can come from, and how many, short of the request's last token: the stored
+    tail of the chunk before it that shares the most tokens with the request (CPU tier,
+    ``tails.TailIndex``, or a secondary tier that keeps tails, ``tails_of``; such a tier
+    answers ``find`` of a tail at once). Read-only."""
     start, limit = index * chunk_tokens, request.num_tokens - 1
-    if limit <= start:
-        return None
-    key = final_chunk_key(request, keys, chunk_tokens, tokens_per_hash)
-    if index == len(keys) and key is not None:
-        hit = cpu.hit(key)
-        if hit is not None:
-            return Source(key, hit), limit - start
-        on_disk = disk.find_prefix([key]) if key not in cpu else []
-        if on_disk:
-            return Source(key, None, on_disk[0]), limit - start
-        if key not in cpu and remote_has is not None and remote_has(key):
-            return Source(key, None, None, True), limit - start
     seed = tail_seed(request)
-    if seed is None:
+    if limit <= start or seed is None:
         return None
     tokens = request.all_token_ids[start:min(limit, start + chunk_tokens)]
     parent = keys[index - 1] if index else seed
     match = tails.best(parent, tokens, lambda key: cpu.hit(key) is not None)
-    if match is not None and match.num_tokens == len(tokens):
-        return Source(match.key, cpu.hit(match.key), tail=True), match.num_tokens
-    stored = longest_shared(disk.tails_of(parent), tokens) if disk.enabled else None
-    if stored is not None and (match is None or stored.num_tokens > match.num_tokens):
-        hit = cpu.hit(stored.key)  # staged from the disk tier by an earlier load
-        on_disk = disk.find_prefix([stored.key]) if hit is None and stored.key not in cpu else []
-        if hit is not None or on_disk:
-            return (Source(stored.key, hit, on_disk[0] if on_disk else None, tail=True),
-                    stored.num_tokens)
-    if match is None:
-        return None
-    return Source(match.key, cpu.hit(match.key), tail=True), match.num_tokens
+    best = None if match is None else (Source(match.key, cpu.hit(match.key), tail=True),
+                                       match.num_tokens)
+    for tier in tiers:
+        if best is not None and best[1] == len(tokens):
+            break
+        if not (tier.enabled and tier.keeps_tails):
+            continue
+        stored = longest_shared(tier.tails_of(parent), tokens)
+        if stored is None or (best is not None and stored.num_tokens <= best[1]):
+            continue
+        hit = cpu.hit(stored.key)  # staged from the tier by an earlier load
+        if hit is not None:
+            best = Source(stored.key, hit, tail=True), stored.num_tokens
+        elif stored.key not in cpu and (found := tier.find(request.request_id, [stored.key])):
+            best = Source(stored.key, None, found[0], tail=True), stored.num_tokens
+    return best
 
 
 def planned_again(found: tuple[list[Source], list[ChunkKey], int] | None,
@@ -187,49 +182,3 @@ def planned_again(found: tuple[list[Source], list[ChunkKey], int] | None,
     if covered >= end:
         return run, found_keys
     return run[:covered // chunk_tokens - first], keys
-
-
-class RemoteAsks:
-    """The planner's questions to the remote tier: how many leading chunks of a request
-    it holds. Never waits on the network: the tier's ``RemoteLookups`` asks the server
-    on its own threads (started with the first question), within the lookup budget; the
-    answer is memoised per request (``RequestState.remote``: vLLM asks again, next step,
-    while a request waits). Counts lookups, their errors and time. ``on``: False after
-    the connector's reset (``OffloadScheduler.reset_all``)."""
-
-    def __init__(self, remote: Any, counters: Any, clock: Callable[[], float]) -> None:
-        self.remote, self.counters, self._clock = remote, counters, clock
-        self.on = remote is not None
-        self._lookups: Any = None
-        self._errors = 0
-
-    def ask(self, state: Any, keys: Sequence[ChunkKey], start: int) -> int | None:
-        """Leading chunks of ``keys[start:]`` the remote tier holds; None while pending."""
-        if self.remote is None or not self.on or start >= len(keys):
-            return 0
-        memo = state.remote
-        if memo is not None and memo[:2] == (start, len(keys)):
-            return len(memo[2])
-        if self._lookups is None:
-            self._lookups = self.remote.async_lookups(clock=self._clock)
-            self._errors = self.remote.health.num_failures
-        began = self._clock()
-        hits = self._lookups.ask(state.request.request_id, keys[start:])
-        self.counters.seconds_remote_lookup += self._clock() - began
-        if hits is None:
-            return None
-        self.counters.remote_lookups += 1
-        # Failed round trips and answers past the budget since the last answer.
-        errors = self._lookups.num_timeouts + self.remote.health.num_failures
-        self.counters.remote_lookup_errors += max(0, errors - self._errors)
-        self._errors = errors
-        state.remote = (start, len(keys), frozenset(keys[start:start + hits]))
-        return hits
-
-    def forget(self, req_id: str) -> None:
-        if self._lookups is not None:
-            self._lookups.forget(req_id)
-
-    def close(self) -> None:
-        if self._lookups is not None:
-            self._lookups.close()

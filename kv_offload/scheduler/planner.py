@@ -1,11 +1,12 @@
 """OffloadScheduler: the scheduler-side brain (lookups, load and store planning, pins).
 
-Pure logic: imports neither torch nor vLLM (the remote tier is injected). It sees
+Pure logic: imports neither torch nor vLLM, nor any secondary tier: the disk and remote
+tiers (and a test's) are injected as ``tier_contract.SecondaryTier``, in order. It sees
 requests through ``RequestLike`` (``request_id``, ``block_hashes``, ``num_tokens``,
 ``num_prompt_tokens``) and engine block ids through an injected callable, so it is
 unit-tested with fakes. Its parts: ``lookup`` (which chunks a load can take),
-``LoadPlanner`` and ``StorePlanner`` (jobs and their records), ``DiskTier`` (the disk
-index, off for good after a failure), ``CpuIndex`` (the CPU tier's slots and pins).
+``LoadPlanner`` and ``StorePlanner`` (jobs and their records), ``CpuIndex`` (the CPU
+tier's slots and pins, the primary tier).
 
 While a worker reports that vLLM has taken its KV cache away (``WorkerReport.paused``,
 ``unregister_kv_caches``) nothing is loaded or stored: lookups answer 0 and no store is
@@ -26,8 +27,7 @@ from kv_offload.groups import ChunkMap, KVGroup, UnservableChunkError
 from kv_offload.jobs import SKIP_BLOCK, StepPlan, WorkerReport
 from kv_offload.keys import ChunkKey, chunk_keys
 from kv_offload.scheduler.cpu_index import CpuIndex
-from kv_offload.scheduler.disk_tier import DiskTier
-from kv_offload.scheduler.events import Tier, TierEvents
+from kv_offload.scheduler.events import TierEvents
 from kv_offload.scheduler.holds import (
     BlockHolds,
     BlockTables,
@@ -38,36 +38,26 @@ from kv_offload.scheduler.holds import (
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import (
-    RemoteAsks,
     Source,
     final_chunk_key,
     first_chunk_held,
     hits_discarded,
     loadable_run,
-    partial_source,
     planned_again,
+    tail_source,
     within_staging_budget,
 )
-from kv_offload.scheduler.records import RequestState
+from kv_offload.scheduler.records import RequestLike, RequestState
 from kv_offload.scheduler.same_step import SameStepBudget, all_ready_in_cpu, ready_in_cpu
 from kv_offload.scheduler.stores import StorePlanner
 from kv_offload.scheduler.tails import TailIndex, offer_tail
-from kv_offload.scheduler.tiers import (
-    DiskIndexLike,
-    RemoteTierLike,
-    RequestLike,
-)
+from kv_offload.tier_contract import SecondaryTier
 
 logger = logging.getLogger(__name__)
 BoundaryStates = Mapping[str, Iterable[tuple[int, int, int]]]
 """vLLM's mamba "align" hand-offs of one step (``KVConnectorBlockState.
 boundary_state_offloads``): per request, (group, block id, boundary tokens) of each state
 block that this step's forward fills (docs/architecture.md, "Mamba state entries")."""
-ACCESS_FLUSH_INTERVAL_S = 2.0
-ACCESS_FLUSH_MAX_PENDING = 256
-"""Disk hits written at the latest with this many pending: each moves an entry in the
-index's LRU order (~5-25 us, more as the index grows), so a burst of hits is written in
-steps of bounded cost instead of one long transaction every ACCESS_FLUSH_INTERVAL_S."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +78,10 @@ class PlannerConfig:
 
 
 class OffloadScheduler:
-    """Plans loads and stores from the CPU, disk and remote tiers; owns every pin.
+    """Plans loads and stores from the CPU tier and the secondary ``tiers``; owns every pin.
 
-    Scheduler thread only. ``disk_index`` is a ``kv_offload.disk.DiskIndex`` or None
-    (disk tier off); ``remote`` a ``kv_offload.remote.RemoteTier`` or None.
+    Scheduler thread only. ``tiers``: the secondary tiers, in the order a lookup asks
+    them (the disk's ``disk.tier.DiskTier``, then the remote's ``remote.index.RemoteIndex``).
     ``block_ids_of(req_id)`` returns the request's engine block ids: one table per KV
     cache group (vLLM's ``KVCacheBlocks.get_block_ids()``), or a flat list for one group.
     """
@@ -100,9 +90,8 @@ class OffloadScheduler:
         self,
         config: PlannerConfig,
         *,
-        disk_index: DiskIndexLike | None,
         block_ids_of: Callable[[str], BlockTables],
-        remote: RemoteTierLike | None = None,
+        tiers: Sequence[SecondaryTier] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if config.chunk_tokens % config.block_size or config.block_size % config.tokens_per_hash:
@@ -116,17 +105,17 @@ class OffloadScheduler:
             config.groups or (KVGroup("full_attention", 1, config.block_size),),
             config.chunk_tokens)
         self.cpu = CpuIndex(config.num_cpu_slots, policy=config.eviction_policy)
-        self.disk = disk_index  # the raw index (stats); the planner goes through disk_tier
-        self.disk_tier = DiskTier(disk_index)
-        self.remote = remote
         self.counters = SchedulerCounters()
-        self._remote_asks = RemoteAsks(remote, self.counters, clock)
+        self.tiers = tuple(tiers)
+        if len({t.name for t in self.tiers}) != len(self.tiers):
+            raise ValueError(f"two secondary tiers share a name: {[t.name for t in self.tiers]}")
+        for tier in self.tiers:
+            tier.bind(self.counters, clock)
         job_ids = itertools.count(1)  # one sequence: a report names a load or a store
-        self.loads = LoadPlanner(cpu=self.cpu, disk=self.disk_tier, counters=self.counters,
+        self.loads = LoadPlanner(cpu=self.cpu, tiers=self.tiers, counters=self.counters,
                                  job_ids=job_ids, num_ranks=config.num_ranks)
-        self.stores = StorePlanner(cpu=self.cpu, disk=self.disk_tier, counters=self.counters,
-                                   job_ids=job_ids, num_ranks=config.num_ranks,
-                                   with_remote=remote is not None)
+        self.stores = StorePlanner(cpu=self.cpu, tiers=self.tiers, counters=self.counters,
+                                   job_ids=job_ids, num_ranks=config.num_ranks)
         self.holds = BlockHolds()
         self._job_guard = HookGuard(self.counters)  # one job's bug spares the others
         self._block_ids_of = block_ids_of
@@ -135,17 +124,21 @@ class OffloadScheduler:
         self.events: TierEvents | None = None  # KV events: kv_events.attach_events
         self._fence_next: set[str] = set()  # finished requests whose copies need a fence
         self._paused_ranks: set[int] = set()  # ranks whose KV cache vLLM took away
-        self._last_access_flush = clock()
         # Same-step loads (issue 29) need vLLM's invalid_block_ids, one KV cache group only.
         self.same_step = (SameStepBudget(config.same_step_budget_s, config.chunk_bytes)
                           if config.same_step_budget_s > 0 and not config.groups else None)
         # Partial hits: one full-attention group (a window's part-chunk needs unstored blocks).
         self.tails = TailIndex() if config.partial_hits and not self.chunk_map.hybrid else None
 
+    def tier(self, name: str) -> SecondaryTier | None:
+        """The secondary tier called ``name``, or None."""
+        return next((t for t in self.tiers if t.name == name), None)
+
     @property
     def disk_enabled(self) -> bool:
-        """False without a disk tier, or once it failed (see ``DiskTier``)."""
-        return self.disk_tier.enabled
+        """False without a disk tier, or once it failed or was reset."""
+        disk = self.tier("disk")
+        return disk is not None and disk.enabled
 
     @property
     def paused(self) -> bool:
@@ -194,9 +187,10 @@ class OffloadScheduler:
             if found is None:  # the remote tier's answer is pending: vLLM asks next step
                 return None
             run, _, end = found
-            if self.disk_enabled:
-                disk_hits = sum(s.disk is not None for s in run)
-                state.disk_outcome = (disk_hits, max(0, len(keys) - first - len(run)))
+            misses = max(0, len(keys) - first - len(run))
+            state.tier_outcome = {t.name: (sum(s.place is not None and s.place.tier == t.name
+                                               for s in run), misses)
+                                  for t in self.tiers if t.enabled}
             hit_tokens = max(0, end - num_computed_tokens)
             state.same_step = (hit_tokens > 0 and self.same_step is not None
                                and all_ready_in_cpu(run) and self.same_step.take(len(run)))
@@ -226,41 +220,26 @@ class OffloadScheduler:
                                 chunk_tokens=self.config.chunk_tokens,
                                 tokens_per_hash=self.config.tokens_per_hash)
 
-    def _loadable_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int,
-                      last: ChunkKey | None = None) -> list[Source] | None:
-        """``lookup.loadable_run``; None while the remote tier's answer is pending. The
-        remote tier is also asked for ``last`` (``lookup.final_chunk_key``)."""
-        pending = False
-        asked = keys if last is None else [*keys, last]
-
-        def remote_hits(start: int) -> int:
-            nonlocal pending
-            hits = self._remote_asks.ask(state, asked, start)
-            pending = hits is None
-            return hits or 0
-
-        run = loadable_run(self.cpu, self.disk_tier, keys, first, remote_hits)
-        return None if pending else run
-
     def _hit_run(self, state: RequestState, keys: Sequence[ChunkKey], first: int
                  ) -> tuple[list[Source], list[ChunkKey], int] | None:
         """The loadable run from chunk ``first``, its keys and the token it ends at; with
-        partial hits it goes on with part of a chunk (``lookup.partial_source``). None
-        while the remote tier's answer is pending."""
-        chunk, per_hash = self.config.chunk_tokens, self.config.tokens_per_hash
-        last = None if self.tails is None else final_chunk_key(state.request, keys, chunk,
-                                                               per_hash)
-        run = self._loadable_run(state, keys, first, last)
+        partial hits it goes on with part of a chunk: the whole chunk a request ends with,
+        to its last token but one (``lookup.final_chunk_key``: asked with the others), or
+        a request tail (``lookup.tail_source``). None while a tier's answer is pending."""
+        chunk, per_hash, request = self.config.chunk_tokens, self.config.tokens_per_hash, \
+            state.request
+        last = None if self.tails is None else final_chunk_key(request, keys, chunk, per_hash)
+        asked = list(keys) if last is None else [*keys, last]
+        run = loadable_run(self.cpu, self.tiers, request.request_id, asked, first)
         if run is None:
             return None
         end = first + len(run)
-        whole = (run, list(keys), end * chunk)
-        partial = None if self.tails is None else partial_source(
-            self.cpu, self.disk_tier, self.tails, state.request, keys, end,
-            chunk_tokens=chunk, tokens_per_hash=per_hash,
-            remote_has=lambda key: state.remote is not None and key in state.remote[2])
+        if end > len(keys):  # the chunk the request ends with: all of it but its last token
+            return run, asked, request.num_tokens - 1
+        partial = None if self.tails is None else tail_source(
+            self.cpu, self.tiers, self.tails, request, keys, end, chunk_tokens=chunk)
         if partial is None:
-            return whole
+            return run, list(keys), end * chunk
         source, num_tokens = partial
         with_partial = within_staging_budget(self.cpu, [*run, source])
         if len(with_partial) <= len(run):  # no CPU slot left to stage it into
@@ -283,9 +262,9 @@ class OffloadScheduler:
             return
         num_local, _ = state.lookup
         state.lookup, state.load_from = None, num_local
-        hits, misses = state.disk_outcome  # counted once per scheduled request
-        state.disk_outcome = (0, 0)
-        self.disk_tier.count_lookup(hits, misses)
+        for tier in self.tiers:  # counted once per scheduled request
+            tier.count_lookup(*state.tier_outcome.get(tier.name, (0, 0)))
+        state.tier_outcome = {}
         past_local = max(0, request.num_tokens - 1 - num_local)
         if hits_discarded(request):  # never looked up: neither a hit nor a miss
             self.counters.lookup_skipped_tokens += past_local
@@ -317,19 +296,18 @@ class OffloadScheduler:
                 logger.warning("kv-offload: %s; recomputing from there", exc)
                 run = run[:c - first]  # this chunk and the rest fail (vLLM recomputes)
                 blocks.append(self.chunk_map.store_blocks(tables, c) or (SKIP_BLOCK,))
-        tiers = self.loads.plan(request.request_id, keys[first:last], run, blocks,
-                                same_step=same_step)
+        chunk_tiers = self.loads.plan(request.request_id, keys[first:last], run, blocks,
+                                      same_step=same_step)
         self.counters.loads_same_step += same_step
         state.tier_tokens = {}
-        for c, tier, source in itertools.zip_longest(range(first, last), tiers, run):
-            if tier is not None:
+        for c, name, source in itertools.zip_longest(range(first, last), chunk_tiers, run):
+            if name is not None:
                 tokens = min(end, (c + 1) * chunk) - max(num_local, c * chunk)
-                state.tier_tokens[tier] = state.tier_tokens.get(tier, 0) + tokens
+                state.tier_tokens[name] = state.tier_tokens.get(name, 0) + tokens
                 if source is not None and source.tail:
                     self.counters.hit_tokens_tail += tokens
-        for tier, tokens in state.tier_tokens.items():
-            name = f"hit_tokens_{tier}"
-            setattr(self.counters, name, getattr(self.counters, name) + tokens)
+        for name, tokens in state.tier_tokens.items():
+            self.counters.add_per_tier("hit_tokens", name, tokens)
         state.loading = not same_step  # a same-step load's request runs in this step
 
     def fail_load(self, req_id: str, block_ids: BlockTables, num_external_tokens: int
@@ -408,8 +386,8 @@ class OffloadScheduler:
                 self.holds.copying(job.job_id, job.req_ids, window_sources_of(job, self.chunk_map.released_positions,
                                                                    self._block_ids_of))
                 store_jobs.append(job)
-        self.disk_tier.flush()  # what no allocation above wrote: one transaction a step
-        self._maybe_flush_access()
+        for tier in self.tiers:  # what no reservation above wrote: one transaction a step
+            tier.end_step()
         loads = self.take_pending_loads()  # last: if anything above raised, the connector
         # hands them out itself (a load never handed out would leave its request waiting)
         return StepPlan(loads, tuple(store_jobs), held=self.holds.take_new(),
@@ -461,7 +439,9 @@ class OffloadScheduler:
         tail = offer_tail(self.tails, self.cpu, state.request, block_tables(self._block_ids_of(
             req_id)), self.chunk_map, tokens_per_hash=self.config.tokens_per_hash)
         if tail is not None:
-            self.disk_tier.note_tail(tail.key, tail.parent, tail.tokens)
+            for tier in self.tiers:
+                if tier.keeps_tails:
+                    tier.note_tail(tail.key, tail.parent, tail.tokens)
         return [] if tail is None else [(tail.key, tail.blocks, req_id)]
 
     def _window_freed(self, *, exclude: Sequence[str]) -> tuple[str, ...]:
@@ -483,23 +463,22 @@ class OffloadScheduler:
         """Apply what workers finished: publish, commit, release pins (invariants 1-2).
         Each job is applied on its own: one that raises (a bug) is logged and counted
         (``hook_errors``) and does not keep the report's other jobs from completing."""
-        if report.disk_broken:
-            self.disk_tier.disable(report.disk_broken)
+        for name, why in report.broken.items():
+            if (broken := self.tier(name)) is not None:
+                broken.disable(why)
         if report.paused:
             self._on_paused(report.paused)
         run = self._job_guard.call
         for job_id in report.host_stored.keys() | report.host_failed.keys():
             run("on_report (store copied)", lambda: None, self._on_copied, job_id,
                 report.host_stored.get(job_id, 0), report.host_failed.get(job_id, 0))
-        for job_id, sums in report.disk_stored.items():
-            if job_id in self.loads.records:  # a load's disk fills
-                run("on_report (load fills)", lambda: None, self.loads.on_fills, job_id, sums)
+        for job_id, by_tier in report.written.items():
+            if job_id in self.loads.records:  # a load's fills
+                run("on_report (load fills)", lambda: None, self.loads.on_fills, job_id,
+                    by_tier)
             else:
-                run("on_report (store written)", lambda: None, self.stores.on_disk_written,
-                    job_id, sums)
-        for job_id, oks in report.remote_stored.items():
-            run("on_report (remote written)", lambda: None, self.stores.on_remote_written,
-                job_id, oks)
+                run("on_report (store written)", lambda: None, self.stores.on_written,
+                    job_id, by_tier)
         for job_id, bad in report.bad_reads.items():
             run("on_report (bad reads)", lambda: None, self.loads.on_bad_reads, job_id, bad)
         for job_id, failed in report.loaded.items():
@@ -537,7 +516,8 @@ class OffloadScheduler:
         asks, so a hold cannot keep those: when a copy in flight reads one, the request's
         copies are fenced before the next step's forward instead (and it is not held)."""
         state = self._requests.pop(req_id, None)
-        self._remote_asks.forget(req_id)
+        for tier in self.tiers:
+            tier.forget(req_id)
         if state is not None and state.loading:
             return False
         if block_ids is not None and sources_freed(self.holds.window_sources().get(req_id, ()),
@@ -557,7 +537,7 @@ class OffloadScheduler:
 
     def has_pending_work(self) -> bool:
         return bool(self.loads.has_pending() or self.stores.records or self.holds.num_held()
-                    or self.disk_tier.has_queued()
+                    or any(t.has_queued() for t in self.tiers)
                     or (self.events is not None and self.events.has_queued()))
 
     def reset_cpu_tier(self) -> int:
@@ -570,31 +550,18 @@ class OffloadScheduler:
         and remote tiers for the rest of the run (no lookups, no stores; jobs in flight
         finish what they wrote). Returns how many CPU entries were dropped."""
         dropped = self.cpu.discard_all()
-        if self.disk_enabled or self.remote is not None:
+        if any(t.enabled for t in self.tiers):
             logger.warning(
                 "kv-offload: vLLM reset the connector's cache (it does so around weight "
                 "updates); the disk and remote tiers, keyed by the model's config and not "
                 "its weights, are not used for the rest of this run. Restart (with another "
                 "namespace_salt if the weights changed) to use them again, or set "
                 "connector_reset='cpu' if the weights never change in place.")
-        self.disk_tier.disable("reset", failed=False)
-        self._remote_asks.on = False
-        self.stores.with_remote = False
-        if self.events is not None:
-            self.events.tier_off(Tier.REMOTE)
+        for tier in self.tiers:
+            tier.disable("reset", failed=False)
         return dropped
 
-    def _maybe_flush_access(self) -> None:
-        now = self._clock()
-        if self.disk_enabled and (
-                now - self._last_access_flush >= ACCESS_FLUSH_INTERVAL_S
-                or self.disk_tier.num_pending_accesses() >= ACCESS_FLUSH_MAX_PENDING):
-            self._last_access_flush = now
-            self.disk_tier.flush_access()
-
     def close(self) -> None:
-        self._remote_asks.close()
-        if self.remote is not None:
-            self.remote.close()
-        self.disk_tier.close()
+        for tier in self.tiers:
+            tier.close()
 

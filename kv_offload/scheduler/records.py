@@ -7,11 +7,32 @@ Scheduler thread only; never crosses the process boundary (``kv_offload.jobs`` d
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kv_offload.jobs import ChunkMove
+from kv_offload.jobs import ChunkMove, Results
 from kv_offload.keys import ChunkKey
-from kv_offload.scheduler.tiers import RequestLike
+
+
+class RequestLike(Protocol):
+    """A vLLM request as the planner reads it (read-only: the planner never sets these)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+Written = dict[str, Results]
+"""Tier -> rank -> per chunk of a job, the rank's write result (``WorkerReport.written``)."""
 
 
 @dataclass(slots=True)
@@ -21,8 +42,8 @@ class RequestState:
     request: RequestLike  # vLLM's Request
     next_store_chunk: int = 0  # chunks before it are stored or were skipped
     lookup: tuple[int, int] | None = None  # (num_computed_tokens, hit tokens) of the last ask
-    remote: tuple[int, int, frozenset] | None = None  # (first chunk, num keys, hit keys) memo
-    disk_outcome: tuple[int, int] = (0, 0)  # (hits, misses) of the last disk lookup
+    tier_outcome: dict[str, tuple[int, int]] = field(default_factory=dict)  # tier -> (hits,
+    # misses) of the last lookup
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of the last planned load
     loading: bool = False  # a load was planned and the request has not run since
     same_step: bool = False  # the last lookup's hit loads in the step that schedules it
@@ -35,7 +56,7 @@ class RequestState:
 
 class LoadPhase(enum.Enum):
     LOADING = "loading"  # workers read and copy; waiting for every rank's report
-    FILLING = "filling"  # applied; remote chunks still being written to the local disk
+    FILLING = "filling"  # applied; chunks still being written to earlier tiers (fills)
 
 
 @dataclass(slots=True)
@@ -44,16 +65,16 @@ class LoadRecord:
 
     keys: tuple[ChunkKey, ...]
     moves: tuple[ChunkMove, ...]
-    staged: frozenset[int]  # chunk indexes read from disk or remote into a new CPU slot
+    staged: frozenset[int]  # chunk indexes read from a secondary tier into a new CPU slot
     phase: LoadPhase = LoadPhase.LOADING
     failed_by_rank: dict[int, frozenset[int]] = field(default_factory=dict)
     bad_reads: set[int] = field(default_factory=set)  # staged reads that failed on a rank
-    fill_sums_by_rank: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
+    fills: Written = field(default_factory=dict)  # what the ranks wrote to the sinks
     fill_pinned: set[int] = field(default_factory=set)  # CPU slots kept pinned for fills
 
     @property
-    def has_fills(self) -> bool:
-        return any(m.fill_disk_slot is not None for m in self.moves)
+    def sink_tiers(self) -> set[str]:
+        return sink_tiers(self.moves)
 
 
 class StorePhase(enum.Enum):
@@ -71,14 +92,30 @@ class StoreRecord:
     phase: StorePhase = StorePhase.COPYING
     ranks_copied: int = 0  # ranks whose engine -> host copy ended, well or not
     copy_failed: bool = False  # some rank's copy raised: the chunks are discarded
-    tail: bool = False  # a request's tail (scheduler/tails.py): the CPU tier only
-    disk_sums_by_rank: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
-    remote_ok_by_rank: dict[int, tuple[bool, ...]] = field(default_factory=dict)
+    tail: bool = False  # a request's tail (scheduler/tails.py): tiers that keep tails only
+    written: Written = field(default_factory=dict)  # what the ranks wrote to the sinks
 
     @property
-    def has_disk(self) -> bool:
-        return any(m.disk_slot is not None for m in self.moves)
+    def sink_tiers(self) -> set[str]:
+        return sink_tiers(self.moves)
 
-    @property
-    def has_remote(self) -> bool:
-        return any(m.remote_key is not None for m in self.moves)
+
+def sink_tiers(moves: tuple[ChunkMove, ...]) -> set[str]:
+    """The tiers some move of a job writes to."""
+    return {place.tier for move in moves for place in move.sinks}
+
+
+def all_written(written: Written, tiers: set[str], num_ranks: int) -> bool:
+    """Whether every rank reported its writes to each of ``tiers``."""
+    return all(len(written.get(tier, ())) >= num_ranks for tier in tiers)
+
+
+def add_written(written: Written, by_tier: dict[str, Results]) -> None:
+    """Fold one report's ``WorkerReport.written`` entry of a job into ``written``."""
+    for tier, by_rank in by_tier.items():
+        written.setdefault(tier, {}).update(by_rank)
+
+
+def sink_places(moves: tuple[ChunkMove, ...], tier: str) -> list:
+    """Per move, its sink in ``tier`` (None where it has none)."""
+    return [next((p for p in m.sinks if p.tier == tier), None) for m in moves]

@@ -77,7 +77,7 @@ def connector_state(llm: Any) -> dict[str, Any] | None:
         "worker_pending_jobs": worker.has_pending_jobs() if worker is not None else None,
         "persistent": conn.persistent,
         "disk_enabled": sched.disk_enabled,
-        "disk": sched.disk.stats() if sched.disk is not None else None,
+        "disk": _disk_stats(sched),
         "namespace": conn.namespace,
         "slot_bytes": conn.layout.slot_bytes,
     }
@@ -118,3 +118,10 @@ def drain(llm: Any, timeout_s: float) -> None:
                                "requests finished")
         llm.llm_engine.step()
         time.sleep(0.005)
+
+
+def _disk_stats(sched: Any) -> dict | None:
+    """The disk index's stats, also once the tier is off (None without a disk tier)."""
+    disk = sched.tier("disk")
+    index = getattr(disk, "index", None)
+    return None if index is None else index.stats()

@@ -235,8 +235,9 @@ class SchedulerHarness:
         def make_worker(**kwargs: Any) -> Any:
             kwargs["engine"] = _FaultyEngine(kwargs["engine"], self,
                                              synchronous=not self.copy_thread)
-            if kwargs.get("slab") is not None:
-                kwargs["slab"] = _FaultySlab(kwargs["slab"], self)
+            for tier in kwargs.get("tiers", ()):  # the disk tier's DiskIO
+                if hasattr(tier, "slab"):
+                    tier.slab = _FaultySlab(tier.slab, self)
             worker = real_worker(**kwargs, clock=lambda: self.now)
             for pool in ("_io", "_io_writes", "_copier"):  # its pools: deterministic instead
                 if not hasattr(worker, pool):
@@ -402,8 +403,8 @@ class SchedulerHarness:
                 out.append(f"CPU tier: {counts[what]} {what} entries ({counts})")
         if planner.has_pending_work():
             out.append(f"scheduler side: {planner.num_pending_jobs()} jobs pending")
-        if planner.disk is not None:
-            stats = planner.disk.stats()
+        if (index := getattr(planner.tier("disk"), "index", None)) is not None:
+            stats = index.stats()
             if stats["pinned"] or stats["reserved"]:
                 out.append(f"disk index: {stats['pinned']} pins, {stats['reserved']} reserved")
         if (self.worker.has_pending_jobs() or self.executor.num_pending()
@@ -426,7 +427,8 @@ class SchedulerHarness:
             if hit is not None and not self._slot_holds(hit.slot, hashes, end):
                 out.append(f"CPU slot {hit.slot} does not hold the KV of its key")
         out += self._tail_problems(chunks)
-        if planner.disk is None or not planner.disk_enabled or self.offload.disk_path is None:
+        disk = planner.tier("disk")
+        if disk is None or not disk.enabled or self.offload.disk_path is None:
             return out
         from kv_offload.disk import iter_entries
 
@@ -434,13 +436,13 @@ class SchedulerHarness:
         view = self.worker.host.slot_view(scratch)
         saved = bytes(view)
         for entry, _ in iter_entries(self.offload.disk_path, self.scheduler.connector.namespace):
-            tail = planner.disk.tail_of(entry.key) if entry.key not in chunks else None
+            tail = disk.index.tail_of(entry.key) if entry.key not in chunks else None
             expected: tuple | None = (chunks.get(entry.key) if tail is None else
                                       self._tail_hashes(tail[0], tail[1], chunks))
             if expected is None:
                 out.append(f"disk slot {entry.slot} holds an unknown key")
                 continue
-            ok = self.worker.slab.unfaulty.read(entry.slot, view, entry.checksums[0])
+            ok = self.worker.tiers["disk"].slab.unfaulty.read(entry.slot, view, entry.checksums[0])
             if not ok or not self._slot_holds(scratch, *(expected if tail else expected[::-1])):
                 out.append(f"disk slot {entry.slot} does not hold the KV of its key")
         view[:] = saved

@@ -119,7 +119,7 @@ class StepLoop:
         self.engine = make_copy_engine(planes, self.host, BLOCKS_PER_CHUNK, copy_mode=copy_mode)
         audit = build_audit(planes, self.host, BLOCKS_PER_CHUNK, engine=self.engine,
                             rate=audit_rate)
-        self.worker = OffloadWorker(rank=0, engine=self.engine, host=self.host, slab=None,
+        self.worker = OffloadWorker(rank=0, engine=self.engine, host=self.host,
                                     background_stores=background_stores, load_timeout_s=60,
                                     audit=audit)
         self.worker.layer_waits.layers = PlaneLayers.from_counts(
@@ -128,8 +128,7 @@ class StepLoop:
                                tokens_per_hash=BLOCK, num_ranks=1, num_cpu_slots=cpu_slots,
                                same_step_budget_s=1.0 if same_step else 0.0,
                                chunk_bytes=slot_bytes, partial_hits=same_step)
-        self.sched = OffloadScheduler(config, disk_index=None,
-                                      block_ids_of=lambda rid: self.requests[rid].blocks)
+        self.sched = OffloadScheduler(config, block_ids_of=lambda rid: self.requests[rid].blocks)
         self.free = list(range(1, num_blocks))  # block 0 stays unused, as vLLM's null block
         self.requests: dict[str, _Request] = {}
         self.waiting: list[str] = []

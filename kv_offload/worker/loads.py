@@ -68,7 +68,7 @@ class WorkerLoad:
         marks the others failed."""
         chunks = self.job.chunks
         rows = [i for i, m in enumerate(chunks)
-                if m.cpu_slot is not None and m.disk_slot is None and m.remote_key is None]
+                if m.cpu_slot is not None and m.source is None]
         self.failed.update(set(range(len(chunks))) - set(rows))
         return rows
 

@@ -1,7 +1,8 @@
 """OffloadWorker: the worker-side muscle that executes load and store jobs on one rank.
 
-Owns the rank's host slots, copy engine and slab file; makes no policy decisions. Disk
-and remote reads run on a thread pool (the read lane), so the engine never waits on disk
+Owns the rank's host slots, copy engine and the worker halves of the secondary tiers
+(``tier_contract.TierIO``: the disk's, the remote's); makes no policy decisions. Reads
+from a tier run on a thread pool (the read lane), so the engine never waits on disk
 (invariant 6); writes run on a pool of their own (the write lane), so a read for a load
 never queues behind a store. Engine copies of loads run on one copy thread, or, with a
 synchronous engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on
@@ -12,7 +13,7 @@ Store jobs: ``WorkerStores`` (``worker/stores.py``). What it finished is reporte
 
 ``pause``/``resume`` follow vLLM taking the KV cache away and giving it back
 (``unregister_kv_caches``/``restore_kv_caches``): a pause, not a shutdown. While paused no
-copy touches the engine's KV memory; host slots, the slab and the remote tier keep what
+copy touches the engine's KV memory; host slots and the secondary tiers keep what
 they hold, and their reads and writes go on.
 """
 
@@ -33,8 +34,8 @@ import numpy as np
 
 from kv_offload.counters import WorkerCounters, WorkerTally
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
+from kv_offload.tier_contract import Place, TierIO
 from kv_offload.worker.affinity import ThreadPlacement
-from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.worker.host_copies import HostCopies
 from kv_offload.worker.layer_loads import LayerWaits
 from kv_offload.worker.loads import (
@@ -44,20 +45,16 @@ from kv_offload.worker.loads import (
     succeeded,
     when_all_done,
 )
-from kv_offload.worker.reads import TierReads
 from kv_offload.worker.stores import WorkerStores, all_done, chunk_bytes, results
-from kv_offload.worker.writes import SlabWrites
 
 if TYPE_CHECKING:
     from kv_offload.copy.base import CopyEngine
     from kv_offload.copy.host_buffer import HostSlots
-    from kv_offload.disk.slab import SlabFile
-    from kv_offload.remote.tier import RemoteTier
     from kv_offload.worker.audit import CopyAudit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISK_BROKEN_AFTER", "IDLE_STEP_WAIT_S", "INLINE_LOAD_MAX_BYTES", "STAGED_READ_TTL_S",
+__all__ = ["IDLE_STEP_WAIT_S", "INLINE_LOAD_MAX_BYTES", "STAGED_READ_TTL_S",
            "OffloadWorker", "PollResult"]
 
 STAGED_READ_TTL_S = 300.0
@@ -94,8 +91,8 @@ class OffloadWorker:
     internal threads never call back into vLLM.
 
     ``engine``: a ``kv_offload.copy.CopyEngine`` over this rank's KV planes and
-    ``host`` slots. ``slab``: this rank's ``kv_offload.disk.SlabFile`` or None.
-    ``remote``: a ``kv_offload.remote.RemoteTier`` or None. ``placement``: which CPUs
+    ``host`` slots. ``tiers``: this rank's halves of the secondary tiers (the disk's
+    ``disk.io.DiskIO``, the remote's ``remote.io.RemoteIO``). ``placement``: which CPUs
     the I/O, copy and store threads run on (``worker.affinity``; default: where they start).
     ``audit``: the runtime audit of a sample of copies (``worker/audit.py``); the worker
     closes it.
@@ -107,11 +104,9 @@ class OffloadWorker:
         rank: int,
         engine: CopyEngine,
         host: HostSlots,
-        slab: SlabFile | None,
-        remote: RemoteTier | None = None,
+        tiers: Sequence[TierIO] = (),
         io_threads: int = 4,
         load_timeout_s: float = 30.0,
-        verify_checksums: bool = True,
         background_stores: bool = False,
         placement: ThreadPlacement | None = None,
         audit: CopyAudit | None = None,
@@ -120,8 +115,7 @@ class OffloadWorker:
         self.rank = rank
         self.engine = engine
         self.host = host
-        self.slab = slab
-        self.remote = remote
+        self.tiers = {tier.name: tier for tier in tiers}
         self.load_timeout_s = load_timeout_s
         self.idle_wait_s = IDLE_STEP_WAIT_S
         self._clock = clock
@@ -140,30 +134,27 @@ class OffloadWorker:
         self._lock = threading.Lock()
         self._loads: dict[int, WorkerLoad] = {}
         self._staged: dict[tuple[int, int], _Staged] = {}
-        self._fills: dict[int, list[Future[int | None] | None]] = {}  # load job -> fill_disk_slot writes
+        # load job -> tier -> per chunk, its fill write (the chunk's sinks)
+        self._fills: dict[int, dict[str, list[Future[object | None] | None]]] = {}
         self._report = WorkerReport()
-        self._disk = DiskHealth(rank)
         self._tally = WorkerTally()
+        for tier in self.tiers.values():
+            tier.bind(self._tally.add, clock)
         self._paused = False  # vLLM took the KV cache away (pause): no copy touches it
         self.layer_waits = LayerWaits(lambda: self.engine)  # same-step loads per layer
         self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
-        self._reads = TierReads(rank=rank, host=host, slab=slab, remote=remote,
-                                verify_checksums=verify_checksums, disk=self._disk,
-                                count=self._tally.add, clock=clock)
-        self._writes = None if slab is None else SlabWrites(
-            host=host, slab=slab, disk=self._disk, count=self._tally.add, clock=clock)
         self._stores = WorkerStores(
-            rank=rank, host=host, copies=self._copies, writes=self._writes, remote=remote,
+            rank=rank, host=host, copies=self._copies, tiers=self.tiers,
             submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._tally.add,
             clock=clock)
 
     # -- loads -----------------------------------------------------------------------------
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> bool:
-        """Start ``jobs`` in the background: disk and remote reads on the read lane (the
-        disk fills of remote chunks on the write lane once read), then the engine copy of
+        """Start ``jobs`` in the background: reads from their sources' tiers on the read
+        lane (writes to the chunks' sinks, fills, on the write lane once read), then the engine copy of
         each job, once the reads it needs (its own and those of jobs it shares chunks
         with) are done, so a slow disk never holds up the copies of other jobs. Returns at
         once, except that a synchronous engine copies a job that needs no read right here.
@@ -182,25 +173,25 @@ class OffloadWorker:
                 load.cancel()
             reads: dict[int, Future[bool]] = {}
             needed: list[Future[bool]] = []
-            fills: list[Future[int | None] | None] = []
+            fills: dict[str, list[Future[object | None] | None]] = {}
             for i, move in enumerate(job.chunks):
-                fills.append(None)
                 if move.cpu_slot is None:
                     continue
-                if move.disk_slot is not None or move.remote_key is not None:
-                    fut = self._io.submit(self._reads.read, move)
+                if move.source is not None:
+                    fut = self._io.submit(self._read, move)
                     reads[i] = fut
                     self._staged[(job.job_id, move.cpu_slot)] = _Staged(fut)
                     needed.append(fut)
-                    if move.fill_disk_slot is not None:
-                        fills[i] = self._fill_after(fut, move)
+                    for sink in move.sinks:
+                        fills.setdefault(sink.tier, [None] * len(job.chunks))[i] = (
+                            self._fill_after(fut, move.cpu_slot, sink))
                 elif move.after_job is not None:
                     staged = self._staged.get((move.after_job, move.cpu_slot))
                     if staged is not None:
                         needed.append(staged.read)
             with self._lock:
                 self._loads[job.job_id] = load
-                if any(f is not None for f in fills):
+                if fills:
                     self._fills[job.job_id] = fills
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
         self._copy_ready()
@@ -315,33 +306,41 @@ class OffloadWorker:
     def _load_bytes(self, load: WorkerLoad) -> int:
         return sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
 
-    def _fill_after(self, read: Future[bool], move: ChunkMove) -> Future[int | None]:
-        """Write a chunk fetched from the remote tier to its disk slot: queued on the write
-        lane once ``read`` succeeded (no thread waits for the read). Its future: the
-        chunk's checksum, or None when it was not written."""
-        fill: Future[int | None] = Future()
+    def _read(self, move: ChunkMove) -> bool:
+        """Read ``move``'s chunk from its source tier into its host slot (read lane);
+        whether the slot now holds the verified chunk. Never raises."""
+        tier = None if move.source is None else self.tiers.get(move.source.tier)
+        if tier is None or move.source is None or move.cpu_slot is None:
+            return False
+        try:
+            return tier.read(move.source, self.host.slot_view(move.cpu_slot))
+        except Exception:  # a tier's bug: a miss, vLLM recomputes
+            logger.exception("kv-offload: reading a chunk from the %s tier failed", tier.name)
+            return False
 
-        def written(done: Future[int | None]) -> None:
-            fill.set_result(None if done.cancelled() or done.exception() else done.result())
+    def _fill_after(self, read: Future[bool], cpu_slot: int, sink: Place
+                    ) -> Future[object | None]:
+        """Write a chunk read from a later tier to ``sink`` (an earlier tier, e.g. the
+        local disk): queued on the write lane once ``read`` succeeded (no thread waits
+        for the read). Its future: the tier's result, or None when it was not written."""
+        fill: Future[object | None] = Future()
+        tier = self.tiers.get(sink.tier)
+
+        def written(done: Future[list[object | None]]) -> None:
+            fill.set_result(None if done.cancelled() or done.exception() else done.result()[0])
 
         def queue(ended: Future[bool]) -> None:
-            if not succeeded(ended):
+            if tier is None or not succeeded(ended):
                 fill.set_result(None)
                 return
             try:
-                self._io_writes.submit(self._fill_disk, move).add_done_callback(written)
+                self._io_writes.submit(self._stores.write_to, tier, [cpu_slot],
+                                       [sink.address]).add_done_callback(written)
             except RuntimeError:  # shut down by close()
                 fill.set_result(None)
 
         read.add_done_callback(queue)
         return fill
-
-    def _fill_disk(self, move: ChunkMove) -> int | None:
-        """Write a chunk read from the remote tier to its disk slot (write lane); its
-        checksum, or None."""
-        if self._writes is None or move.cpu_slot is None or move.fill_disk_slot is None:
-            return None
-        return self._writes.write(move.cpu_slot, move.fill_disk_slot)
 
     def _copy_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """``_run_load``, where a bug fails the whole load (its blocks are recomputed)
@@ -406,7 +405,7 @@ class OffloadWorker:
 
     def run_stores(self, jobs: Sequence[StoreJob], *, discard: bool = False) -> None:
         """Start copying engine blocks to host slots for ``jobs`` (ordered after this
-        step's compute), then queue slab and remote writes behind each copy
+        step's compute), then queue the writes to their sinks behind each copy
         (``worker/stores.py``). Never waits for a copy: its blocks are protected by
         ``fence`` and ``hold`` (invariant 3). ``discard``: the step's forward read a
         same-step load that failed (``start_loads`` returned False, or ``LayerWaits`` saw
@@ -525,8 +524,9 @@ class OffloadWorker:
         self._stores.collect(self._report)
         with self._lock:
             for job_id, fills in list(self._fills.items()):
-                if job_id not in self._loads and all_done(fills):
-                    self._report.disk_stored[job_id] = {self.rank: results(fills)}
+                if job_id not in self._loads and all(all_done(f) for f in fills.values()):
+                    self._report.written[job_id] = {tier: {self.rank: results(f)}
+                                                    for tier, f in fills.items()}
                     del self._fills[job_id]
         for key, staged in list(self._staged.items()):  # reads others no longer wait for
             if staged.ended is None:
@@ -553,10 +553,10 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport | None:
         """The report accumulated since the last call (None when empty)."""
-        broken = self._disk.take_broken()
+        broken = {name: why for name, tier in self.tiers.items()
+                  if (why := tier.take_broken()) is not None}
         with self._lock:
-            if broken is not None:
-                self._report.disk_broken = broken
+            self._report.broken.update(broken)
             report, self._report = self._report, WorkerReport()
         return report if report else None
 
@@ -571,11 +571,12 @@ class OffloadWorker:
         return bool(self._loads or self._stores or self._fills or self._copies.num_pending())
 
     def close(self, *, timeout_s: float = 30.0) -> None:
-        """Finish queued disk and remote writes (bounded by ``timeout_s``), then stop."""
+        """Finish queued tier writes (bounded by ``timeout_s``), then stop."""
         deadline = self._clock() + timeout_s
         self._copies.close()  # copies already issued finish (the writes read them)
         pending = self._stores.pending_writes()
-        pending += [f for fills in list(self._fills.values()) for f in fills if f is not None]
+        pending += [f for fills in list(self._fills.values()) for per_chunk in fills.values()
+                    for f in per_chunk if f is not None]
         for w in pending:
             with contextlib.suppress(Exception):
                 w.result(timeout=max(0.0, deadline - self._clock()))
@@ -586,14 +587,12 @@ class OffloadWorker:
                    + [load.future for load in self._loads.values() if load.future is not None]
                    if not f.done()]
         if running:  # closing now could let them write into a reused descriptor number
-            logger.warning("kv-offload: %d disk, remote or copy tasks still run after %.0f s; "
+            logger.warning("kv-offload: %d tier or copy tasks still run after %.0f s; "
                            "their files and buffers are left to the process's exit",
                            len(running), timeout_s)
             return
-        if self.slab is not None:
-            self.slab.close()
-        if self.remote is not None:
-            self.remote.close()
+        for tier in self.tiers.values():
+            tier.close()
         if self._audit is not None:
             self._audit.close()
         self.engine.close()

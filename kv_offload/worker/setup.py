@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kv_offload.copy.base import CopyEngine
     from kv_offload.copy.host_buffer import HostSlots
     from kv_offload.copy.layers import PlaneLayers
+    from kv_offload.tier_contract import TierIO
 
 KVPlacement = tuple[tuple[object, ...], ...]
 """Per KV tensor: address, shape, stride, dtype and device (``kv_placement``)."""
@@ -211,25 +212,28 @@ def build_worker(
     start_populating(host, placement)
     engine, audit = build_copy_engine(planes, host, layout=layout, config=config,
                                       placement=placement)
-    slab = None
+    tiers: list[TierIO] = []  # the secondary tiers, in the scheduler's order
     if persistent and config.disk_path is not None:
         from kv_offload.disk import SlabFile
+        from kv_offload.disk.io import DiskIO
 
         slab = SlabFile(config.disk_path, namespace_id=namespace, rank=rank,
                         num_ranks=layout.tp_size, slot_bytes=layout.slot_bytes,
                         fsync=config.disk_fsync,
                         allow_unsafe_permissions=config.disk_allow_unsafe_permissions)
-    remote = None
+        tiers.append(DiskIO(slab, slot_bytes=layout.slot_bytes, rank=rank,
+                            verify_checksums=config.verify_checksums))
     if config.remote_enabled:
         from kv_offload.remote import remote_tier_for
+        from kv_offload.remote.io import RemoteIO
 
         remote = remote_tier_for(config, layout, namespace=namespace, who=f"worker rank {rank}")
+        tiers.append(RemoteIO(remote, rank=rank, verify_checksums=config.verify_checksums))
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s (%s), "
                 "audit rate %g, %s", rank, len(planes), host.num_slots, type(engine).__name__,
                 engine.describe(), config.audit_rate, placement.describe())
-    worker = OffloadWorker(rank=rank, engine=engine, host=host, slab=slab, remote=remote,
+    worker = OffloadWorker(rank=rank, engine=engine, host=host, tiers=tiers,
                            io_threads=config.io_threads, load_timeout_s=config.load_timeout_s,
-                           verify_checksums=config.verify_checksums,
                            background_stores=config.cpu_background_stores and not on_cuda,
                            placement=placement, audit=audit)
     worker.layer_waits.layers = plane_layers(names, by_layer)

@@ -1,9 +1,10 @@
 """WorkerStores: one rank's store jobs, from the engine copy to the last tier write.
 
 A store job's engine -> host copy is issued through ``HostCopies`` (never waited for in the
-step); once it has ended (``HostCopies.when_done``), its slab writes (``SlabWrites``) and
-remote writes are queued on the worker's write lane, so that no I/O thread waits for a
-device copy and no read for a load waits behind a store. ``collect`` moves what ended
+step); once it has ended (``HostCopies.when_done``), its writes to its chunks' sinks
+(``tier_contract.TierIO``, in batches of each tier's ``write_batch``) are queued on the
+worker's write lane, so that no I/O thread waits for a device copy and no read for a load
+waits behind a store. ``collect`` moves what ended
 into the scheduler's ``WorkerReport``: the host copy first (the CPU tier can serve the
 chunk), then each tier's results once all of the job's writes are done. vLLM's worker
 thread only, except the ``when_done`` callbacks (the store or waiter thread).
@@ -22,13 +23,12 @@ import numpy as np
 
 from kv_offload.counters import WorkerCounters
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, StoreJob, WorkerReport
+from kv_offload.tier_contract import TierIO
 from kv_offload.worker.host_copies import ComputedOnFailedLoadError, KVCacheReleasedError
 
 if TYPE_CHECKING:
     from kv_offload.copy.host_buffer import HostSlots
-    from kv_offload.remote.tier import RemoteTier
     from kv_offload.worker.host_copies import HostCopies, HostCopy
-    from kv_offload.worker.writes import SlabWrites
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,7 @@ T = TypeVar("T")
 class _Store:
     job: StoreJob
     copy: HostCopy
-    writes: list[Future[int | None] | None]  # slab writes: checksum or None
-    remote_writes: list[Future[bool | None] | None]  # None: not written
+    writes: dict[str, list[Future[object | None] | None]]  # tier -> per chunk (None: no sink)
     host_reported: bool = False
 
 
@@ -59,14 +58,12 @@ class WorkerStores:
     adds to the worker's counters (``kv_offload.counters.WorkerCounters``)."""
 
     def __init__(self, *, rank: int, host: HostSlots, copies: HostCopies,
-                 writes: SlabWrites | None, remote: RemoteTier | None,
-                 submit: Callable[..., Future[Any]], count: Callable[[WorkerCounters], None],
-                 clock: Callable[[], float]) -> None:
+                 tiers: dict[str, TierIO], submit: Callable[..., Future[Any]],
+                 count: Callable[[WorkerCounters], None], clock: Callable[[], float]) -> None:
         self.rank = rank
         self.host = host
-        self.remote = remote
+        self.tiers = tiers
         self._copies = copies
-        self._writes = writes
         self._submit = submit
         self._count = count
         self._clock = clock
@@ -76,8 +73,8 @@ class WorkerStores:
         return len(self._stores)
 
     def run(self, jobs: Sequence[StoreJob], *, discard: bool = False) -> None:
-        """Issue each job's engine copy (ordered after this step's compute); its slab and
-        remote writes are queued once the copy has ended. Never waits for a copy.
+        """Issue each job's engine copy (ordered after this step's compute); its writes to
+        its sinks' tiers are queued once the copy has ended. Never waits for a copy.
         ``discard``: the step's forward read a same-step load that failed; each job fails
         at once without reading a block (reported failed: never published)."""
         for job in jobs:
@@ -91,20 +88,14 @@ class WorkerStores:
                 self._count(WorkerCounters(
                     bytes_store=chunk_bytes(blocks, self.host.slot_bytes),
                     seconds_store=self._clock() - start))
-            tasks, writes = self._disk_write_tasks(job.chunks)
-            remote_writes: list[Future[bool | None] | None] = [None] * len(job.chunks)
-            for i, move in enumerate(job.chunks):  # queued behind the local ones
-                if move.remote_key is not None and self.remote is not None:
-                    future: Future[bool | None] = Future()
-                    remote_writes[i] = future
-                    tasks.append(_WriteTask(self._write_remote, (move,), [future]))
-            self._stores[job.job_id] = _Store(job, handle, writes, remote_writes)
+            tasks, writes = self.write_tasks(job.chunks)
+            self._stores[job.job_id] = _Store(job, handle, writes)
             if tasks:
                 self._copies.when_done(handle, functools.partial(self._queue_writes, tasks))
 
     def collect(self, report: WorkerReport) -> None:
         """Add what ended since the last call to ``report``: host copies done or failed,
-        then, once all of a job's writes ended, its disk checksums and remote results."""
+        then, once all of a job's writes ended, each tier's results."""
         for job_id, store in list(self._stores.items()):
             if not store.host_reported and store.copy.done():
                 store.host_reported = True
@@ -113,39 +104,50 @@ class WorkerStores:
                     report.host_failed[job_id] = 1
                 else:
                     report.host_stored[job_id] = 1
-            if store.host_reported and all_done(store.writes + store.remote_writes):
-                if any(w is not None for w in store.writes):
-                    report.disk_stored[job_id] = {self.rank: results(store.writes)}
-                if any(w is not None for w in store.remote_writes):
-                    report.remote_stored[job_id] = {
-                        self.rank: tuple(bool(r) for r in results(store.remote_writes))}
+            if store.host_reported and all(all_done(w) for w in store.writes.values()):
+                if store.writes:
+                    report.written[job_id] = {tier: {self.rank: results(w)}
+                                              for tier, w in store.writes.items()}
                 del self._stores[job_id]
 
     def pending_writes(self) -> list[Future[Any]]:
         """The tier writes not yet collected (``close`` lets them finish)."""
-        return [w for s in list(self._stores.values()) for w in s.writes + s.remote_writes
+        return [w for s in list(self._stores.values()) for ws in s.writes.values() for w in ws
                 if w is not None]
 
-    def _disk_write_tasks(self, chunks: Sequence[ChunkMove]
-                          ) -> tuple[list[_WriteTask], list[Future[int | None] | None]]:
-        """The slab writes of a job's chunks, in tasks of ``SlabWrites.chunks_per_task``,
-        and one future per chunk (None: no disk slot): its checksum, or None when it was
-        not written."""
-        writes: list[Future[int | None] | None] = [None] * len(chunks)
+    def write_tasks(self, chunks: Sequence[ChunkMove]
+                    ) -> tuple[list[_WriteTask], dict[str, list[Future[object | None] | None]]]:
+        """The writes of a job's chunks to their sinks, per tier in tasks of its
+        ``write_batch`` chunks (in the order of the job's sinks: the disk's before the
+        remote's), and per tier one future per chunk (None: no sink there): the tier's
+        result, or None when it was not written. A sink of a tier this rank lacks is
+        reported not written."""
+        writes: dict[str, list[Future[object | None] | None]] = {}
         tasks: list[_WriteTask] = []
-        if self._writes is None:
-            return tasks, writes
-        rows = [(i, (m.cpu_slot, m.disk_slot)) for i, m in enumerate(chunks)
-                if m.cpu_slot is not None and m.disk_slot is not None]
-        per_task = self._writes.chunks_per_task()
-        for start in range(0, len(rows), per_task):
-            task = rows[start : start + per_task]
-            futures: list[Future[int | None]] = [Future() for _ in task]
-            for (i, _), future in zip(task, futures):
-                writes[i] = future
-            tasks.append(_WriteTask(self._writes.write_chunks, ([p for _, p in task],),
-                                    list(futures)))
+        names = list(dict.fromkeys(p.tier for m in chunks for p in m.sinks))
+        for name in names:
+            per_chunk: list[Future[object | None] | None] = [None] * len(chunks)
+            rows = [(i, m.cpu_slot, p.address) for i, m in enumerate(chunks)
+                    for p in m.sinks if p.tier == name and m.cpu_slot is not None]
+            tier = self.tiers.get(name)
+            batch = tier.write_batch if tier is not None else max(1, len(rows))
+            for start in range(0, len(rows), batch):
+                task = rows[start:start + batch]
+                futures: list[Future[object | None]] = [Future() for _ in task]
+                for (i, _, _), future in zip(task, futures):
+                    per_chunk[i] = future
+                if tier is None:
+                    _settle(futures, None)
+                    continue
+                tasks.append(_WriteTask(self.write_to, (tier, [r[1] for r in task],
+                                                      [r[2] for r in task]), list(futures)))
+            writes[name] = per_chunk
         return tasks, writes
+
+    def write_to(self, tier: TierIO, cpu_slots: list[int], addresses: list[Any]
+                 ) -> list[object | None]:
+        """Write host slots to a tier (write lane, their copy done)."""
+        return tier.write(addresses, [self.host.slot_view(c) for c in cpu_slots])
 
     def _queue_writes(self, tasks: list[_WriteTask], copied: bool) -> None:
         """Queue ``tasks`` on the write lane now that their copy has ended (vLLM's, the
@@ -160,20 +162,6 @@ class WorkerStores:
                 _settle(task.futures, None)
                 continue
             done.add_done_callback(functools.partial(_spread, task.futures))
-
-    def _write_remote(self, move: ChunkMove) -> list[bool]:
-        """Write one chunk to the remote tier (write lane, its copy done); [False] when it
-        failed or the tier is backing off (a skipped store, counted)."""
-        if self.remote is None or move.cpu_slot is None or move.remote_key is None:
-            return [False]  # never queued so
-        view = self.host.slot_view(move.cpu_slot)
-        start = self._clock()
-        if not self.remote.write(move.remote_key, self.rank, view):
-            self._count(WorkerCounters(remote_skipped_stores=1))
-            return [False]
-        self._count(WorkerCounters(bytes_remote_write=len(view),
-                                   seconds_remote_write=self._clock() - start))
-        return [True]
 
 
 def _spread(futures: list[Future[Any]], done: Future[Sequence[Any]]) -> None:

@@ -25,6 +25,7 @@ from kv_offload.copy.dma import SRC_ACCESS_ORDER_STREAM, DriverInfo, MemcpyAttri
 from kv_offload.copy.host_buffer import HostSlots
 from kv_offload.copy.plan import SlotLayout
 from kv_offload.copy.planes import PlaneGeometry, describe_planes
+from kv_offload.testing.tiers import tier_ios
 from kv_offload.worker.audit import AuditMismatchError, build_audit
 from kv_offload.worker.host_copies import HostCopies
 
@@ -405,13 +406,14 @@ def test_a_loads_compute_mark_is_destroyed_on_the_copy_thread_once_its_copy_is_i
     device. Now each load's mark is destroyed once its copy is issued, by the copy
     thread, on the engine's device; the garbage collector is off here."""
     from kv_offload.jobs import ChunkMove, LoadJob
+    from kv_offload.tier_contract import Place
     from kv_offload.worker import OffloadWorker
 
     _, planes = kv_planes()
     _, host = padded_host(4, 2)
     engine = CupyCopyEngine(planes, host, 2, device=ENGINE_DEVICE, compute_stream=COMPUTE_STREAM)
-    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=ReadySlab(), io_threads=1)
-    worker.start_loads([LoadJob(1, "req", (ChunkMove((10, 11), 0, 3, (0,)),))])
+    worker = OffloadWorker(rank=0, engine=engine, host=host, tiers=tier_ios(ReadySlab(), slot_bytes=host.slot_bytes), io_threads=1)
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((10, 11), 0, Place("disk", 3, (0,))),))])
     ((mark, _),) = fake.recorded
     deadline = time.monotonic() + 10
     finished: set[str] = set()

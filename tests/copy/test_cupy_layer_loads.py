@@ -182,7 +182,7 @@ def layered_worker(fake):
         0, 256, (4, layout.slot_bytes), dtype=np.uint8)), pinned=True)
     engine = CupyCopyEngine(planes, host, BPC, device=ENGINE_DEVICE,
                             compute_stream=COMPUTE_STREAM)
-    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=None, io_threads=1)
+    worker = OffloadWorker(rank=0, engine=engine, host=host, io_threads=1)
     worker.layer_waits.layers = PlaneLayers.from_counts([f"l{i}" for i in range(LAYERS)],
                                                         [2] * LAYERS)
     return worker, planes, layout, host

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from kv_offload.testing.engine import EngineProcess
+from kv_offload.testing.tiers import secondary_tiers, tier_ios
 from kv_offload.testing.tiny_model import make_prompt
 
 HERE = Path(__file__).resolve().parent
@@ -149,11 +150,12 @@ class Rig:
         self._next_block = 0
         config = PlannerConfig(chunk_tokens=RIG_CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
                                num_ranks=1, num_cpu_slots=num_cpu_slots)
-        self.sched = OffloadScheduler(config, disk_index=disk_index,
+        self.sched = OffloadScheduler(config, tiers=secondary_tiers(disk_index),
                                       block_ids_of=lambda rid: self.blocks[rid])
         host = allocate_host_slots(num_cpu_slots, SLOT_BYTES, pinned=False)
         self.worker = OffloadWorker(rank=0, engine=make_copy_engine(self.planes, host, 2),
-                                    host=host, slab=slab, io_threads=2,
+                                    host=host, tiers=tier_ios(slab, slot_bytes=SLOT_BYTES),
+                                    io_threads=2,
                                     load_timeout_s=load_timeout_s)
         self.finished: set[str] = set()
         self.failed_blocks: set[int] = set()
@@ -202,7 +204,7 @@ class Rig:
 
     def idle_problems(self) -> list[str]:
         """Like idle_problems() for an engine's connector state."""
-        disk = self.sched.disk
+        disk = getattr(self.sched.tier("disk"), "index", None)
         return idle_problems({
             "cpu": self.sched.cpu.counts(), "pending_jobs": self.sched.num_pending_jobs(),
             "pending_work": self.sched.has_pending_work(),

@@ -300,8 +300,8 @@ def test_disk_broken_mid_flight_releases_everything_and_stops_disk_use(stored, c
     rig.step([("new", TOKENS)])  # a staged load (blocked) and a disk store in flight
     assert index.stats()["reserved"] == 4 and index.stats()["pinned"] == 4
     with caplog.at_level(logging.ERROR, logger="kv_offload"):
-        rig.sched.on_report(WorkerReport(disk_broken="rank 0: injected"))
-        rig.sched.on_report(WorkerReport(disk_broken="rank 0: injected again"))
+        rig.sched.on_report(WorkerReport(broken={"disk": "rank 0: injected"}))
+        rig.sched.on_report(WorkerReport(broken={"disk": "rank 0: injected again"}))
     assert [r.getMessage().count("keeps failing") for r in caplog.records] == [1]
     slab.release.set()
     rig.drain()

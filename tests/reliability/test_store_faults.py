@@ -26,7 +26,7 @@ from reliability_support import (
     unmount,
 )
 
-from kv_offload.worker.runner import DISK_BROKEN_AFTER
+from kv_offload.disk.health import DISK_BROKEN_AFTER
 
 TOKENS = 4 * RIG_CHUNK + 1
 

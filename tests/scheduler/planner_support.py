@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
+from kv_offload.testing.tiers import secondary_tiers
 
 BLOCK = 4  # tokens per block (and per hash)
 CHUNK = 8  # tokens per chunk: 2 blocks
@@ -50,8 +51,8 @@ def make_scheduler(*, num_ranks=1, num_cpu_slots=16, disk_index=None, blocks=Non
     config = PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
                            num_ranks=num_ranks, num_cpu_slots=num_cpu_slots,
                            partial_hits=partial_hits)
-    sched = OffloadScheduler(config, disk_index=disk_index,
-                             block_ids_of=lambda rid: blocks[rid], remote=remote)
+    sched = OffloadScheduler(config, tiers=secondary_tiers(disk_index, remote),
+                             block_ids_of=lambda rid: blocks[rid])
     return sched, blocks
 
 

@@ -3,6 +3,7 @@ disk and remote tiers, in vLLM's block hash space, bounded, and announced after 
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,19 +129,16 @@ def schedule(sched, blocks, req):
 
 
 def test_the_remote_tier_is_announced_remote_and_withdrawn_on_reset():
-    sched, blocks = make_scheduler()
-    sched.remote = object()  # only its presence matters to the store planner
-    sched.stores.with_remote = True
+    sched, blocks = make_scheduler(remote=SimpleNamespace(close=lambda: None))  # never asked
     events = tier_events()
     connect(sched, events)
     a = request("a", list(range(CHUNK)))
     job = schedule(sched, blocks, a).stores[0]
     sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
-    sched.on_report(WorkerReport(remote_stored={job.job_id: {0: (True,)}}))
+    sched.on_report(WorkerReport(written={job.job_id: {"remote": {0: (True,)}}}))
     got = events.take()
     assert [(e.tier, e.stored) for e in got] == [(Tier.CPU, True), (Tier.REMOTE, True)]
     assert (Tier.REMOTE.medium, Tier.REMOTE.locality) == ("CPU", "REMOTE")
-    sched.remote = None  # reset_all closes nothing here
     sched.reset_all()
     assert index(got + events.take()) == set()
 
@@ -162,7 +160,7 @@ def disk(tmp_path):
 def store_on_disk(sched, blocks, req):
     job = schedule(sched, blocks, req).stores[0]
     sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
-    sched.on_report(WorkerReport(disk_stored={job.job_id: {0: (7,) * len(job.chunks)}}))
+    sched.on_report(WorkerReport(written={job.job_id: {"disk": {0: (7,) * len(job.chunks)}}}))
     sched.plan_step([])  # the step's one transaction commits
 
 
@@ -181,7 +179,7 @@ def test_disk_tier_announces_commits_withdraws_evictions_and_a_restart_reannounc
     seen += events.take()
     on_disk = {h for t, h in index(seen) if t is Tier.DISK}
     assert on_disk == set(a.block_hashes[2:]) | set(b.block_hashes)
-    sched.disk_tier.flush()
+    sched.tier("disk").flush()
 
     restarted = make_scheduler(disk_index=disk(capacity_slots=2))[0]
     events = tier_events()
@@ -203,7 +201,7 @@ def test_a_restart_announces_in_batches_and_skips_chunks_stored_without_blocks(d
     events.take()
     for i in range(ANNOUNCE_BATCH + 2):
         store_on_disk(sched, blocks, request(f"r{i}", [i + 100] * CHUNK))
-    sched.disk_tier.flush()
+    sched.tier("disk").flush()
     restarted = make_scheduler(disk_index=disk(capacity_slots=ANNOUNCE_BATCH + 8))[0]
     events = tier_events()
     connect(restarted, events)
@@ -251,11 +249,11 @@ def test_events_cost_nothing_unless_vllm_publishes_kv_events():
     sched, _ = make_scheduler()
     off = SimpleNamespace(kv_events_config=None)
     assert attach_events(off, kv_cache, sched) is None and sched.events is None
-    assert sched.cpu.events is None and sched.stores.events is None
+    assert sched.cpu.events is None
     on = SimpleNamespace(kv_events_config=KVEventsConfig(enable_kv_cache_events=True))
     attached = attach_events(on, kv_cache, sched)
     assert attached is not None and attached.groups == [(0, "full_attention")]
-    assert sched.events is sched.cpu.events is sched.stores.events is attached.events
+    assert sched.events is sched.cpu.events is attached.events
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -300,7 +298,7 @@ def test_replayed_events_equal_what_the_tiers_hold_through_a_random_workload(dis
                 sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset()}}))
             for job in plan.stores:
                 sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
-                sched.on_report(WorkerReport(disk_stored={job.job_id: {0: (7,) * len(job.chunks)}}))
+                sched.on_report(WorkerReport(written={job.job_id: {"disk": {0: (7,) * len(job.chunks)}}}))
             sched.request_finished(req.request_id)
             sched.plan_step([])  # the step's disk transaction
         seen += events.take()

@@ -90,7 +90,7 @@ def _hybrid_scheduler():
     config = PlannerConfig(chunk_tokens=8, block_size=4, tokens_per_hash=4, num_ranks=1,
                            num_cpu_slots=16, groups=(KVGroup("full_attention", 1, 4),
                                                      KVGroup("sliding_window", 1, 4, 5)))
-    return OffloadScheduler(config, disk_index=None, block_ids_of=lambda r: tables[r]), tables
+    return OffloadScheduler(config, block_ids_of=lambda r: tables[r]), tables
 
 
 def test_a_running_request_whose_window_block_was_freed_under_a_copy_is_fenced():

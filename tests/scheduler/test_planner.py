@@ -10,13 +10,15 @@ from planner_support import make_request, make_scheduler, store_request
 
 from kv_offload.counters import SchedulerCounters
 from kv_offload.disk import DiskIndex
+from kv_offload.disk.tier import ACCESS_FLUSH_MAX_PENDING, DiskTier
 from kv_offload.jobs import SKIP_BLOCK, WorkerReport
+from kv_offload.remote.index import RemoteIndex
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig, SlotState
 from kv_offload.scheduler.cpu_index import CpuIndex
-from kv_offload.scheduler.disk_tier import DiskTier
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import Source
-from kv_offload.scheduler.planner import ACCESS_FLUSH_MAX_PENDING
+from kv_offload.testing.tiers import place_in, secondary_tiers
+from kv_offload.tier_contract import Place
 
 
 def test_store_plans_full_chunks_with_their_blocks():
@@ -28,7 +30,7 @@ def test_store_plans_full_chunks_with_their_blocks():
     (job,) = plan.stores
     assert [m.block_ids for m in job.chunks] == [(10, 11), (12, 13)]
     assert len({m.cpu_slot for m in job.chunks}) == 2
-    assert all(m.disk_slot is None for m in job.chunks)
+    assert all(place_in(m, "disk") is None for m in job.chunks)
     # The same chunks are not stored twice.
     assert not sched.plan_step([("a", 20)]).stores
 
@@ -102,7 +104,7 @@ def store_two_chunks_on_disk(disk_index):
     blocks["a"] = list(range(5))
     (job,) = writer.plan_step([("a", 17)]).stores
     writer.on_report(WorkerReport(host_stored={job.job_id: 2},
-                                  disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+                                  written={job.job_id: {"disk": {0: (1, 2), 1: (3, 4)}}}))
     writer.plan_step([])  # the commits are written with the writer's next step
     return req
 
@@ -113,13 +115,13 @@ def test_disk_commit_needs_every_rank_and_a_failed_rank_releases(disk_index):
     sched.num_matched_tokens(req, 0)
     blocks["a"] = list(range(5))
     (job,) = sched.plan_step([("a", 17)]).stores
-    assert all(m.disk_slot is not None for m in job.chunks)
+    assert all(place_in(m, "disk") is not None for m in job.chunks)
     sched.on_report(WorkerReport(host_stored={job.job_id: 2},
-                                 disk_stored={job.job_id: {0: (11, 12)}}))
+                                 written={job.job_id: {"disk": {0: (11, 12)}}}))
     keys = [req.block_hashes[1], req.block_hashes[3]]
     assert disk_index.find_prefix(keys) == []
     # Rank 1 failed the second chunk: only the first is committed.
-    sched.on_report(WorkerReport(disk_stored={job.job_id: {1: (21, None)}}))
+    sched.on_report(WorkerReport(written={job.job_id: {"disk": {1: (21, None)}}}))
     assert disk_index.find_prefix(keys) == [] and sched.has_pending_work()
     sched.plan_step([])  # one write transaction: the commit and the release
     (entry,) = disk_index.find_prefix(keys)
@@ -139,9 +141,9 @@ def test_disk_hit_is_staged_shared_and_dropped_on_failure(disk_index):
     assert sched.num_matched_tokens(second, 0) == 16
     sched.plan_load(second, [50, 51, 52, 53, 54], 16)
     load_x, load_y = sched.plan_step([]).loads
-    assert all(m.disk_slot is not None for m in load_x.chunks)
+    assert all(place_in(m, "disk") is not None for m in load_x.chunks)
     assert [m.after_job for m in load_y.chunks] == [load_x.job_id] * 2
-    assert all(m.disk_slot is None for m in load_y.chunks)
+    assert all(place_in(m, "disk") is None for m in load_y.chunks)
     # Chunk 1 failed its checksum on rank 1: it is dropped from disk and CPU.
     sched.on_report(WorkerReport(loaded={load_x.job_id: {0: frozenset(), 1: frozenset({1})}},
                                  bad_reads={load_x.job_id: {1: frozenset({1})}}))
@@ -202,14 +204,14 @@ def test_a_step_writes_the_disk_index_once(disk_index, monkeypatch):
     (job,) = sched.plan_step([("a", 17)]).stores
     writes.clear()
     sched.on_report(WorkerReport(host_stored={job.job_id: 2},
-                                 disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
+                                 written={job.job_id: {"disk": {0: (1, 2), 1: (3, 4)}}}))
     (job_b,) = sched.plan_step([("b", 17)]).stores  # a's commits + b's reservations
     assert len(writes) == 1
     assert len(disk_index.find_prefix([first.block_hashes[1], first.block_hashes[3]])) == 2
-    assert all(m.disk_slot is not None for m in job_b.chunks)
+    assert all(place_in(m, "disk") is not None for m in job_b.chunks)
     writes.clear()
     sched.on_report(WorkerReport(host_stored={job_b.job_id: 2},
-                                 disk_stored={job_b.job_id: {0: (5, 6), 1: (7, 8)}}))
+                                 written={job_b.job_id: {"disk": {0: (5, 6), 1: (7, 8)}}}))
     sched.plan_step([])  # nothing new to store: the commits alone
     sched.plan_step([])  # nothing at all
     assert len(writes) == 1 and not sched.has_pending_work()
@@ -230,17 +232,17 @@ def test_a_loads_disk_fills_never_evict_a_disk_chunk_the_same_load_reads(tmp_pat
     for k in (_key(1), _key(0)):  # the namespace is full; _key(1) is the older
         (slot,) = index.allocate([k])
         index.commit([(k, slot, (1000 + slot,))])
-    planner = LoadPlanner(cpu=CpuIndex(8), disk=tier, counters=SchedulerCounters(),
-                          job_ids=itertools.count(1), num_ranks=1)
-    (entry,) = tier.find_prefix([_key(0)])
-    run = [Source(_key(0), None, entry), Source(_key(10), None, None, True),
-           Source(_key(11), None, None, True)]
+    planner = LoadPlanner(cpu=CpuIndex(8), tiers=[tier, RemoteIndex(None)],
+                          counters=SchedulerCounters(), job_ids=itertools.count(1), num_ranks=1)
+    (entry,) = tier.find("r", [_key(0)])
+    run = [Source(_key(0), None, entry), Source(_key(10), None, Place("remote", _key(10))),
+           Source(_key(11), None, Place("remote", _key(11)))]
     assert planner.plan("r", [_key(0), _key(10), _key(11)], run, [(0,), (1,), (2,)]) == [
         "disk", "remote", "remote"]
     (job,) = planner.take_pending()
-    fills = {m.fill_disk_slot for m in job.chunks if m.fill_disk_slot is not None}
-    assert entry.slot not in fills and len(index.find_prefix([_key(0)])) == 1
-    assert fills == {1 - entry.slot}, "the older entry made room for one fill"
+    fills = {p.address for m in job.chunks for p in m.sinks}
+    assert entry.address not in fills and len(index.find_prefix([_key(0)])) == 1
+    assert fills == {1 - entry.address}, "the older entry made room for one fill"
     index.close()
 
 
@@ -273,7 +275,7 @@ def test_a_burst_of_disk_hits_is_written_in_bounded_steps(tmp_path):
     index.commit(list(zip(keys, index.allocate(keys), [(7,)] * num_chunks)))
     config = PlannerConfig(chunk_tokens=8, block_size=4, tokens_per_hash=4, num_ranks=1,
                            num_cpu_slots=num_chunks + 1)
-    sched = OffloadScheduler(config, disk_index=index, block_ids_of=lambda rid: [],
+    sched = OffloadScheduler(config, tiers=secondary_tiers(index), block_ids_of=lambda rid: [],
                              clock=lambda: 0.0)  # the interval never passes
     sched.num_matched_tokens(req, 0)
     assert index.num_pending_accesses() == num_chunks
@@ -297,7 +299,7 @@ def test_a_full_reset_forgets_every_chunk_and_stops_the_shared_tiers(disk_index)
     sched.on_report(WorkerReport(host_stored={job.job_id: 2}))
     assert sched.num_matched_tokens(make_request("o2", list(range(100, 117))), 0) == 0
     assert sched.num_matched_tokens(make_request("again", list(range(17))), 0) == 0
-    assert not sched.disk_enabled and sched.stores.with_remote is False
+    assert not sched.disk_enabled
 
 
 def test_nothing_is_loaded_or_stored_while_a_rank_reports_its_kv_cache_released():

@@ -9,6 +9,7 @@ from test_planner import store_two_chunks_on_disk
 
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import SlotState
+from kv_offload.testing.tiers import place_in
 
 BLOCKS = [40, 41, 42, 43, 44]
 
@@ -27,7 +28,7 @@ def test_a_cpu_chunk_past_a_cpu_miss_is_loaded_from_the_cpu_not_staged_twice(dis
     sched.plan_load(reader, BLOCKS, 16)
     (load,) = sched.plan_step([]).loads
     disk_move, cpu_move = load.chunks
-    assert disk_move.disk_slot is not None and cpu_move.disk_slot is None
+    assert place_in(disk_move, "disk") is not None and place_in(cpu_move, "disk") is None
     assert cpu_move.cpu_slot is not None and sched.counters.load_errors == 0
     assert sched.hit_tokens_by_tier("x") == {"disk": 8, "cpu": 8}
 
@@ -46,7 +47,7 @@ def test_a_chunk_being_stored_ends_the_hit_even_when_it_is_on_disk(disk_index):
     assert sched.num_matched_tokens(reader, 0) == 8
     sched.plan_load(reader, BLOCKS, 8)
     (load,) = sched.plan_step([]).loads
-    assert [m.disk_slot is not None for m in load.chunks] == [True]
+    assert [place_in(m, "disk") is not None for m in load.chunks] == [True]
 
 
 def test_the_hit_stops_where_no_cpu_slot_is_left_to_stage_into(disk_index):

@@ -22,7 +22,7 @@ def _mamba_scheduler():
     config = PlannerConfig(chunk_tokens=8, block_size=4, tokens_per_hash=4, num_ranks=1,
                            num_cpu_slots=16, groups=(KVGroup("full_attention", 1, 4),
                                                      KVGroup("mamba", 1, 4, state=STATE)))
-    return OffloadScheduler(config, disk_index=None, block_ids_of=lambda r: tables[r]), tables
+    return OffloadScheduler(config, block_ids_of=lambda r: tables[r]), tables
 
 
 def _copied(sched, plan):

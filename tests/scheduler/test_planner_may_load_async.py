@@ -61,7 +61,7 @@ def test_no_while_same_step_loads_are_on():
                            num_ranks=1, num_cpu_slots=16, same_step_budget_s=0.01,
                            chunk_bytes=1 << 20)
     blocks: dict = {}
-    sched = OffloadScheduler(config, disk_index=None, block_ids_of=lambda r: blocks[r])
+    sched = OffloadScheduler(config, block_ids_of=lambda r: blocks[r])
     writer = make_request("w", list(range(17)))
     sched.num_matched_tokens(writer, 0)
     store_request(sched, blocks, writer, [0, 1, 2, 3, 4])

@@ -19,6 +19,7 @@ from kv_offload.jobs import WorkerReport
 from kv_offload.remote.health import RemoteHealth
 from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.scheduler import SlotState
+from kv_offload.testing.tiers import fill_of, key_in
 
 
 class FakeRemote:
@@ -76,7 +77,7 @@ def test_remote_hits_extend_the_local_hit_with_one_check_per_request():
     writer = make_request("w", list(range(17)))
     matched(sched, writer)
     job = store_request(sched, blocks, writer, [0, 1, 2, 3, 4])
-    sched.on_report(WorkerReport(remote_stored={job.job_id: {0: (True, True)}}))
+    sched.on_report(WorkerReport(written={job.job_id: {"remote": {0: (True, True)}}}))
     sched.cpu.discard(writer.block_hashes[3])  # chunk 2 left the CPU tier...
     remote.keys.add(writer.block_hashes[3])  # ...but another host stored it remotely
     reader = make_request("r", list(range(17)))
@@ -90,9 +91,9 @@ def test_remote_hits_extend_the_local_hit_with_one_check_per_request():
     assert sched.hit_tokens_by_tier("r") == {"cpu": 8, "remote": 8}
     (load,) = sched.plan_step([]).loads
     cpu_move, remote_move = load.chunks
-    assert cpu_move.remote_key is None and cpu_move.after_job is None
-    assert remote_move.remote_key == writer.block_hashes[3]
-    assert remote_move.fill_disk_slot is None, "no disk tier, no fill"
+    assert key_in(cpu_move) is None and cpu_move.after_job is None
+    assert key_in(remote_move) == writer.block_hashes[3]
+    assert fill_of(remote_move) is None, "no disk tier, no fill"
     assert sched.cpu.state(writer.block_hashes[3]) is SlotState.STAGING
     sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset()}}))
     assert sched.cpu.state(writer.block_hashes[3]) is SlotState.READY
@@ -110,14 +111,14 @@ def test_remote_chunks_fill_the_disk_after_every_rank_wrote_them(disk_index):
     assert matched(sched, req)[0] == 16
     sched.plan_load(req, [10, 11, 12, 13, 14], 16)
     (load,) = sched.plan_step([]).loads
-    assert [m.remote_key for m in load.chunks] == keys
-    assert all(m.fill_disk_slot is not None for m in load.chunks)
+    assert [key_in(m) for m in load.chunks] == keys
+    assert all(fill_of(m) is not None for m in load.chunks)
     sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset()}}))
     assert sched.cpu.state(keys[0]) is SlotState.READY, "usable before the fill finishes"
     assert sched.cpu.counts()["pinned"] == 2, "but pinned while the fill reads the slot"
     assert disk_index.find_prefix(keys) == []
-    sched.on_report(WorkerReport(disk_stored={load.job_id: {0: (1, 2)}}))
-    sched.on_report(WorkerReport(disk_stored={load.job_id: {1: (3, None)}}))
+    sched.on_report(WorkerReport(written={load.job_id: {"disk": {0: (1, 2)}}}))
+    sched.on_report(WorkerReport(written={load.job_id: {"disk": {1: (3, None)}}}))
     assert sched.has_pending_work(), "the fills are written with the next step"
     sched.plan_step([])
     assert [e.checksums for e in disk_index.find_prefix(keys)] == [(1, 3)]
@@ -138,7 +139,7 @@ def test_a_remote_chunk_that_failed_to_load_is_recomputed_and_not_filled(disk_in
     # Evicted between lookup and read on rank 1: the worker fails chunk 1 and skips its fill.
     sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset({1})}},
                                  bad_reads={load.job_id: {1: frozenset({1})}},
-                                 disk_stored={load.job_id: {0: (1, 2), 1: (3, None)}}))
+                                 written={load.job_id: {"disk": {0: (1, 2), 1: (3, None)}}}))
     sched.plan_step([])  # writes the fill of chunk 0 and releases the slot of chunk 1
     assert sched.cpu.state(keys[1]) is None
     assert sched.counters.load_errors == 1
@@ -154,13 +155,13 @@ def test_store_writes_remote_and_keeps_the_slot_pinned_until_every_rank_did():
     matched(sched, req)
     blocks["a"] = list(range(5))
     (job,) = sched.plan_step([("a", 17)]).stores
-    assert [m.remote_key for m in job.chunks] == [req.block_hashes[1], req.block_hashes[3]]
+    assert [key_in(m) for m in job.chunks] == [req.block_hashes[1], req.block_hashes[3]]
     sched.on_report(WorkerReport(host_stored={job.job_id: 2}))
     assert sched.cpu.state(req.block_hashes[1]) is SlotState.READY
     assert sched.cpu.counts()["pinned"] == 2
-    sched.on_report(WorkerReport(remote_stored={job.job_id: {0: (True, True)}}))
+    sched.on_report(WorkerReport(written={job.job_id: {"remote": {0: (True, True)}}}))
     assert sched.cpu.counts()["pinned"] == 2
-    sched.on_report(WorkerReport(remote_stored={job.job_id: {1: (True, False)}}))
+    sched.on_report(WorkerReport(written={job.job_id: {"remote": {1: (True, False)}}}))
     assert sched.cpu.counts()["pinned"] == 0
     assert sched.counters.chunks_stored_remote == 1
     assert not sched.has_pending_work()
@@ -242,7 +243,7 @@ def test_a_prompt_ending_with_a_whole_chunk_is_served_it_from_the_remote_tier_in
     sched.plan_load(req, [10, 11, 12, 13], 15)
     assert sched.hit_tokens_by_tier("r") == {"remote": 15}
     (load,) = sched.plan_step([]).loads
-    assert [m.remote_key for m in load.chunks] == [req.block_hashes[1], req.block_hashes[3]]
+    assert [key_in(m) for m in load.chunks] == [req.block_hashes[1], req.block_hashes[3]]
     assert [m.block_ids for m in load.chunks] == [(10, 11), (12, 13)]
     remote.keys.discard(req.block_hashes[3])  # another request, only chunk 0 remotely
     other = make_request("o", list(range(16)))

@@ -11,6 +11,7 @@ from test_planner import store_two_chunks_on_disk
 from kv_offload.disk import DiskIndex
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import SlotState
+from kv_offload.testing.tiers import place_in
 
 BLOCKS = [40, 41, 42, 43, 44]
 
@@ -34,7 +35,7 @@ def test_a_load_that_fails_while_planned_holds_nothing(disk_index, monkeypatch, 
     reader = make_request("x", list(range(17)))
     assert sched.num_matched_tokens(reader, 0) == 16  # both chunks staged from disk
     if fail_at == "second disk pin":
-        monkeypatch.setattr(sched.disk_tier, "pin", failing_on_call(sched.disk_tier.pin, 2))
+        monkeypatch.setattr(sched.tier("disk"), "pin", failing_on_call(sched.tier("disk").pin, 2))
     else:
         monkeypatch.setattr(sched.cpu, "reserve", failing_on_call(sched.cpu.reserve, 2))
     with pytest.raises(RuntimeError, match="injected"):
@@ -55,7 +56,7 @@ def test_a_load_that_fails_while_planned_holds_nothing(disk_index, monkeypatch, 
     sched.plan_load(again, BLOCKS, 16)
     (load,) = sched.plan_step([]).loads
     assert [m.after_job for m in load.chunks] == [None, None]
-    assert all(m.disk_slot is not None and m.cpu_slot is not None for m in load.chunks)
+    assert all(place_in(m, "disk") is not None and m.cpu_slot is not None for m in load.chunks)
     assert {sched.cpu.state(k) for k in (again.block_hashes[1], again.block_hashes[3])} == {
         SlotState.STAGING}
 
@@ -78,7 +79,7 @@ def test_a_store_that_fails_while_planned_leaves_no_chunk_storing(disk_index, mo
     assert sched.num_matched_tokens(other, 0) == 0
     blocks["o"] = [5, 6, 7, 8, 9]
     (job,) = sched.plan_step([("o", 17)]).stores
-    assert len(job.chunks) == 2 and all(m.disk_slot is not None for m in job.chunks)
+    assert len(job.chunks) == 2 and all(place_in(m, "disk") is not None for m in job.chunks)
 
 
 def test_a_job_that_fails_to_complete_does_not_keep_the_others_of_its_report(monkeypatch):
@@ -121,8 +122,8 @@ def test_an_unexpected_index_error_in_the_step_turns_the_tier_off_and_keeps_its_
     blocks["a"] = [0, 1, 2, 3, 4]
     (job,) = sched.plan_step([("a", 17)]).stores
     sched.on_report(WorkerReport(host_stored={job.job_id: 2},
-                                 disk_stored={job.job_id: {0: (1, 2), 1: (3, 4)}}))
-    assert sched.disk_tier.has_queued()  # the commits wait for the next step's write
+                                 written={job.job_id: {"disk": {0: (1, 2), 1: (3, 4)}}}))
+    assert sched.tier("disk").has_queued()  # the commits wait for the next step's write
     b = make_request("b", list(range(17)))
     assert sched.num_matched_tokens(b, 0) == 16  # a CPU-tier hit
     sched.plan_load(b, [10, 11, 12, 13, 14], 16)

@@ -11,6 +11,7 @@ from kv_offload.groups import KVGroup
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
 from kv_offload.scheduler.same_step import MIN_MEASURED_BYTES, SameStepBudget
+from kv_offload.testing.tiers import secondary_tiers
 
 MB = 1 << 20
 
@@ -21,7 +22,8 @@ def make(*, budget_s=0.01, chunk_bytes=MB, bytes_per_s=1e9, groups=(), disk_inde
                            num_ranks=1, num_cpu_slots=num_cpu_slots, groups=groups,
                            same_step_budget_s=budget_s, chunk_bytes=chunk_bytes)
     blocks: dict = {}
-    sched = OffloadScheduler(config, disk_index=disk_index, block_ids_of=lambda r: blocks[r])
+    sched = OffloadScheduler(config, tiers=secondary_tiers(disk_index),
+                             block_ids_of=lambda r: blocks[r])
     if sched.same_step is not None:
         sched.same_step.bytes_per_s = bytes_per_s
     return sched, blocks
@@ -80,7 +82,7 @@ def test_disk_hits_and_staging_chunks_load_asynchronously(disk_index):
     config = PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
                            num_ranks=2, num_cpu_slots=16, same_step_budget_s=1.0,
                            chunk_bytes=64)
-    sched = OffloadScheduler(config, disk_index=disk_index, block_ids_of=lambda r: [])
+    sched = OffloadScheduler(config, tiers=secondary_tiers(disk_index), block_ids_of=lambda r: [])
     first, second = make_request("x", list(range(17))), make_request("y", list(range(17)))
     assert sched.num_matched_tokens(first, 0) == 16 and sched.load_is_async("x")
     sched.plan_load(first, [40, 41, 42, 43, 44], 16)

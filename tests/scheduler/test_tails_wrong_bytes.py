@@ -20,6 +20,7 @@ from kv_offload.disk import DiskIndex
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
 from kv_offload.scheduler.tails import tail_key, tail_seed
+from kv_offload.testing.tiers import secondary_tiers
 
 BLOCK, CHUNK = 4, 8
 
@@ -52,7 +53,7 @@ def disk(tmp_path):
 def scheduler(disk_index: DiskIndex, blocks: dict) -> OffloadScheduler:
     config = PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
                            num_ranks=1, num_cpu_slots=16, partial_hits=True)
-    return OffloadScheduler(config, disk_index=disk_index,
+    return OffloadScheduler(config, tiers=secondary_tiers(disk_index),
                             block_ids_of=lambda rid: blocks[rid])
 
 
@@ -66,7 +67,7 @@ def store(sched: OffloadScheduler, blocks: dict, req: SimpleNamespace, *,
     for job in plan.stores:
         sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
         if on_disk:
-            sched.on_report(WorkerReport(disk_stored={job.job_id: {0: (7,) * len(job.chunks)}}))
+            sched.on_report(WorkerReport(written={job.job_id: {"disk": {0: (7,) * len(job.chunks)}}}))
     sched.plan_step([])  # the step's one transaction commits
     sched.request_finished(req.request_id)
 
@@ -90,8 +91,8 @@ def test_a_disk_tail_gone_since_the_lookup_is_not_replaced_by_a_shorter_one(disk
     parent = reader.block_hashes[1]
     a_tail = tail_key(parent, [100, 101, 102, 103, 104, 105, 106])
     b_tail = tail_key(parent, [100, 101, 200, 201, 202])
-    (entry,) = sched.disk.find_prefix([a_tail])
-    assert sched.disk.drop(a_tail, entry.slot)  # another engine sharing the store
+    (entry,) = sched.tier("disk").index.find_prefix([a_tail])
+    assert sched.tier("disk").index.drop(a_tail, entry.slot)  # another engine sharing the store
     table = list(range(200, 204))
     sched.plan_load(reader, [table], CHUNK + 7)
     (job,) = sched.take_pending_loads()
@@ -114,8 +115,8 @@ def test_a_whole_chunk_gone_since_the_lookup_is_not_replaced_by_an_earlier_tail(
     reader = request("c", tokens + [303])
     assert sched.num_matched_tokens(reader, 0) == 2 * CHUNK + 3
     chunk1 = reader.block_hashes[3]
-    (entry,) = sched.disk.find_prefix([chunk1])
-    assert sched.disk.drop(chunk1, entry.slot)
+    (entry,) = sched.tier("disk").index.find_prefix([chunk1])
+    assert sched.tier("disk").index.drop(chunk1, entry.slot)
     sched.plan_load(reader, [list(range(200, 205))], 2 * CHUNK + 3)
     (job,) = sched.take_pending_loads()
     assert [m.cpu_slot is None for m in job.chunks] == [False, True, True]
@@ -165,7 +166,7 @@ def test_a_partial_load_that_fails_to_plan_reports_every_block_it_would_write(tm
     sched = OffloadScheduler(PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK,
                                            tokens_per_hash=BLOCK, num_ranks=1,
                                            num_cpu_slots=16, partial_hits=True),
-                             disk_index=None, block_ids_of=lambda rid: blocks[rid])
+                             block_ids_of=lambda rid: blocks[rid])
     store(sched, blocks, request("a", PREFIX + [100, 101, 102]), on_disk=False)
     reader = request("c", PREFIX + [100, 101, 102, 103])
     local = CHUNK + 3 - hit  # vLLM's own prefix cache holds chunk 0 in the short case

@@ -133,7 +133,7 @@ def test_a_shared_staging_slot_is_not_reused_under_a_waiting_job(harness_factory
 
     def delays(fn, args):
         name = getattr(fn, "__name__", "")
-        if name == "read":  # TierReads.read
+        if name == "_read":  # OffloadWorker._read: a read from a tier
             fired["read"] += 1
             return 8  # past the timeout of 5 steps
         job = getattr(args[0], "job", None) if args else None

@@ -102,7 +102,7 @@ def test_loads_and_background_stores_run_on_the_background_cpus():
               for _ in range(2)]
     host = allocate_host_slots(4, 2 * PLANE_BYTES * BPC, pinned=False)
     engine = RecordingEngine(make_copy_engine(planes, host, BPC))
-    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=None, io_threads=1,
+    worker = OffloadWorker(rank=0, engine=engine, host=host, io_threads=1,
                            background_stores=True, placement=placement)
     try:
         worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0),), req_ids=("a",))])

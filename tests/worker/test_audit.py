@@ -19,6 +19,8 @@ from kv_offload.copy.plan import SlotLayout
 from kv_offload.counters import WorkerCounters
 from kv_offload.disk import SlabFile
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
+from kv_offload.testing.tiers import tier_ios, written_to
+from kv_offload.tier_contract import Place
 from kv_offload.worker import OffloadWorker
 from kv_offload.worker.audit import AUDIT_SCRATCH_SLOTS, CopyAudit, build_audit
 from kv_offload.worker.host_copies import HostCopies
@@ -86,7 +88,8 @@ def make_worker(planes, *, corrupt="", rate=1.0, slab=None):
     engine = CorruptingEngine(make_copy_engine(planes, host, BPC), host, planes,
                               corrupt=corrupt)
     audit = build_audit(planes, host, BPC, engine=engine, rate=rate)
-    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=slab, io_threads=2,
+    worker = OffloadWorker(rank=0, engine=engine, host=host,
+                           tiers=tier_ios(slab, slot_bytes=host.slot_bytes), io_threads=2,
                            audit=audit)
     return worker, engine, host
 
@@ -100,11 +103,11 @@ def test_a_store_copy_writing_wrong_bytes_is_caught_and_never_published_nor_writ
     slab = SlabFile(tmp_path, namespace_id="cd" * 16, rank=0, num_ranks=1,
                     slot_bytes=SLOT_BYTES)
     worker, engine, _ = make_worker(planes, corrupt="store", slab=slab)
-    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, 5),), req_ids=("r",))])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, sinks=(Place("disk", 5),)),), req_ids=("r",))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
     assert any(x.host_failed == {1: 1} for x in reports)
     assert not any(x.host_stored for x in reports)
-    assert next(x for x in reports if x.disk_stored).disk_stored == {1: {0: (None,)}}
+    assert written_to(next(x for x in reports if written_to(x, "disk")), "disk") == {1: {0: (None,)}}
     assert engine.fell_back == 1
     assert "kv-offload AUDIT MISMATCH" in caplog.text and "copy path fast" in caplog.text
     stats = worker.take_stats()

@@ -10,11 +10,12 @@ from concurrent.futures import Future
 import pytest
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob
+from kv_offload.tier_contract import Place
 from kv_offload.worker.loads import WorkerLoad, WorkerLoadPhase, when_all_done
 
 
 def make_load(*, started: float = 0.0) -> WorkerLoad:
-    chunks = (ChunkMove(block_ids=(1, 2), cpu_slot=0, disk_slot=5, checksums=(7,)),
+    chunks = (ChunkMove((1, 2), 0, Place("disk", 5, (7,))),
               ChunkMove(block_ids=(3, SKIP_BLOCK), cpu_slot=1),
               ChunkMove(block_ids=(4, 6), cpu_slot=None))
     return WorkerLoad(LoadJob(job_id=1, req_id="r", chunks=chunks), started)

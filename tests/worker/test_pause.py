@@ -31,6 +31,8 @@ from kv_offload.copy import make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.disk import SlabFile
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob
+from kv_offload.testing.tiers import tier_ios, written_to
+from kv_offload.tier_contract import Place
 from kv_offload.worker import OffloadWorker
 
 
@@ -68,9 +70,10 @@ def test_pause_returns_once_the_store_copies_in_flight_have_ended(planes, tmp_pa
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     host = allocate_host_slots(4, SLOT_BYTES, pinned=False)
     engine = HeldStoreEngine(make_copy_engine(planes, host, 2), stream=stream)
-    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=slab, io_threads=2,
+    worker = OffloadWorker(rank=0, engine=engine, host=host,
+                           tiers=tier_ios(slab, slot_bytes=host.slot_bytes), io_threads=2,
                            background_stores=not stream)
-    worker.run_stores([StoreJob(1, (ChunkMove((3, 4), 0, 2),), ("held",))])
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 4), 0, sinks=(Place("disk", 2),)),), ("held",))])
     worker.hold(["held"])
     try:
         pausing = pause_in_background(worker)
@@ -83,11 +86,11 @@ def test_pause_returns_once_the_store_copies_in_flight_have_ended(planes, tmp_pa
     assert worker.paused
     result = worker.poll()
     assert result.finished_sending == {"held"}
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
     assert any(x.host_stored == {1: 1} for x in reports)
     assert any(x.paused == {0: True} for x in reports)
     out = np.empty(SLOT_BYTES, np.uint8)
-    (digest,) = next(x for x in reports if x.disk_stored).disk_stored[1][0]
+    (digest,) = written_to(next(x for x in reports if written_to(x, "disk")), "disk")[1][0]
     assert slab.read(2, out, digest)
     assert np.array_equal(out, worker.host.slot_view(0))
     assert not worker.has_pending_jobs()
@@ -107,18 +110,18 @@ def test_a_paused_worker_refuses_store_copies_and_resume_copies_again(planes, tm
     worker = make_worker(planes, slab)
     stores = count_calls(worker.engine, "store")
     worker.pause()
-    worker.run_stores([StoreJob(1, (ChunkMove((3, 4), 0, 2),), ("a",))])
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 4), 0, sinks=(Place("disk", 2),)),), ("a",))])
     worker.hold(["a"])
     result = worker.poll()
     assert result.finished_sending == {"a"}
     report = worker.take_report()
-    assert report.host_failed == {1: 1} and report.disk_stored == {1: {0: (None,)}}
+    assert report.host_failed == {1: 1} and written_to(report, "disk") == {1: {0: (None,)}}
     assert report.paused == {0: True}
     assert not stores and not worker.has_pending_jobs()
     worker.resume()
     assert not worker.paused and worker.take_report().paused == {0: False}
-    worker.run_stores([StoreJob(2, (ChunkMove((3, 4), 1, 3),))])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    worker.run_stores([StoreJob(2, (ChunkMove((3, 4), 1, sinks=(Place("disk", 3),)),))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
     assert any(x.host_stored == {2: 1} for x in reports) and len(stores) == 1
     worker.close()
 
@@ -135,7 +138,7 @@ def test_pause_cancels_loads_still_reading_and_their_reads_still_fill_host_slots
     worker = make_worker(planes, slab)
     loads = count_calls(worker.engine, "load")
     before = blocks_of(planes, [1, 2])
-    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)),))])
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, Place("disk", 3, (0,))),))])
     worker.pause()
     result = worker.poll()
     assert result.finished_req_ids == {"req"} and result.failed_block_ids == {1, 2}
@@ -191,7 +194,7 @@ def test_loads_handed_to_a_paused_worker_fail_without_touching_the_engine(planes
     loads = count_calls(worker.engine, "load")
     worker.pause()
     worker.start_loads([LoadJob(1, "cpu", (ChunkMove((1, 2), 0),)),
-                        LoadJob(2, "disk", (ChunkMove((5, 6), 1, 4, (0,)),))])
+                        LoadJob(2, "disk", (ChunkMove((5, 6), 1, Place("disk", 4, (0,))),))])
     _, finished, failed = drain(worker, until=lambda r, f, b: {"cpu", "disk"} <= f)
     assert failed == {1, 2, 5, 6}
     wait_until(lambda: slab.reads == 1)

@@ -20,19 +20,22 @@ from worker_support import drain
 from kv_offload.copy import Direction, make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.disk import SlabFile
+from kv_offload.disk.health import DISK_BROKEN_AFTER
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
+from kv_offload.testing.tiers import tier_ios, written_to
+from kv_offload.tier_contract import Place
 from kv_offload.worker import OffloadWorker
-from kv_offload.worker.runner import DISK_BROKEN_AFTER
 
 NUM_BLOCKS, PLANE_BYTES, BPC = 16, 128, 2
 SLOT_BYTES = 2 * PLANE_BYTES * BPC  # two planes (layers)
 NS = "ab" * 16
 
 
-def make_worker(planes, slab, **kwargs):
+def make_worker(planes, slab, *, remote=None, verify_checksums=True, **kwargs):
     host = allocate_host_slots(4, SLOT_BYTES, pinned=False)
     engine = make_copy_engine(planes, host, BPC)
-    return OffloadWorker(rank=0, engine=engine, host=host, slab=slab, io_threads=2, **kwargs)
+    tiers = tier_ios(slab, remote, slot_bytes=SLOT_BYTES, verify_checksums=verify_checksums)
+    return OffloadWorker(rank=0, engine=engine, host=host, tiers=tiers, io_threads=2, **kwargs)
 
 
 def blocks_of(planes, ids):
@@ -43,13 +46,13 @@ def test_store_then_load_from_disk_restores_bytes(planes, tmp_path):
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     worker = make_worker(planes, slab)
     original = blocks_of(planes, [3, 7])
-    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, 5),))])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
-    (checksum,) = next(x for x in reports if x.disk_stored).disk_stored[1][0]
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, sinks=(Place("disk", 5),)),))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
+    (checksum,) = written_to(next(x for x in reports if written_to(x, "disk")), "disk")[1][0]
     assert any(x.host_stored == {1: 1} for x in reports)
     for p in planes:
         p[[9, 10]] = 0
-    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 2, 5, (checksum,)),))])
+    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 2, Place("disk", 5, (checksum,))),))])
     reports, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
     assert not failed
     for p, orig in zip(planes, original):
@@ -74,13 +77,13 @@ def test_skip_blocks_are_left_alone_and_cpu_hits_need_no_disk(planes):
 def test_corrupt_chunk_is_a_load_error_with_its_blocks(planes, tmp_path):
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     worker = make_worker(planes, slab)
-    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, 0),))])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
-    checksum = next(x for x in reports if x.disk_stored).disk_stored[1][0][0]
+    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, sinks=(Place("disk", 0),)),))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
+    checksum = written_to(next(x for x in reports if written_to(x, "disk")), "disk")[1][0][0]
     with open(slab.path, "r+b") as f:
         f.write(b"\xff\x00\xff")
     target = blocks_of(planes, [11, 12])
-    job = LoadJob(2, "r", (ChunkMove((11, 12), 1, 0, (checksum,)), ChunkMove((13, 14), None)))
+    job = LoadJob(2, "r", (ChunkMove((11, 12), 1, Place("disk", 0, (checksum,))), ChunkMove((13, 14), None)))
     worker.start_loads([job])
     reports, finished, failed = drain(worker, until=lambda r, f, b: "r" in f)
     assert failed == {11, 12, 13, 14}
@@ -98,12 +101,12 @@ def test_unreadable_chunk_counts_a_read_error_not_a_checksum_failure(planes, tmp
     it is counted in disk_read_errors, not checksum_failures."""
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     worker = make_worker(planes, slab)
-    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, 0),))])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
-    checksum = next(x for x in reports if x.disk_stored).disk_stored[1][0][0]
+    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, sinks=(Place("disk", 0),)),))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
+    checksum = written_to(next(x for x in reports if written_to(x, "disk")), "disk")[1][0][0]
     worker.take_stats()
     os.truncate(slab.path, 0)
-    worker.start_loads([LoadJob(2, "r", (ChunkMove((11, 12), 1, 0, (checksum,)),))])
+    worker.start_loads([LoadJob(2, "r", (ChunkMove((11, 12), 1, Place("disk", 0, (checksum,))),))])
     _, finished, failed = drain(worker, until=lambda r, f, b: "r" in f)
     assert failed == {11, 12}
     stats = worker.take_stats()
@@ -120,21 +123,21 @@ def test_store_moved_away_under_the_worker_reports_a_broken_disk(planes, tmp_pat
     slab = SlabFile(tmp_path / "store", namespace_id=NS, rank=0, num_ranks=1,
                     slot_bytes=SLOT_BYTES)
     worker = make_worker(planes, slab)
-    worker.run_stores([StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, i) for i in range(4)))])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
-    checksums = next(x for x in reports if x.disk_stored).disk_stored[1][0]
+    worker.run_stores([StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, sinks=(Place("disk", i),)) for i in range(4)))])
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
+    checksums = written_to(next(x for x in reports if written_to(x, "disk")), "disk")[1][0]
     os.rename(tmp_path / "store", tmp_path / "moved")
     before = blocks_of(planes, [12, 13])
     reports = []
     for job in range(DISK_BROKEN_AFTER):
         slot = job % 4
-        load = LoadJob(10 + job, f"r{job}", (ChunkMove((12, 13), slot, slot, (checksums[slot],)),))
+        load = LoadJob(10 + job, f"r{job}", (ChunkMove((12, 13), slot, Place("disk", slot, (checksums[slot],))),))
         worker.start_loads([load])
         more, _, failed = drain(worker, until=lambda r, f, b, j=job: f"r{j}" in f)
         assert failed == {12, 13}
         reports += more
     reports += drain(worker, until=lambda r, f, b: not worker.has_pending_jobs())[0]
-    broken = [x.disk_broken for x in reports if x.disk_broken]
+    broken = [x.broken.get("disk") for x in reports if x.broken.get("disk")]
     assert len(broken) == 1 and "MISSING" in broken[0]
     for p, orig in zip(planes, before):
         assert torch.equal(p[[12, 13]], orig)
@@ -160,7 +163,7 @@ def test_load_timeout_fails_request_and_late_read_never_reaches_engine(planes):
     slab = BlockingSlab()
     worker = make_worker(planes, slab, load_timeout_s=0.2)
     before = blocks_of(planes, [5, 6])
-    worker.start_loads([LoadJob(1, "slow", (ChunkMove((5, 6), 0, 3, (0,)),))])
+    worker.start_loads([LoadJob(1, "slow", (ChunkMove((5, 6), 0, Place("disk", 3, (0,))),))])
     reports, finished, failed = drain(worker, until=lambda r, f, b: "slow" in f)
     assert failed == {5, 6}
     assert not any(x.loaded for x in reports), "slots must stay pinned until the read ends"
@@ -183,12 +186,12 @@ class ReadOnlySlab:
 
 def test_repeated_io_errors_report_a_broken_disk_once(planes):
     worker = make_worker(planes, ReadOnlySlab())
-    jobs = [StoreJob(i, (ChunkMove((i % 8, i % 8 + 1), i % 4, i),)) for i in range(10)]
+    jobs = [StoreJob(i, (ChunkMove((i % 8, i % 8 + 1), i % 4, sinks=(Place("disk", i),)),)) for i in range(10)]
     worker.run_stores(jobs)
-    reports, _, _ = drain(worker, until=lambda r, f, b: sum(len(x.disk_stored) for x in r) == 10)
-    broken = [x.disk_broken for x in reports if x.disk_broken]
+    reports, _, _ = drain(worker, until=lambda r, f, b: sum(len(written_to(x, "disk")) for x in r) == 10)
+    broken = [x.broken.get("disk") for x in reports if x.broken.get("disk")]
     assert len(broken) == 1 and "Read-only" in broken[0]
-    assert all(s == (None,) for x in reports for per in x.disk_stored.values()
+    assert all(s == (None,) for x in reports for per in written_to(x, "disk").values()
                for s in per.values())
     worker.close()
 
@@ -197,11 +200,11 @@ def test_verification_off_trusts_the_slab(planes, tmp_path):
     """verify_checksums=False: a damaged chunk is loaded as is (the operator's choice)."""
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     worker = make_worker(planes, slab, verify_checksums=False)
-    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, 0),))])
-    drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, sinks=(Place("disk", 0),)),))])
+    drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
     with open(slab.path, "r+b") as f:
         f.write(b"\x01\x02\x03")
-    worker.start_loads([LoadJob(2, "r", (ChunkMove((11, 12), 1, 0, (12345,)),))])
+    worker.start_loads([LoadJob(2, "r", (ChunkMove((11, 12), 1, Place("disk", 0, (12345,))),))])
     _, _, failed = drain(worker, until=lambda r, f, b: "r" in f)
     assert not failed
     assert bytes(planes[0][11][:3].tolist()) == b"\x01\x02\x03"
@@ -259,7 +262,7 @@ def test_a_disk_load_is_copied_by_the_poll_after_its_reads_and_reported_by_it(pl
         return load(slots, block_ids, after=after)
 
     worker.engine.load = recording_load
-    job = LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)), ChunkMove((5, 6), 1, 4, (0,))))
+    job = LoadJob(1, "req", (ChunkMove((1, 2), 0, Place("disk", 3, (0,))), ChunkMove((5, 6), 1, Place("disk", 4, (0,)))))
     worker.start_loads([job])
     assert worker.poll().finished_req_ids == set()  # still reading
     slab.release.set()
@@ -295,9 +298,9 @@ def test_a_bug_in_a_load_copy_fails_the_load_not_the_step(planes, monkeypatch, c
     def broken(*args):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(type(worker._reads), "read", lambda self, move: True)
+    monkeypatch.setattr(type(worker.tiers["disk"]), "read", lambda self, place, out: True)
     monkeypatch.setattr("kv_offload.worker.loads.WorkerLoad.sort_rows", broken)
-    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)),))])
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, Place("disk", 3, (0,))),))])
     _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f)
     assert failed == {1, 2}
     worker.close()
@@ -339,7 +342,7 @@ def test_a_poll_in_a_step_without_forward_reports_a_load_the_moment_its_reads_en
     slab = GatedSlab()
     worker = make_worker(planes, slab)
     worker.idle_wait_s = 10.0
-    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)),))])
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, Place("disk", 3, (0,))),))])
     threading.Timer(0.05, slab.release.set).start()
     result = worker.poll(idle=True)
     assert result.finished_req_ids == {"req"} and not result.failed_block_ids
@@ -357,7 +360,7 @@ def test_an_idle_poll_waits_at_most_idle_wait_s_and_not_at_all_without_loads(pla
     idle_poll.start()  # nothing in flight: returns at once
     idle_poll.join(60)  # bounds a hang only
     assert not idle_poll.is_alive(), "an idle poll with no load in flight waited"
-    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, 3, (0,)),))])
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, Place("disk", 3, (0,))),))])
     # A forward ran: no wait. Had it waited, it would have reported the load, whose
     # read ends only when the test opens the gate (or after its own 10 s).
     assert worker.poll().finished_req_ids == set()
@@ -396,10 +399,10 @@ def test_a_failed_multi_chunk_write_stores_each_chunk_that_fits(planes, tmp_path
     written alone, so a disk with room for some of them still stores those."""
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     worker = make_worker(planes, HalfFullSlab(slab))
-    job = StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, 10 + i) for i in range(4)))
+    job = StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, sinks=(Place("disk", 10 + i),)) for i in range(4)))
     worker.run_stores([job])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
-    (sums,) = [x.disk_stored[1][0] for x in reports if x.disk_stored]
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
+    (sums,) = [written_to(x, "disk")[1][0] for x in reports if written_to(x, "disk")]
     assert [s is not None for s in sums] == [True, False, True, False]
     for i in (0, 2):
         out = np.empty(SLOT_BYTES, np.uint8)
@@ -415,11 +418,11 @@ def test_a_store_jobs_chunks_reach_the_slab_in_one_write(planes, tmp_path, monke
     calls = []
     real = os.pwritev
     monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: calls.append(off) or real(fd, bufs, off))
-    worker.run_stores([StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, 20 + i)
+    worker.run_stores([StoreJob(1, tuple(ChunkMove((2 * i, 2 * i + 1), i, sinks=(Place("disk", 20 + i),))
                                          for i in range(4)))])
-    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.disk_stored for x in r))
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(written_to(x, "disk") for x in r))
     assert calls == [20 * SLOT_BYTES]
-    assert all(s is not None for x in reports for s in x.disk_stored.get(1, {0: ()})[0])
+    assert all(s is not None for x in reports for s in written_to(x, "disk").get(1, {0: ()})[0])
     worker.close()
 
 
@@ -440,7 +443,7 @@ def test_close_leaves_the_slab_open_while_a_write_outlives_its_deadline(planes, 
 
     monkeypatch.setattr(slab_module.os, "pwritev", stalling_pwritev)
     worker = make_worker(planes, slab)
-    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, 5),))])
+    worker.run_stores([StoreJob(1, (ChunkMove((3, 7), 1, sinks=(Place("disk", 5),)),))])
     assert stalled.wait(30)
     worker.close(timeout_s=0.1)
     try:
@@ -493,12 +496,12 @@ def test_a_disk_load_finishes_while_many_store_copies_are_held_back(planes, tmp_
     checksum = slab.write(0, payload)
     host = allocate_host_slots(8, SLOT_BYTES, pinned=False)
     engine = HeldStoreEngine(make_copy_engine(planes, host, BPC), stream=stream)
-    worker = OffloadWorker(rank=0, engine=engine, host=host, slab=slab, io_threads=2,
+    worker = OffloadWorker(rank=0, engine=engine, host=host, tiers=tier_ios(slab, slot_bytes=host.slot_bytes), io_threads=2,
                            background_stores=not stream)
-    stores = [StoreJob(i, (ChunkMove((i, i + 1), i, 10 + i),)) for i in range(1, 8)]
+    stores = [StoreJob(i, (ChunkMove((i, i + 1), i, sinks=(Place("disk", 10 + i),)),)) for i in range(1, 8)]
     worker.run_stores(stores)
     try:
-        worker.start_loads([LoadJob(100, "req", (ChunkMove((12, 13), 0, 0, (checksum,)),))])
+        worker.start_loads([LoadJob(100, "req", (ChunkMove((12, 13), 0, Place("disk", 0, (checksum,))),))])
         # While the copies are held (release is set only below): the drain's deadline
         # only bounds a hang and ends well before HOLD_S.
         _, finished, failed = drain(worker, until=lambda r, f, b: "req" in f, timeout=30.0)
@@ -508,12 +511,12 @@ def test_a_disk_load_finishes_while_many_store_copies_are_held_back(planes, tmp_
                    .tobytes() for i, p in enumerate(planes))
     finally:
         engine.release.set()
-    reports, _, _ = drain(worker, until=lambda r, f, b: sum(len(x.disk_stored) for x in r) == 7)
+    reports, _, _ = drain(worker, until=lambda r, f, b: sum(len(written_to(x, "disk")) for x in r) == 7)
     for job in stores:
         ((move,),) = [job.chunks]
         out = np.empty(SLOT_BYTES, np.uint8)
-        (digest,) = next(x for x in reports if job.job_id in x.disk_stored
-                         ).disk_stored[job.job_id][0]
-        assert slab.read(move.disk_slot, out, digest)
+        (digest,) = written_to(next(x for x in reports if job.job_id in written_to(x, "disk")
+                         ), "disk")[job.job_id][0]
+        assert slab.read(move.sinks[0].address, out, digest)
         assert np.array_equal(out, worker.host.slot_view(move.cpu_slot))
     worker.close()

@@ -17,6 +17,8 @@ from kv_offload.checksum import checksum
 from kv_offload.disk import SlabFile
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob
 from kv_offload.remote import RemoteTarget, RemoteTier
+from kv_offload.testing.tiers import written_to
+from kv_offload.tier_contract import Place
 
 NUM_BLOCKS, PLANE_BYTES = 16, 128
 KEY_A, KEY_B = b"\xaa" * 32, b"\xbb" * 32
@@ -47,23 +49,23 @@ def test_store_to_remote_then_load_on_another_worker_restores_bytes(remote, tmp_
     writer_planes = make_planes(1)
     writer = make_worker(writer_planes, None, remote=remote)
     original = blocks_of(writer_planes, [3, 7])
-    writer.run_stores([StoreJob(1, (ChunkMove((3, 7), 0, remote_key=KEY_A),))])
-    reports, _, _ = drain(writer, until=lambda r, f, b: any(x.remote_stored for x in r))
-    assert next(x for x in reports if x.remote_stored).remote_stored == {1: {0: (True,)}}
+    writer.run_stores([StoreJob(1, (ChunkMove((3, 7), 0, sinks=(Place("remote", KEY_A),)),))])
+    reports, _, _ = drain(writer, until=lambda r, f, b: any(written_to(x, "remote") for x in r))
+    assert written_to(next(x for x in reports if written_to(x, "remote")), "remote") == {1: {0: (True,)}}
     assert remote.lookup([KEY_A]) == 1
     writer.close()
 
     planes = make_planes(2)  # another host: different engine contents
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     reader = make_worker(planes, slab, remote=remote)
-    job = LoadJob(2, "req", (ChunkMove((9, 10), 1, remote_key=KEY_A, fill_disk_slot=4),))
+    job = LoadJob(2, "req", (ChunkMove((9, 10), 1, Place("remote", KEY_A), sinks=(Place("disk", 4),)),))
     reader.start_loads([job])
     reports, finished, failed = drain(
-        reader, until=lambda r, f, b: "req" in f and any(x.disk_stored for x in r))
+        reader, until=lambda r, f, b: "req" in f and any(written_to(x, "disk") for x in r))
     assert not failed
     for p, orig in zip(planes, original):
         assert torch.equal(p[[9, 10]], orig)
-    (fill_sum,) = next(x for x in reports if x.disk_stored).disk_stored[2][0]
+    (fill_sum,) = written_to(next(x for x in reports if written_to(x, "disk")), "disk")[2][0]
     on_disk = bytearray(SLOT_BYTES)
     assert slab.read(4, memoryview(on_disk), fill_sum)
     assert checksum(on_disk) == fill_sum
@@ -76,19 +78,19 @@ def test_evicted_key_fails_the_chunk_and_skips_its_fill(remote, tmp_path):
     planes = make_planes(3)
     slab = SlabFile(tmp_path, namespace_id=NS, rank=0, num_ranks=1, slot_bytes=SLOT_BYTES)
     worker = make_worker(planes, slab, remote=remote)
-    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, remote_key=KEY_A),))])
-    drain(worker, until=lambda r, f, b: any(x.remote_stored for x in r))
+    worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, sinks=(Place("remote", KEY_A),)),))])
+    drain(worker, until=lambda r, f, b: any(written_to(x, "remote") for x in r))
     before = blocks_of(planes, [11, 12, 13, 14])
-    job = LoadJob(2, "r", (ChunkMove((11, 12), 1, remote_key=KEY_A),
-                           ChunkMove((13, 14), 2, remote_key=KEY_B, fill_disk_slot=0)))
+    job = LoadJob(2, "r", (ChunkMove((11, 12), 1, Place("remote", KEY_A)),
+                           ChunkMove((13, 14), 2, Place("remote", KEY_B), sinks=(Place("disk", 0),))))
     worker.start_loads([job])
     reports, _, failed = drain(worker, until=lambda r, f, b: "r" in f
-                               and any(x.disk_stored for x in r))
+                               and any(written_to(x, "disk") for x in r))
     assert failed == {13, 14}
     assert torch.equal(planes[0][[11, 12]], planes[0][[1, 2]])
     assert torch.equal(planes[0][[13, 14]], before[0][2:]), "nothing written for the miss"
     assert next(x for x in reports if x.loaded).loaded[2] == {0: frozenset({1})}
-    assert next(x for x in reports if x.disk_stored).disk_stored[2] == {0: (None, None)}
+    assert written_to(next(x for x in reports if written_to(x, "disk")), "disk")[2] == {0: (None, None)}
     assert worker.take_stats()["remote_misses"] == 1
     worker.close()
 
@@ -106,13 +108,13 @@ def test_dead_server_fails_fast_and_skips_stores(redis_server, monkeypatch):
             threading.current_thread()) or call(*a, **kw))
     redis_server.kill()
     try:
-        worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, remote_key=KEY_A),))])
-        worker.start_loads([LoadJob(2, "r", (ChunkMove((5, 6), 1, remote_key=KEY_B),))])
+        worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0, sinks=(Place("remote", KEY_A),)),))])
+        worker.start_loads([LoadJob(2, "r", (ChunkMove((5, 6), 1, Place("remote", KEY_B)),))])
         reports, _, failed = drain(worker, until=lambda r, f, b: "r" in f
-                                   and any(x.remote_stored for x in r))
+                                   and any(written_to(x, "remote") for x in r))
         assert len(callers) == 2 and threading.current_thread() not in callers
         assert failed == {5, 6}
-        assert next(x for x in reports if x.remote_stored).remote_stored == {1: {0: (False,)}}
+        assert written_to(next(x for x in reports if written_to(x, "remote")), "remote") == {1: {0: (None,)}}
         assert any(x.host_stored == {1: 1} for x in reports), "the CPU tier still stored it"
         stats = worker.take_stats()
         assert stats["remote_skipped_stores"] == 1 and stats["remote_errors"] == 1

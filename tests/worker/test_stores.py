@@ -1,7 +1,7 @@
 """WorkerStores: what a store job reports, and when, as its copy and writes end.
 
 The scheduler publishes a chunk in the CPU tier on ``host_stored`` and commits it on disk
-on ``disk_stored``; reporting either too early would serve bytes that are not there yet.
+on its disk results (``written``); reporting either too early would serve bytes that are not there yet.
 Here the engine copy runs behind a gate (as a CUDA copy runs behind the step), and the
 wait for it and the I/O tasks run only when the test says so. No write is queued before
 its copy ended: an I/O thread waiting for a copy holds up the reads of loads.
@@ -21,11 +21,12 @@ from kv_offload.checksum import checksum
 from kv_offload.copy import make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.disk import SlabFile
+from kv_offload.disk.io import DiskIO
 from kv_offload.jobs import ChunkMove, StoreJob, WorkerReport
-from kv_offload.worker.disk_health import DiskHealth
+from kv_offload.testing.tiers import written_to
+from kv_offload.tier_contract import Place
 from kv_offload.worker.host_copies import HostCopies
 from kv_offload.worker.stores import WorkerStores
-from kv_offload.worker.writes import SlabWrites
 
 NUM_BLOCKS, PLANE_BYTES, BPC = 8, 64, 2
 SLOT_BYTES = PLANE_BYTES * BPC
@@ -84,15 +85,15 @@ def make_stores(parts, *, fail: bool = False):
     planes, host, slab = parts
     engine = GatedEngine(make_copy_engine(planes, host, BPC), fail=fail)
     io, waits = ManualIO(), ManualIO()
-    writes = SlabWrites(host=host, slab=slab, disk=DiskHealth(0), count=lambda _: None,
-                        clock=lambda: 0.0)
+    disk = DiskIO(slab, slot_bytes=SLOT_BYTES)
     copies = HostCopies(engine, background=False, waiter=waits)
-    stores = WorkerStores(rank=0, host=host, copies=copies, writes=writes, remote=None,
+    stores = WorkerStores(rank=0, host=host, copies=copies, tiers={"disk": disk},
                           submit=io.submit, count=lambda _: None, clock=lambda: 0.0)
     return stores, engine, io, waits
 
 
-JOB = StoreJob(7, (ChunkMove((1, 2), 0, 3), ChunkMove((5, 4), 1, 6)), req_ids=("r", "r"))
+JOB = StoreJob(7, (ChunkMove((1, 2), 0, sinks=(Place("disk", 3),)),
+                   ChunkMove((5, 4), 1, sinks=(Place("disk", 6),))), req_ids=("r", "r"))
 
 
 def test_the_host_copy_is_reported_when_done_and_the_disk_once_every_write_ended(parts):
@@ -109,13 +110,13 @@ def test_the_host_copy_is_reported_when_done_and_the_disk_once_every_write_ended
     waits.run_all()  # the waiter thread sees the copy end and queues the writes
     assert len(io.tasks) == 1  # both chunks in one task
     stores.collect(report)
-    assert report.host_stored == {7: 1} and not report.disk_stored, "writes still queued"
+    assert report.host_stored == {7: 1} and not written_to(report, "disk"), "writes still queued"
 
     io.run_all()
     stores.collect(report)
     expected = tuple(checksum(planes[0][list(ids)].numpy().tobytes())
                      for ids in ((1, 2), (5, 4)))
-    assert report.disk_stored == {7: {0: expected}}
+    assert written_to(report, "disk") == {7: {0: expected}}
     buf = np.empty(SLOT_BYTES, np.uint8)
     assert slab.read(6, buf, expected[1]) and bytes(buf) == planes[0][[5, 4]].numpy().tobytes()
     assert len(stores) == 0 and stores.pending_writes() == []
@@ -130,7 +131,7 @@ def test_a_failed_copy_is_reported_and_its_disk_slots_come_back_unwritten(parts)
     assert report.host_failed == {7: 1} and not report.host_stored
     assert io.tasks == [], "nothing is written behind a failed copy"
     stores.collect(report)
-    assert report.disk_stored == {7: {0: (None, None)}}
+    assert written_to(report, "disk") == {7: {0: (None, None)}}
     assert os.path.getsize(slab.path) == 0, "nothing was written"
     assert len(stores) == 0
 

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from kv_offload.disk.errors import StorePathError
-from kv_offload.scheduler.disk_tier import DiskTier
+from kv_offload.disk.tier import DiskTier
 
 
 class BrokenIndex:
@@ -27,7 +27,7 @@ def test_a_failing_index_turns_the_tier_off_and_answers_nothing(error, caplog):
     with caplog.at_level(logging.ERROR, logger="kv_offload"):
         assert tier.stats() is None  # the metrics poll found it first
     assert not tier.enabled and "disabled for this run" in caplog.text
-    assert tier.find_prefix([b"k"]) == [] and tier.allocate([b"k"]) == [None]
+    assert tier.find("r", [b"k"]) == [] and tier.reserve([b"k"]) == [None]
     assert tier.num_pending_accesses() == 0
     tier.commit([(b"k", 1, (2,))])
     tier.close()  # what jobs in flight queued is tried, and fails quietly

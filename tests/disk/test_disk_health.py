@@ -6,8 +6,8 @@ import errno
 import logging
 
 from kv_offload.counters import WorkerCounters
+from kv_offload.disk.health import DISK_BROKEN_AFTER, DiskHealth
 from kv_offload.disk.slab import ReadResult
-from kv_offload.worker.disk_health import DISK_BROKEN_AFTER, DiskHealth
 
 
 def test_io_errors_in_a_row_make_the_disk_broken_once():
@@ -46,7 +46,7 @@ def test_per_chunk_failures_never_make_the_disk_broken():
 
 def test_a_burst_of_write_failures_is_logged_once(caplog):
     health = DiskHealth(rank=0)
-    with caplog.at_level(logging.WARNING, logger="kv_offload.worker.disk_health"):
+    with caplog.at_level(logging.WARNING, logger="kv_offload.disk.health"):
         for _ in range(5):
             health.write_failed(OSError(errno.ENOSPC, "full"))
         health.write_ok()

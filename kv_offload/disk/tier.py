@@ -1,5 +1,5 @@
-"""DiskTier: the disk index as the planner uses it, writes batched per step, turned off
-for good by a failure.
+"""DiskTier: the disk tier's scheduler half (``tier_contract.SecondaryTier``): the disk
+index as the planner uses it, writes batched per step, turned off for good by a failure.
 
 Commits and releases are queued and written with the step's allocation, or by ``flush``
 at the end of the step: one LMDB write transaction per scheduler step instead of one per
@@ -17,17 +17,75 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterator, Sequence
-from typing import TypeVar
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from kv_offload.disk.errors import StoreError
 from kv_offload.scheduler.events import ChunkBlocks, TierEvents, decode, encode
 from kv_offload.scheduler.tails import tail_key
-from kv_offload.scheduler.tiers import DiskEntryLike, DiskIndexLike
+from kv_offload.tier_contract import Place
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+NAME = "disk"
 MAX_TAIL_NOTES = 4096
+ACCESS_FLUSH_INTERVAL_S = 2.0
+ACCESS_FLUSH_MAX_PENDING = 256
+"""Disk hits written at the latest with this many pending: each moves an entry in the
+index's LRU order (~5-25 us, more as the index grows), so a burst of hits is written in
+steps of bounded cost instead of one long transaction every ACCESS_FLUSH_INTERVAL_S."""
+
+
+class DiskEntryLike(Protocol):
+    """A committed disk chunk (``kv_offload.disk.DiskEntry``)."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def slot(self) -> int: ...
+
+    @property
+    def checksums(self) -> tuple[int, ...]: ...
+
+
+class DiskIndexLike(Protocol):
+    """The disk index (``kv_offload.disk.DiskIndex``; fakes in tests): which key lives in
+    which slot. Any method may raise ``StoreError``."""
+
+    def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]: ...
+
+    def count_lookup(self, *, hits: int, misses: int) -> None: ...
+
+    def pin(self, slots: Sequence[int]) -> None: ...
+
+    def unpin(self, slots: Sequence[int]) -> None: ...
+
+    def settle(self, commits: Sequence[tuple[bytes, int, tuple[int, ...]]] = (),
+               releases: Sequence[int] = (), keys: Sequence[bytes] = (),
+               blocks: Mapping[bytes, bytes] | None = None,
+               tails: Mapping[bytes, tuple[bytes, Sequence[int]]] | None = None
+               ) -> tuple[list[bool], list[int | None]]: ...
+
+    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]: ...
+
+    # The KV events of the disk tier (``scheduler/events.py``): only used when they are on.
+    track_removed: bool
+
+    def take_removed(self) -> list[tuple[bytes, bytes | None]]: ...
+
+    def read_blocks(self, after: bytes, limit: int) -> list[tuple[bytes, bytes | None]]: ...
+
+    def drop(self, key: bytes, slot: int) -> bool: ...
+
+    def flush_access(self) -> None: ...
+
+    def num_pending_accesses(self) -> int: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class DiskTier:
@@ -36,17 +94,32 @@ class DiskTier:
     While ``enabled``, lookups and allocations go to the index. Once a call raised
     (or ``disable`` was called) they answer "nothing" (no hit, no slot), while what
     jobs in flight hold is still unpinned, committed, released or dropped. Every call
-    swallows the exception (the caller's fallback stands).
+    swallows the exception (the caller's fallback stands). Places: the slot, with each
+    rank's checksum for reads.
     """
+
+    name = NAME
+    keeps_tails = True
+    takes_fills = True  # remote chunks land on the local disk for the next restart
 
     def __init__(self, index: DiskIndexLike | None) -> None:
         self.index = index
         self.enabled = index is not None
+        self._counters: Any = None
+        self._clock: Callable[[], float] = time.monotonic
+        self._last_access_flush = self._clock()
         self._commits: list[tuple[bytes, int, tuple[int, ...]]] = []
         self._releases: list[int] = []
         self._events: TierEvents | None = None  # attach_events
         self._read_after = b""  # the next batch of read_blocks (announcing)
         self._tails: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}  # note_tail
+
+    def bind(self, counters: Any, clock: Callable[[], float]) -> None:
+        self._counters, self._clock = counters, clock
+        self._last_access_flush = clock()
+
+    def forget(self, asker: str) -> None:
+        pass  # answers are not memoised
 
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
         """``key`` is a request tail of ``parent``: its tail records are written with its
@@ -69,12 +142,13 @@ class DiskTier:
                     if tail_key(parent, tokens) == key]
         return []
 
-    def find_prefix(self, keys: Sequence[bytes]) -> Sequence[DiskEntryLike]:
+    def find(self, asker: str, keys: Sequence[bytes]) -> list[Place]:
+        """The committed leading chunks of ``keys`` (never pending)."""
         index = self._active()
         if index is None or not keys:
             return []
         with self._guard("lookup"):
-            return index.find_prefix(keys)
+            return [Place(NAME, e.slot, tuple(e.checksums)) for e in index.find_prefix(keys)]
         return []
 
     def count_lookup(self, hits: int, misses: int) -> None:
@@ -83,30 +157,32 @@ class DiskTier:
             with self._guard("count_lookup"):
                 index.count_lookup(hits=hits, misses=misses)
 
-    def allocate(self, keys: Sequence[bytes]) -> list[int | None]:
+    def reserve(self, keys: Sequence[bytes]) -> list[Place | None]:
         """A slot (or None) per key; all None while the tier is off. Writes the queued
         commits and releases in the same transaction."""
         index = self._active()
         if index is not None and keys:
             commits, releases = self._take_queued()
             with self._guard("allocate"):
-                return list(self._settle(index, commits, releases, keys))
+                slots = self._settle(index, commits, releases, keys)
+                return [None if s is None else Place(NAME, s) for s in slots]
         return [None] * len(keys)
 
     def _active(self) -> DiskIndexLike | None:
         """The index while the tier is on (lookups and allocations), else None."""
         return self.index if self.enabled else None
 
-    def pin(self, slots: Sequence[int]) -> None:
-        self._call("pin", "pin", slots)
+    def pin(self, places: Sequence[Place]) -> None:
+        self._call("pin", "pin", [int(p.address) for p in places])
 
-    def unpin(self, slots: Sequence[int]) -> None:
-        self._call("unpin", "unpin", slots)
+    def unpin(self, places: Sequence[Place]) -> None:
+        if places:
+            self._call("unpin", "unpin", [int(p.address) for p in places])
 
-    def release(self, slots: Sequence[int]) -> None:
+    def release(self, places: Sequence[Place]) -> None:
         """Queue giving back reserved slots that will not be committed (``flush``)."""
         if self.index is not None:
-            self._releases.extend(slots)
+            self._releases.extend(int(p.address) for p in places)
 
     def commit(self, items: Sequence[tuple[bytes, int, tuple[int, ...]]]) -> None:
         """Queue publishing written slots (``flush``); also after ``disable``: jobs in
@@ -175,31 +251,44 @@ class DiskTier:
         self._commits, self._releases = [], []
         return out
 
-    def commit_written(self, keys: Sequence[bytes], slots: Sequence[int | None],
-                       sums_by_rank: dict[int, tuple[int | None, ...]],
-                       failed: Collection[int] = ()) -> int:
+    def written(self, keys: Sequence[bytes], places: Sequence[Place | None],
+                results: Mapping[int, Sequence[object | None]],
+                failed: frozenset[int] = frozenset()) -> int:
         """Commit the slots whose chunk every rank wrote (a checksum from each rank in
-        ``sums_by_rank``, per chunk index), release the others and those in ``failed``;
+        ``results``, per chunk index), release the others and those in ``failed``;
         returns how many were committed."""
-        ranks = sorted(sums_by_rank)
+        ranks = sorted(results)
         commits: list[tuple[bytes, int, tuple[int, ...]]] = []
         releases: list[int] = []
-        for i, (key, slot) in enumerate(zip(keys, slots)):
-            if slot is None:
+        for i, (key, place) in enumerate(zip(keys, places)):
+            if place is None:
                 continue
-            sums = tuple(sums_by_rank[r][i] for r in ranks)
-            written = tuple(s for s in sums if s is not None)
+            sums = tuple(results[r][i] for r in ranks)
+            written = tuple(s for s in sums if isinstance(s, int))
             if i not in failed and len(written) == len(sums):
-                commits.append((key, slot, written))
+                commits.append((key, int(place.address), written))
             else:
-                releases.append(slot)
+                releases.append(int(place.address))
         self.commit(commits)
-        self.release(releases)
+        if self.index is not None:
+            self._releases.extend(releases)
+        if self._counters is not None:
+            self._counters.chunks_stored_disk += len(commits)
         return len(commits)
 
-    def drop(self, key: bytes, slot: int) -> None:
-        self._call("drop", "drop", key, slot)
+    def drop(self, place: Place, key: bytes) -> None:
+        self._call("drop", "drop", key, int(place.address))
         self._report_removed()
+
+    def end_step(self) -> None:
+        """Write what no allocation wrote this step (one transaction), and the hits of
+        the last ``ACCESS_FLUSH_INTERVAL_S`` or ``ACCESS_FLUSH_MAX_PENDING``."""
+        self.flush()
+        now = self._clock()
+        if self.enabled and (now - self._last_access_flush >= ACCESS_FLUSH_INTERVAL_S
+                             or self.num_pending_accesses() >= ACCESS_FLUSH_MAX_PENDING):
+            self._last_access_flush = now
+            self.flush_access()
 
     def flush_access(self, *, also_when_off: bool = False) -> None:
         if self.enabled or also_when_off:
