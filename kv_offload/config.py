@@ -29,6 +29,7 @@ from kv_offload.remote.address import (
     redact,
 )
 from kv_offload.sizes import format_size, parse_size
+from kv_offload.tier_plugins import check_specs
 
 __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "OffloadConfig", "format_size", "parse_size"]
 
@@ -132,6 +133,9 @@ class OffloadConfig:
             tail) are kept in the CPU tier when it finishes, for a later prompt that
             shares them (the next turn of a chat). Default true; models with several
             KV cache groups (hybrids) are served whole chunks only.
+        extra_tiers: secondary tiers from other packages, asked after the disk and
+            remote tiers: a list of factories, "package.module:factory"
+            (``kv_offload.tier_plugins``). Default none.
     """
 
     cpu_size: int | str = "4GiB"
@@ -162,6 +166,7 @@ class OffloadConfig:
     audit_rate: float = 0.01
     sync_load_budget_ms: float = 20.0
     partial_hits: bool = True
+    extra_tiers: list[str] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -211,6 +216,7 @@ class OffloadConfig:
             _check_seconds(budget, "sync_load_budget_ms (0 turns same-step loads off)",
                            maximum=10_000, unit="milliseconds")
         self._check_remote()
+        set_(self, "extra_tiers", check_specs(self.extra_tiers) or None)
 
     def _check_remote(self) -> None:
         set_ = object.__setattr__

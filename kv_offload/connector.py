@@ -32,6 +32,7 @@ from kv_offload.engine_info import (
 from kv_offload.jobs import StepPlan, WorkerReport
 from kv_offload.layout import num_cpu_slots
 from kv_offload.metrics import OffloadPromMetrics, OffloadStats, SchedulerStats
+from kv_offload.tier_plugins import TierContext, build_tiers
 
 if TYPE_CHECKING:
     import torch
@@ -207,6 +208,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                      who="scheduler")
             remote.publish_descriptor(self.layout.descriptor())
             tiers.append(RemoteIndex(remote))
+        tiers += build_tiers(self.config.extra_tiers or [], TierContext(
+            "scheduler", self.namespace, self.layout.tp_size, 0, self.layout.slot_bytes,
+            self.config))
         planner_config = PlannerConfig(
             chunk_tokens=self.layout.chunk_tokens, block_size=self.layout.block_size,
             tokens_per_hash=self.layout.tokens_per_hash, num_ranks=self.layout.tp_size,

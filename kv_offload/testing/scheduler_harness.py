@@ -132,8 +132,8 @@ class SchedulerHarness:
                  background_stores: bool = False, copy_thread: bool = True,
                  connector_reset: str = "cpu", windows: tuple[int, ...] = (),
                  mamba: bool = False, model_runner: str | None = None,
-                 max_num_inflight_kv_loads: int | None = None,
-                 sync_load_budget_ms: float = 20.0, partial_hits: bool = True) -> None:
+                 max_num_inflight_kv_loads: int | None = None, sync_load_budget_ms: float = 20.0,
+                 partial_hits: bool = True, extra_tiers: tuple[str, ...] = ()) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
         with the CPU backend's synchronous engine. ``connector_reset``: the option of that
@@ -145,7 +145,7 @@ class SchedulerHarness:
         model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on).
         ``max_num_inflight_kv_loads``: vLLM's option of that name (0.34 on), which lets
         loads the connector says may be asynchronous start while the batch is full.
-        ``partial_hits``: the option of that name (request tails, partial chunks)."""
+        ``partial_hits``, ``extra_tiers``: the options of those names."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
@@ -170,7 +170,8 @@ class SchedulerHarness:
             disk_path=str(tmp_path / "store") if disk else None, disk_size=256 * slot_bytes,
             load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1,
             cpu_background_stores=background_stores, connector_reset=connector_reset,
-            sync_load_budget_ms=sync_load_budget_ms, partial_hits=partial_hits)
+            sync_load_budget_ms=sync_load_budget_ms, partial_hits=partial_hits,
+            extra_tiers=list(extra_tiers) or None)
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)
@@ -235,9 +236,8 @@ class SchedulerHarness:
         def make_worker(**kwargs: Any) -> Any:
             kwargs["engine"] = _FaultyEngine(kwargs["engine"], self,
                                              synchronous=not self.copy_thread)
-            for tier in kwargs.get("tiers", ()):  # the disk tier's DiskIO
-                if hasattr(tier, "slab"):
-                    tier.slab = _FaultySlab(tier.slab, self)
+            for tier in [t for t in kwargs.get("tiers", ()) if hasattr(t, "slab")]:  # DiskIO
+                tier.slab = _FaultySlab(tier.slab, self)
             worker = real_worker(**kwargs, clock=lambda: self.now)
             for pool in ("_io", "_io_writes", "_copier"):  # its pools: deterministic instead
                 if not hasattr(worker, pool):
@@ -452,11 +452,9 @@ class SchedulerHarness:
         """Every loadable request tail (scheduler/tails.py) holds the KV of its tokens."""
         planner, out = self.scheduler_side, list[str]()
         for parent, key, tokens in planner.tails.entries() if planner.tails else ():
-            hit = planner.cpu.hit(key)
-            if hit is None:
+            if (hit := planner.cpu.hit(key)) is None:
                 continue
-            expected = self._tail_hashes(parent, tokens, chunks)
-            if expected is None:
+            if (expected := self._tail_hashes(parent, tokens, chunks)) is None:
                 out.append(f"CPU slot {hit.slot} holds a tail no request has")
             elif not self._slot_holds(hit.slot, *expected):
                 out.append(f"CPU slot {hit.slot} does not hold the KV of its tail")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from kv_offload.config import OffloadConfig
 from kv_offload.engine_info import UnsupportedEngineError
 from kv_offload.layout import KVLayout, num_cpu_slots
+from kv_offload.tier_plugins import TierContext, build_tiers
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.audit import CopyAudit, build_audit
 from kv_offload.worker.runner import OffloadWorker
@@ -229,6 +230,8 @@ def build_worker(
 
         remote = remote_tier_for(config, layout, namespace=namespace, who=f"worker rank {rank}")
         tiers.append(RemoteIO(remote, rank=rank, verify_checksums=config.verify_checksums))
+    tiers += build_tiers(config.extra_tiers or [], TierContext(
+        "worker", namespace, layout.tp_size, rank, layout.slot_bytes, config))
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s (%s), "
                 "audit rate %g, %s", rank, len(planes), host.num_slots, type(engine).__name__,
                 engine.describe(), config.audit_rate, placement.describe())
