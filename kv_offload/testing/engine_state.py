@@ -115,7 +115,7 @@ def kv_events_sent(llm: Any, timeout_s: float) -> int:
     if core is None:
         raise EngineStateError("kv_events_sent needs vLLM's engine core in this process: "
                                "start the engine with in_process=True")
-    publisher = getattr(core.scheduler, "kv_event_publisher", None)
+    publisher: Any = getattr(core.scheduler, "kv_event_publisher", None)
     queued = getattr(publisher, "_event_queue", None)
     if queued is None:  # events off (vLLM's null publisher)
         return 0
