@@ -1,12 +1,12 @@
-"""What the benchmark scripts share: flags, side-by-side timing, buffers and files, machine
-facts and their JSON (rendering: ``_markdown.py``). Importing it puts this working tree
-first on ``sys.path`` (after benchmarks/): a script measures this tree's kv_offload."""
+"""What the benchmark scripts share: flags, side-by-side timing, machine facts and their
+JSON (rendering: ``_markdown.py``; I/O buffers: ``_buffers.py``). Importing it puts this
+working tree first on ``sys.path`` (after benchmarks/): a script measures this tree's
+kv_offload."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import statistics
@@ -19,16 +19,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from _markdown import Targets, table
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
-KiB, MiB = 1 << 10, 1 << 20
 BENCHES = {  # name -> its script bench_<script>.py and flags, in report order
     **{name: (name,) for name in ("ttft", "overhead", "copy", "tiers", "lookup", "remote")},
-    "hybrid": ("ttft", "--sliding-window", "64", "--reps", "4")}
+    "hybrid": ("ttft", "--sliding-window", "64", "--reps", "4"), "concurrent": ("concurrent",),
+    "chat": ("ttft", "--chat", "8")}
 DATA_DIR = "bench-data"  # under the output root: one JSON per benchmark, runs.json, logs
 
 
@@ -42,12 +41,10 @@ class BenchParser(argparse.ArgumentParser):
         self.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
         self._sized: dict[str, tuple[Any, Any]] = {}
 
-    def add_workdir(self, keep: str | None = None) -> None:
-        """--dir (where the temporary files go) and, with a ``keep`` help text, --keep."""
+    def add_workdir(self) -> None:
+        """--dir: where the temporary files go (``workdir``)."""
         self.add_argument("--dir", type=Path, default=None,
                           help="where the temporary files go (default: a temp dir in $TMPDIR)")
-        if keep:
-            self.add_argument("--keep", action="store_true", help=keep)
 
     def sized(self, flag: str, full: Any, quick: Any, help: str, type: type = int) -> None:
         """``flag`` defaults to ``full``, or ``quick`` with --quick (said in its help)."""
@@ -75,14 +72,10 @@ def csv(text: str, type: Callable[[str], Any] = int) -> list:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of the benchmarks that start vLLM engines: thread binding, topology."""
-    parser.add_argument("--vllm-default-binding", action="store_true",
-                        help="leave vLLM's CPU thread binding alone: on 2 cores an engine "
-                             "with any connector then gets 2 unbound OpenMP threads, one "
-                             "without gets 1 bound thread (default: same binding for all)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="one process per engine (vLLM's uni executor, no engine-core "
-                             "process): fast start-up, not the default topology (implied by "
-                             "--quick)")
+    parser.add_argument("--vllm-default-binding", action="store_true", help="leave vLLM's CPU "
+                        "thread binding alone ('Thread binding' in templates/page.md)")
+    parser.add_argument("--in-process", action="store_true", help="one process per engine "
+                        "(vLLM's uni executor): fast start-up, not the default (--quick's)")
 
 
 def new_result(bench: str, args: argparse.Namespace, /, **fields: Any) -> dict:
@@ -90,8 +83,7 @@ def new_result(bench: str, args: argparse.Namespace, /, **fields: Any) -> dict:
     and its load average now, then ``fields``. ``finish`` adds the end."""
     command = " ".join([Path(sys.executable).name, *sys.argv])
     return {"bench": bench, "command": command, "quick": args.quick,
-            "machine": {**machine_info(), "loadavg_start": os.getloadavg()},
-            **fields}
+            "machine": {**machine_info(), "loadavg_start": os.getloadavg()}, **fields}
 
 
 def finish(result: dict, json_path: Path | None,
@@ -127,11 +119,13 @@ def rotated(items: list, r: int) -> list:
 
 
 def paired(num: Any, den: Any) -> float | None:
-    """Median of num[i] / den[i]: samples measured in pairs; None unless both are lists
-    of the same non-zero length (not measured in pairs: an earlier run, an engine died)."""
-    if not (isinstance(num, list) and isinstance(den, list) and num and len(num) == len(den)):
+    """Median of num[i] / den[i] over the pairs of non-zero numbers (samples measured in
+    pairs); None unless both are lists of the same length with such a pair (not measured
+    in pairs: an earlier run, an engine died)."""
+    if not (isinstance(num, list) and isinstance(den, list) and len(num) == len(den)):
         return None
-    return statistics.median(x / y for x, y in zip(num, den))
+    ratios = [x / y for x, y in zip(num, den) if x and y]
+    return statistics.median(ratios) if ratios else None
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -159,32 +153,6 @@ def span(values: list[float], suffix: str = "x") -> str:
     """'lo-hi' of ``values`` (2 decimals, with ``suffix``), 'n/a' when there are none."""
     values = [v for v in values if isinstance(v, (int, float))]
     return f"{min(values):.2f}-{max(values):.2f}{suffix}" if values else "n/a"
-
-
-def prefaulted(nbytes: int) -> np.ndarray:
-    """A page-aligned byte array (O_DIRECT needs alignment), its pages faulted in."""
-    arr = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
-    arr[:] = 1
-    return arr
-
-
-def chunk_views(buf: np.ndarray, chunk: int) -> list[memoryview]:
-    """``buf`` cut into whole chunks of ``chunk`` bytes."""
-    view = memoryview(buf)
-    return [view[i : i + chunk] for i in range(0, buf.nbytes - chunk + 1, chunk)]
-
-
-def fsync_files(paths: Any, evict: bool = False) -> None:
-    """fsync ``paths``; ``evict``: then drop their clean pages from the page cache (the
-    next read goes to the device; works unprivileged, leaves other files alone)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if evict:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def package_version(dist: str) -> str:

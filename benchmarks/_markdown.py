@@ -14,11 +14,8 @@ def fmt(value: Any, spec: str = ".3f") -> str:
     """A number in ``spec``; '-' for None; anything else as str."""
     if value is None:
         return "-"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, (int, float)):
-        return format(value, spec)
-    return str(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return format(value, spec) if number else str(value)
 
 
 def table(header: list[str], rows: list[list[Any]]) -> list[str]:

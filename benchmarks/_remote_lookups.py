@@ -9,6 +9,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from _common import span
@@ -63,29 +64,28 @@ def _time_lookups(lookup: Callable[[list[bytes]], int], sizes: list[int], calls:
     return rows
 
 
-def bench_lookup(args: argparse.Namespace, url: str, client: Any) -> list[dict]:
-    """Per (keys, all present or none): latency of one ``RemoteTier.lookup`` on ``client``
-    (``connect_redis``'s): on a standalone server one read-only Lua script."""
-    tier = RemoteTier(RemoteTarget(url), namespace=NAMESPACE, num_ranks=1, payload_bytes=4096,
-                      timeout_s=args.timeout_s, connect=lambda _t, _s: client)
-    rows = _tier_lookups(tier, args, "lookup", args.lookup_calls)
+def lookup_parts(args: argparse.Namespace, server: Any, client: Any, base: Path,
+                 result: dict) -> None:
+    """The lookup figures, into ``result``: per (keys, all present or none), the latency of
+    one ``RemoteTier.lookup`` on ``client`` (``connect_redis``'s: on a standalone server one
+    read-only Lua script) and on a 3-node cluster on loopback (one pipeline per node, all
+    sent before any reply is read); then the scheduler thread's time per request."""
+    tier = RemoteTier(RemoteTarget(server.url), namespace=NAMESPACE, num_ranks=1,
+                      payload_bytes=4096, timeout_s=args.timeout_s, connect=lambda _t, _s: client)
+    result["lookup"] = _tier_lookups(tier, args, "lookup", args.lookup_calls)
     client.flushall()
-    return rows
-
-
-def bench_cluster_lookup(args: argparse.Namespace, workdir: Any) -> list[dict]:
-    """The same lookups against a 3-node cluster on loopback (one pipeline per node, all
-    sent before any reply is read)."""
-    with RedisCluster(workdir) as cluster:
+    with RedisCluster(base / "cluster") as cluster:
         tier = RemoteTier(RemoteTarget(cluster_nodes=tuple(cluster.seeds)), namespace=NAMESPACE,
                           num_ranks=1, payload_bytes=4096, timeout_s=args.timeout_s)
-        rows = _tier_lookups(tier, args, "cluster", max(10, args.lookup_calls // 4))
+        result["lookup_cluster"] = _tier_lookups(tier, args, "cluster",
+                                                 max(10, args.lookup_calls // 4))
         tier.close()
-    return rows
+    print("  lookups done", flush=True)
+    result["scheduler_thread"] = bench_scheduler_thread(args, server.port)
+    print("  scheduler thread with slow servers done", flush=True)
 
 
-def _tier_lookups(tier: RemoteTier, args: argparse.Namespace, tag: str, calls: int
-                  ) -> list[dict]:
+def _tier_lookups(tier: RemoteTier, args: argparse.Namespace, tag: str, calls: int) -> list[dict]:
     """Write the present keys through ``tier``, then time its lookups (``_time_lookups``)."""
     largest = max(args.lookup_keys)
     present = chunk_keys(f"{tag}-present", largest)
@@ -145,8 +145,7 @@ def bench_scheduler_thread(args: argparse.Namespace, server_port: int) -> dict:
         if not all(direct.write(k, 0, memoryview(bytes(4096))) for k in half[:4]):
             raise RuntimeError("scheduler thread: could not write the present keys")
         direct.close()
-        keys = [half if i % 2 else chunk_keys(f"cold-{scenario}-{i}", 8)
-                for i in range(requests)]
+        keys = [half if i % 2 else chunk_keys(f"cold-{scenario}-{i}", 8) for i in range(requests)]
         try:
             got = _simulate(tier, keys, step_s=0.002)
         finally:

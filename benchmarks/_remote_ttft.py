@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from _common import paired
-from _engine import SETTLE_S, TTFT_MODEL, benchmark_env
+from _engine import SETTLE_S, SUFFIX_TOKENS, TTFT_MODEL, running, suffixed, ttft_engine
 from _markdown import Targets, fill, fmt, table, verdict
 
-from kv_offload.testing.engine import EngineProcess, engine_kwargs, offload_transfer, start_engines
+from kv_offload.testing.engine import EngineProcess, offload_transfer
 from kv_offload.testing.redis_server import SlowProxy
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
-SUFFIX_TOKENS = 16
 SLOW_TARGET = 1.2  # the slow server: TTFT remote / no remote tier, medians
 DELAY_S = (0.05, 0.2)
 
@@ -27,14 +26,9 @@ DELAY_S = (0.05, 0.2)
 def engine_parts(args: argparse.Namespace, server: Any, base: Path, result: dict) -> str | None:
     """The TTFT parts, into ``result["ttft"]`` and ``result["slow_ttft"]``. A part that
     fails records its error and the others still run; returns what failed, or None."""
-    if args.no_engine:
-        result["ttft"] = {"error": "skipped (--no-engine)"}
-        return None
-    parts = {"ttft": lambda: bench_ttft(args, server.url, base)}
-    if not args.no_slow_ttft:
-        parts["slow_ttft"] = lambda: slow_ttft(args, server.port, base)
     failed = []
-    for key, part in parts.items():
+    for key, part in (("ttft", lambda: bench_ttft(args, server.url, base)),
+                      ("slow_ttft", lambda: slow_ttft(args, server.port, base))):
         try:
             result[key] = part()
         except Exception as exc:  # keep the other figures; fail at the end
@@ -43,7 +37,12 @@ def engine_parts(args: argparse.Namespace, server: Any, base: Path, result: dict
             print(str(exc)[-4000:], file=sys.stderr)
         if "error" in result[key]:
             failed.append(f"{key} failed: {result[key]['error']}")
-    warn_hits(result["ttft"])
+    ttft = result["ttft"]  # say so when the remote pass did not load all its prefixes
+    if ttft.get("remote_hit_tokens", 1) < ttft.get("expected_hit_tokens", 0):
+        print(f"WARNING: the remote pass loaded {ttft['remote_hit_tokens']:.0f} of "
+              f"{ttft['expected_hit_tokens']} prefix tokens from the remote tier "
+              f"({ttft['remote_pass_host_hit_tokens']:.0f} from the CPU tier)",
+              file=sys.stderr, flush=True)
     return "; ".join(failed) or None
 
 
@@ -51,16 +50,12 @@ def _setup(args: argparse.Namespace) -> tuple[dict, Path, dict, dict]:
     """(model geometry, model path, engine kwargs, environment) of both TTFT parts:
     bench_ttft's default model (its cached files are reused), the test model with --quick."""
     model_kwargs = {} if args.quick else dict(TTFT_MODEL)
-    max_model_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
-    engine = engine_kwargs(in_process=args.in_process, max_model_len=max_model_len,
-                           max_num_batched_tokens=max_model_len)
-    env = benchmark_env(in_process=args.in_process, vllm_default_binding=False)
-    return model_kwargs, make_tiny_model(**model_kwargs), engine, env
+    return model_kwargs, make_tiny_model(**model_kwargs), *ttft_engine(
+        args.lengths, in_process=args.in_process)
 
 
 def _prompt(length: int, seed: int) -> str:
-    """``length`` tokens, then a suffix of SUFFIX_TOKENS (distinct seeds share nothing)."""
-    return make_prompt(length, seed=seed) + make_prompt(SUFFIX_TOKENS, seed=700_000 + seed)
+    return suffixed(length, seed, 700_000 + seed)
 
 
 def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
@@ -70,7 +65,8 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
     offload = {"cpu_size": "1GiB", "remote_url": url, "remote_timeout_s": args.timeout_s,
                "connector_reset": "cpu"}  # the reset leaves Redis serving
     samples: dict[str, dict[int, list[float]]] = {"cold": {}, "remote": {}}
-    hits = dict.fromkeys(("remote", "host", "cold_external"), 0.0)
+    hits = dict.fromkeys(("remote_hit_tokens", "remote_pass_host_hit_tokens",
+                          "cold_external_hit_tokens"), 0.0)
     mismatches = []
     started = time.perf_counter()
     with EngineProcess(model, log_path=base / "engine" / "log.txt", engine=engine,
@@ -92,10 +88,9 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
             for mode, out in (("cold", cold), ("remote", remote)):
                 for n, latency in zip(args.lengths, out["latency_s"]):
                     samples[mode].setdefault(n, []).append(latency)
-            hits["remote"] += remote["metrics"]["hits_external_unspecified"]
-            hits["host"] += remote["metrics"]["hits_host"]
-            hits["cold_external"] += cold["metrics"]["external_hits"]
-    remote_hits, expected_hits = hits["remote"], args.rounds * sum(args.lengths)
+            hits["remote_hit_tokens"] += remote["metrics"]["hits_external_unspecified"]
+            hits["remote_pass_host_hit_tokens"] += remote["metrics"]["hits_host"]
+            hits["cold_external_hit_tokens"] += cold["metrics"]["external_hits"]
     result: dict[str, Any] = {
         "model": {"name": "test default" if args.quick else "tiny", **model_kwargs},
         "engine": engine, "env": env, "offload": {k: v for k, v in offload.items()
@@ -105,33 +100,14 @@ def bench_ttft(args: argparse.Namespace, url: str, base: Path) -> dict:
         "seconds": round(time.perf_counter() - started, 1),
         "modes": {mode: {str(n): {"median_s": statistics.median(v), "samples_s": v}
                          for n, v in per.items()} for mode, per in samples.items()},
-        "remote_hit_tokens": remote_hits, "expected_hit_tokens": expected_hits,
-        "remote_pass_host_hit_tokens": hits["host"],
-        "cold_external_hit_tokens": hits["cold_external"],
-        "tokens_equal": not mismatches,
-    }
-    result["ratios"] = {
-        str(n): round(result["modes"]["remote"][str(n)]["median_s"]
-                      / result["modes"]["cold"][str(n)]["median_s"], 4)
-        for n in args.lengths}
+        **hits, "expected_hit_tokens": args.rounds * sum(args.lengths),
+        "tokens_equal": not mismatches}
+    result["ratios"] = {str(n): round(result["modes"]["remote"][str(n)]["median_s"]
+                                      / result["modes"]["cold"][str(n)]["median_s"], 4)
+                        for n in args.lengths}
     if mismatches:
         result["error"] = f"tokens differ between the cold and remote passes in rounds {mismatches}"
     return result
-
-
-def warn_hits(ttft: dict) -> None:
-    """Say so when the remote pass did not load (all of) its prefixes from Redis."""
-    if "remote_hit_tokens" not in ttft:
-        return
-    if ttft["remote_hit_tokens"] == 0:
-        print("WARNING: vLLM counted no tokens loaded from the remote tier "
-              "(hits_external_unspecified is 0): the remote TTFT is not a remote hit",
-              file=sys.stderr, flush=True)
-    elif ttft["remote_hit_tokens"] < ttft["expected_hit_tokens"]:
-        print(f"WARNING: the remote pass loaded {ttft['remote_hit_tokens']:.0f} of "
-              f"{ttft['expected_hit_tokens']} prefix tokens from the remote tier "
-              f"({ttft['remote_pass_host_hit_tokens']:.0f} from the CPU tier)",
-              file=sys.stderr, flush=True)
 
 
 def _flush(engine: EngineProcess, seed: int) -> None:
@@ -162,30 +138,28 @@ def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
     tokens: dict[str, list] = {name: [] for name in engines}
     local_hits = dict.fromkeys(engines, 0.0)
     try:
-        start_engines(list(engines.values()))
-        for name, eng in engines.items():
-            tokens[name].append(eng.generate(local, max_tokens=1, one_by_one=True)["tokens"])
-            _flush(eng, 60_000)
-        for rnd in range(args.rounds):
-            fresh = [_prompt(n, 70_000 + 100 * rnd + n) for n in lengths]
-            for eng in engines.values():
-                eng.reset()
-            for kind, prompts in (("local", local), ("fresh", fresh)):
-                for i, (n, prompt) in enumerate(zip(lengths, prompts)):
-                    # Request by request, engines alternating first: paired samples.
-                    # vLLM's queue readers spin for 1 s after each message: the engine
-                    # that just ran would slow the other one down, so wait it out.
-                    names = list(engines) if (rnd + i) % 2 == 0 else list(engines)[::-1]
-                    for name in names:
-                        time.sleep(SETTLE_S)
-                        out = engines[name].generate([prompt], max_tokens=1, one_by_one=True)
-                        tokens[name].append(out["tokens"])
-                        if kind == "local":
-                            local_hits[name] += out["metrics"]["hits_host"]
-                        samples[name][kind].setdefault(n, []).append(out["latency_s"][0])
-    finally:
-        for eng in engines.values():
-            eng.close()
+        with running(list(engines.values())):
+            for name, eng in engines.items():
+                tokens[name].append(eng.generate(local, max_tokens=1, one_by_one=True)["tokens"])
+                _flush(eng, 60_000)
+            for rnd in range(args.rounds):
+                fresh = [_prompt(n, 70_000 + 100 * rnd + n) for n in lengths]
+                for eng in engines.values():
+                    eng.reset()
+                for kind, prompts in (("local", local), ("fresh", fresh)):
+                    for i, (n, prompt) in enumerate(zip(lengths, prompts)):
+                        # Request by request, engines alternating first: paired samples.
+                        # vLLM's queue readers spin for 1 s after each message: the engine
+                        # that just ran would slow the other one down, so wait it out.
+                        names = list(engines) if (rnd + i) % 2 == 0 else list(engines)[::-1]
+                        for name in names:
+                            time.sleep(SETTLE_S)
+                            out = engines[name].generate([prompt], max_tokens=1, one_by_one=True)
+                            tokens[name].append(out["tokens"])
+                            if kind == "local":
+                                local_hits[name] += out["metrics"]["hits_host"]
+                            samples[name][kind].setdefault(n, []).append(out["latency_s"][0])
+    finally:  # after the engines
         proxy.stop()
     medians = {name: {kind: {str(n): statistics.median(v) for n, v in per.items()}
                       for kind, per in kinds.items()} for name, kinds in samples.items()}
@@ -197,8 +171,7 @@ def slow_ttft(args: argparse.Namespace, server_port: int, base: Path) -> dict:
                     for n in lengths} for kind in ("local", "fresh")}
     return {"delay_ms": [d * 1e3 for d in DELAY_S], "lengths": lengths, "rounds": args.rounds,
             "median_s": medians, "ratios": ratios, "paired_ratio_medians": pairs,
-            "local_hit_tokens": local_hits,
-            "tokens_equal": tokens["plain"] == tokens["remote"],
+            "local_hit_tokens": local_hits, "tokens_equal": tokens["plain"] == tokens["remote"],
             "samples_s": samples}
 
 

@@ -9,7 +9,6 @@ The method: templates/lookup.md.
 
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 import statistics
@@ -46,15 +45,6 @@ class FakeRequest:
     block_hashes: list[bytes]
     num_tokens: int
     num_prompt_tokens: int
-
-
-def make_request(req_id: str, chunk_keys: list[bytes]) -> FakeRequest:
-    """A request whose i-th chunk is named ``chunk_keys[i]``, plus one token to compute."""
-    hashes: list[bytes] = []
-    for key in chunk_keys:
-        hashes += [FILLER] * (HASHES_PER_CHUNK - 1) + [key]
-    num_tokens = len(chunk_keys) * CHUNK_TOKENS + 1
-    return FakeRequest(req_id, hashes, num_tokens, num_tokens)
 
 
 class Bench:
@@ -95,12 +85,11 @@ class Bench:
         self.disk.commit([(k, s, (0,)) for k, s in zip(keys, slots) if s is not None])
 
     def request(self, keys: list[bytes]) -> FakeRequest:
+        """A new request whose i-th chunk is named ``keys[i]``, plus one token to compute."""
         self._ids += 1
-        return make_request(f"r{self._ids}", keys)
-
-    def take_group(self, groups: list[list[bytes]]) -> list[bytes]:
-        """A random stored group, removed from ``groups`` (its chunks change tier)."""
-        return groups.pop(self.rng.randrange(len(groups)))
+        hashes = [h for key in keys for h in [*[FILLER] * (HASHES_PER_CHUNK - 1), key]]
+        num_tokens = len(keys) * CHUNK_TOKENS + 1
+        return FakeRequest(f"r{self._ids}", hashes, num_tokens, num_tokens)
 
     # -- measurements: each returns seconds per call -------------------------------------
 
@@ -121,7 +110,8 @@ class Bench:
 
     def load(self, groups: list[list[bytes]]) -> tuple[float, float]:
         """(plan_load + plan_step, on_report) seconds for one request's 16-chunk hit."""
-        req = self.request(self.take_group(groups))
+        # a random stored group, removed from ``groups`` (its chunks change tier)
+        req = self.request(groups.pop(self.rng.randrange(len(groups))))
         hit = self.sched.num_matched_tokens(req, 0)
         start = time.perf_counter()
         self.sched.plan_load(req, self.block_ids, hit)
@@ -169,9 +159,6 @@ class Bench:
             self.sched.request_finished(req.request_id)
         return times
 
-    def close(self) -> None:
-        self.sched.close()
-
 
 def median_us(samples: list[float], per: int = 1) -> float:
     return round(statistics.median(samples) / per * 1e6, 3)
@@ -206,7 +193,7 @@ def measure(n: int, calls: int, base: Path, seed: int) -> dict:
         row["counters"] = bench.sched.counters.snapshot()
         return row
     finally:
-        bench.close()
+        bench.sched.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -238,8 +225,7 @@ REPORT_COLUMNS = ("lookup_cpu_us_per_chunk", "lookup_disk_us_per_chunk",
                   "lookup_miss_us_per_request", "access_flush_us_per_chunk",
                   "plan_load_cpu_us_per_chunk", "plan_load_disk_us_per_chunk",
                   "complete_load_disk_us_per_chunk", "plan_store_us_per_chunk",
-                  "complete_store_us_per_chunk", "plan_step_decode_us_per_request",
-                  "fill_disk_s")
+                  "complete_store_us_per_chunk", "plan_step_decode_us_per_request", "fill_disk_s")
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
@@ -254,7 +240,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     return fill("lookup", data, table="\n".join(table(["chunks", *names], rows)))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> dict:
     parser = BenchParser(__doc__, "10k chunks only, fewer calls")
     parser.sized("--sizes", "10000,100000,1000000", "10000",
                  "comma-separated store sizes in chunks", type=str)
@@ -264,11 +250,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sizes = sorted(csv(args.sizes))
     if min(args.sizes) < 4 * CHUNKS_PER_REQUEST:
         parser.error(f"--sizes: each size must be >= {4 * CHUNKS_PER_REQUEST} chunks")
-    return args
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
     base = workdir(args, "lookup")
     started = time.perf_counter()
     result = new_result("lookup", args, chunk_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,

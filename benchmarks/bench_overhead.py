@@ -20,20 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import BenchParser, add_engine_flags, finish, new_result, rotated, workdir
-from _engine import Turns, benchmark_env
+from _common import BenchParser, add_engine_flags, finish, new_result, paired, rotated, workdir
+from _engine import SUFFIX_TOKENS, Turns, benchmark_env, running
 from _markdown import Targets, fill, fmt, table
 
-from kv_offload.testing.engine import (
-    EngineError,
-    EngineProcess,
-    engine_kwargs,
-    offload_transfer,
-    start_engines,
-)
+from kv_offload.testing.engine import EngineError, EngineProcess, engine_kwargs, offload_transfer
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
-SUFFIX_TOKENS = 16
 TARGET = 0.97  # issue 15: no_reuse and store_heavy throughput ours/plain
 WORKLOADS = ("no_reuse", "reuse_50", "store_heavy")
 CONTENDERS = ("plain", "ours", "ours_bg", "ours_cpu", "ours_noaudit", "ours_ref")
@@ -105,12 +98,6 @@ def run_rounds(args: argparse.Namespace, engines: dict[str, EngineProcess],
     return rounds
 
 
-def paired(rows: list[dict], key: str, num: str, den: str) -> float | None:
-    """Median over rounds of ``num``'s ``key`` over ``den``'s in the same round."""
-    ratios = [x[num][key] / x[den][key] for x in rows if x[num][key] and x[den][key]]
-    return statistics.median(ratios) if ratios else None
-
-
 def summarize(rounds: list[dict], workloads: list[str]) -> dict[str, dict[str, Any]]:
     """Per workload: medians per engine and the medians of the paired ratios (``PAIRS``)."""
     out: dict[str, dict[str, Any]] = {}
@@ -118,10 +105,8 @@ def summarize(rounds: list[dict], workloads: list[str]) -> dict[str, dict[str, A
         rows = [r[workload] for r in rounds]
         summary: dict[str, Any] = {}
         for name in (n for n in CONTENDERS if n in rows[0]):
-            summary[name] = {
-                key: statistics.median(x[name][key] for x in rows)
-                for key in ("throughput_tok_s", "output_tok_s", "seconds")
-            }
+            summary[name] = {key: statistics.median(x[name][key] for x in rows)
+                             for key in ("throughput_tok_s", "output_tok_s", "seconds")}
             ttfts = [x[name]["mean_ttft_s"] for x in rows if x[name]["mean_ttft_s"] is not None]
             summary[name]["mean_ttft_s"] = statistics.median(ttfts) if ttfts else None
             for key in ("external_hit_tokens", "chunks_stored"):
@@ -129,8 +114,10 @@ def summarize(rounds: list[dict], workloads: list[str]) -> dict[str, dict[str, A
                 summary[name][key] = None if None in counts else int(sum(counts))
         for num, den, suffix in PAIRS:
             if num in summary and den in summary:
-                summary["throughput_ratio" + suffix] = paired(rows, "throughput_tok_s", num, den)
-                summary["ttft_ratio" + suffix] = paired(rows, "mean_ttft_s", num, den)
+                for key, ratio in (("throughput_tok_s", "throughput_ratio"),
+                                   ("mean_ttft_s", "ttft_ratio")):  # median over rounds
+                    summary[ratio + suffix] = paired(*([x[n][key] for x in rows]
+                                                       for n in (num, den)))
         out[workload] = summary
     return out
 
@@ -160,16 +147,10 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
                 if data["in_process"] else "vLLM's default engine processes",
                 loadavg=f"{load['loadavg_start'][0]:.2f} -> {load['loadavg_end'][0]:.2f}",
                 bg_vs_sync=", ".join(f"{w} {fmt(v)}" for w, v in sync.items()),
-                table="\n".join(table(header, rows)), reference=reference_text(data),
-                notes="\n\n".join(data.get("notes", [])))
-
-
-def reference_text(data: dict) -> str:
-    """The report's sentence on ours_ref, empty without ``--reference-tree``."""
-    ref = data.get("reference")
-    return (f" `ours_ref`: `ours` run from another checkout, at {ref['commit']} "
-            "(`--reference-tree`), so that `ours/ours_ref` measures the change since then "
-            "side by side.") if ref else ""
+                table="\n".join(table(header, rows)), notes="\n\n".join(data.get("notes", [])),
+                reference=(f" `ours_ref`: `ours` run from another checkout, at {ref['commit']} "
+                           "(`--reference-tree`), so that `ours/ours_ref` measures the change "
+                           "since then side by side.") if (ref := data.get("reference")) else "")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -182,10 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated subset to run (reuse_50 needs no_reuse)")
     parser.add_argument("--chunk-tokens", type=int, default=64, help="kv-offload's chunk_tokens")
-    parser.add_argument("--reference-tree", type=Path, metavar="DIR",
-                        help="also run `ours` from another checkout of kv-offload (e.g. `git "
-                             "worktree add DIR <commit>`) as ours_ref: a change measured side "
-                             "by side with the code before it")
+    parser.add_argument("--reference-tree", type=Path, metavar="DIR", help="also run `ours` "
+                        "from another checkout (`git worktree add DIR <commit>`) as ours_ref")
     add_engine_flags(parser)
     parser.add_workdir()
     args = parser.parse_args(argv)
@@ -199,6 +178,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.heavy_prompt_tokens = args.chunk_tokens * (1 if args.quick else 3)
     args.heavy_max_tokens = 2 * args.chunk_tokens if args.quick else 192
     args.in_process = args.in_process or args.quick
+    tree = args.reference_tree  # which checkout ours_ref runs: its path and commit
+    args.reference = tree and {"tree": str(tree), "commit": subprocess.run(
+        ["git", "-C", str(tree), "log", "-1", "--format=%h"], capture_output=True, text=True,
+        check=False).stdout.strip() or "unknown"}
     return args
 
 
@@ -214,19 +197,10 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def reference_of(tree: Path | None) -> dict | None:
-    """Which checkout ours_ref ran: its path and commit (None without one)."""
-    if tree is None:
-        return None
-    head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h"],
-                          capture_output=True, text=True, check=False).stdout.strip()
-    return {"tree": str(tree), "commit": head or "unknown"}
-
-
-def start_contenders(args: argparse.Namespace, base: Path, ours_cfg: dict, model: Path,
-                     engine: dict, env: dict) -> dict[str, EngineProcess]:
+def contenders(args: argparse.Namespace, base: Path, ours_cfg: dict, model: Path,
+               engine: dict, env: dict) -> dict[str, EngineProcess]:
     """Plain vLLM and each variant (each with a store of its own: no shared hits), plus
-    ours_ref from ``--reference-tree`` (its checkout first on PYTHONPATH)."""
+    ours_ref from ``--reference-tree`` (its checkout first on PYTHONPATH); not started."""
     configs: dict[str, dict | None] = {"plain": None}
     variants: dict[str, dict] = {**VARIANTS, **({"ours_ref": {}} if args.reference_tree else {})}
     for name, extra in variants.items():
@@ -236,11 +210,10 @@ def start_contenders(args: argparse.Namespace, base: Path, ours_cfg: dict, model
         configs[name] = config
     ref_env = {**env, "PYTHONPATH": str(args.reference_tree.resolve())} if args.reference_tree else env
     names = [n for n in CONTENDERS if n in configs]
-    return dict(zip(names, start_engines([
-        EngineProcess(model, log_path=base / "logs" / f"{name}.log", engine=engine,
-                      transfer=configs[name] and offload_transfer(configs[name]),
-                      in_process=args.in_process, env=ref_env if name == "ours_ref" else env)
-        for name in names])))
+    return {name: EngineProcess(model, log_path=base / "logs" / f"{name}.log", engine=engine,
+                                transfer=configs[name] and offload_transfer(configs[name]),
+                                in_process=args.in_process,
+                                env=ref_env if name == "ours_ref" else env) for name in names}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -250,37 +223,30 @@ def main(argv: list[str] | None = None) -> dict:
                 "store_generated": True}
     model = make_tiny_model()
     engine = engine_kwargs(in_process=args.in_process)
-    env = benchmark_env(in_process=args.in_process,
-                        vllm_default_binding=args.vllm_default_binding)
+    env = benchmark_env(in_process=args.in_process, vllm_default_binding=args.vllm_default_binding)
     started, loadavg_start = time.perf_counter(), os.getloadavg()
-    engines = start_contenders(args, base, ours_cfg, model, engine, env)
-    ok = False
+    engines = contenders(args, base, ours_cfg, model, engine, env)
     try:
-        turns = Turns(0.0) if args.quick else Turns()  # --quick: no figures to protect
-        warmup = [make_prompt(64, seed=3 + i) for i in range(4)]
-        for e in engines.values():
-            turns.take(e)
-            e.generate(warmup, max_tokens=2, one_by_one=False)
-        rounds = run_rounds(args, engines, turns)
-        ok = True
-    finally:
-        for e in engines.values():
-            e.close()
-        if ok:
-            shutil.rmtree(base, ignore_errors=True)
-        else:
-            print(f"bench_overhead failed; engine logs kept in {base / 'logs'}", file=sys.stderr)
+        with running(list(engines.values())):
+            turns = Turns(0.0) if args.quick else Turns()  # --quick: no figures to protect
+            warmup = [make_prompt(64, seed=3 + i) for i in range(4)]
+            for e in engines.values():
+                turns.take(e)
+                e.generate(warmup, max_tokens=2, one_by_one=False)
+            rounds = run_rounds(args, engines, turns)
+    except BaseException:
+        print(f"bench_overhead failed; engine logs kept in {base / 'logs'}", file=sys.stderr)
+        raise
+    shutil.rmtree(base, ignore_errors=True)
     summary = summarize(rounds, args.workloads)
     result = new_result(
         "overhead", args, model={"name": "test default", "path": str(model)}, engine=engine,
-        env=env, in_process=args.in_process, ours_config=ours_cfg,
-        variants=VARIANTS,
+        env=env, in_process=args.in_process, ours_config=ours_cfg, variants=VARIANTS,
         **{k: getattr(args, k) for k in ("num_prompts", "prompt_tokens", "max_tokens", "rounds",
                                          "heavy_prompts", "heavy_prompt_tokens",
                                          "heavy_max_tokens", "workloads")},
         suffix_tokens=SUFFIX_TOKENS, startup_s={name: e.startup_s for name, e in engines.items()},
-        per_round=rounds, summary=summary, verdicts=verdicts(summary),
-        reference=reference_of(args.reference_tree))
+        per_round=rounds, summary=summary, verdicts=verdicts(summary), reference=args.reference)
     result["machine"]["loadavg_start"] = loadavg_start
     return finish(result, args.json, render_section, started)
 

@@ -22,29 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import (
-    BenchParser,
-    KiB,
-    MiB,
-    chunk_views,
-    csv,
-    finish,
-    fsync_files,
-    new_result,
-    package_version,
-    prefaulted,
-    rotated,
-    span,
-    workdir,
-)
+from _buffers import KiB, MiB, chunk_views, fsync_files, prefaulted
+from _common import BenchParser, csv, finish, new_result, package_version, rotated, span, workdir
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table
-from _remote_lookups import (
-    bench_cluster_lookup,
-    bench_lookup,
-    bench_scheduler_thread,
-    chunk_keys,
-    lookup_lines,
-)
+from _remote_lookups import chunk_keys, lookup_lines, lookup_parts
 from _remote_ttft import engine_parts, slow_ttft_lines, ttft_lines
 
 from kv_offload.disk import SlabFile
@@ -79,20 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.sized("--lengths", "2048,4096", "256,512",
                  "TTFT prefix lengths in tokens, multiples of 256", type=str)
     parser.sized("--rounds", 5, 1, "TTFT rounds (cold pass + remote pass)")
-    parser.add_argument("--no-engine", action="store_true", help="skip the TTFT parts")
-    parser.add_argument("--no-slow-ttft", action="store_true",
-                        help="skip the slow-server TTFT (two more engines)")
     parser.sized("--maxmemory", "4gb", "512mb", "the Redis server's maxmemory", type=str)
-    parser.add_argument("--timeout-s", type=float, default=10.0,
-                        help="RemoteTier timeout per call (default 10: a slow benchmark "
-                             "call must not trip the tier's backoff)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="engine in one process (the default with --quick)")
-    parser.add_workdir(keep="keep the temporary files (engine log)")
+    parser.add_workdir()
     args = parser.parse_args(argv)
+    args.timeout_s = 10.0  # RemoteTier's per call: a slow benchmark call must not back it off
     args.chunks = [x * KiB for x in args.chunk_kib]
     args.lengths = sorted(csv(args.lengths))
-    args.in_process = args.in_process or args.quick
+    args.in_process = args.quick  # the engine in one process: its TTFT means nothing
     if max(args.chunks) > args.total_mib * MiB:
         parser.error("--total-mib must hold at least one chunk of the largest size")
     return args
@@ -116,12 +90,6 @@ def client_name(client: Any) -> str:
                 f"{type(conn._command_packer).__name__}")
     finally:
         client.connection_pool.release(conn)
-
-
-def warm_connections(client: Any, threads: int) -> None:
-    """Open ``threads`` pooled connections now, so no timed call pays a connect."""
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda _: client.ping(), range(threads * 4)))
 
 
 # -- I/O contenders: each returns {"store": timed(...), "load": ...} (disk adds
@@ -190,8 +158,7 @@ def run_disk(root: Path, srcs: list[memoryview], dsts: list[memoryview], chunk: 
         slab.close()
 
 
-def bench_io(args: argparse.Namespace, url: str, client: Any, base: Path
-             ) -> list[dict]:
+def bench_io(args: argparse.Namespace, url: str, client: Any, base: Path) -> list[dict]:
     total = args.total_mib * MiB
     src = prefaulted(total)
     src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
@@ -343,22 +310,19 @@ def main(argv: list[str] | None = None) -> dict:
         if result["versions"]["hiredis"] == "not installed":
             print("WARNING: hiredis is not installed: the client parses with redis-py's "
                   "Python parser", file=sys.stderr, flush=True)
-        warm_connections(client, max(args.threads))
+        with ThreadPoolExecutor(max(args.threads)) as pool:  # no timed call pays a connect
+            list(pool.map(lambda _: client.ping(), range(max(args.threads) * 4)))
         print(f"redis-server {result['server']['version']} at {server.url}; clients "
               f"{result['clients']}", flush=True)
         result["io"] = bench_io(args, server.url, client, base)
         result["io_ratios"] = io_ratios(result["io"])
-        result["lookup"] = bench_lookup(args, server.url, client)
-        result["lookup_cluster"] = bench_cluster_lookup(args, base / "cluster")
-        print("  lookups done", flush=True)
-        result["scheduler_thread"] = bench_scheduler_thread(args, server.port)
-        print("  scheduler thread with slow servers done", flush=True)
+        lookup_parts(args, server, client, base, result)
         failed = engine_parts(args, server, base, result)
     finally:
         if client is not None:
             client.close()
         server.stop()
-        if args.keep or failed:
+        if failed:
             print(f"kept {base}", file=sys.stderr)
         else:
             shutil.rmtree(base, ignore_errors=True)

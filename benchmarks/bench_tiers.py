@@ -21,20 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import (
-    BenchParser,
-    KiB,
-    MiB,
-    chunk_views,
-    finish,
-    fsync_files,
-    new_result,
-    prefaulted,
-    rotated,
-    span,
-    timed,
-    workdir,
-)
+from _buffers import KiB, MiB, chunk_views, fsync_files, prefaulted
+from _common import BenchParser, finish, new_result, rotated, span, timed, workdir
 from _markdown import Targets, chunk_axis, fill, fmt, pyplot, save, table, verdict
 
 from kv_offload.disk import DiskIndex, SlabFile
@@ -47,28 +35,6 @@ RATIO_PAIRS = (  # (ours, baseline, graded against a target) per chunk size
     (SLAB, RAW, True), (OURS, RAW, False), (OURS, VLLM[0], True), (OURS, VLLM[1], True))
 TARGETS = (("raw", 0.85), ("vllm", 1.0))  # ratio "vs" prefix -> minimum ratio
 READ_RAW = 0.9  # issue 15: reads >= 0.9x a raw file, writes >= 0.85x
-
-
-def parse_args(argv: list[str] | None = None) -> Any:
-    parser = BenchParser(__doc__)
-    parser.add_workdir()
-    parser.sized("--total-mib", 256, 8, "bytes stored per chunk size")
-    parser.sized("--repeat", 5, 1, "runs per I/O contender, best kept")
-    parser.add_argument("--drop-caches", action="store_true",
-                        help="also drop the whole page cache once at start (root only)")
-    return parser.parse_args(argv)
-
-
-def try_drop_caches(wanted: bool) -> str:
-    if not wanted:
-        return "cold reads: per-file POSIX_FADV_DONTNEED"
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches worked"
-    except OSError as exc:
-        return f"drop_caches refused ({exc.strerror}); cold reads use POSIX_FADV_DONTNEED"
 
 
 def phases(store: Callable[[], object], load: Callable[[], object], files: list
@@ -244,18 +210,14 @@ def limit_of(vs: str, phase: str) -> float | None:
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
-    """The report's disk-tier section; adds its two target rows to ``targets``. Rows of
-    contenders an earlier version measured are left out (the template records them)."""
-    ratios = [r for r in data["io_ratios"] if (r["ours"], r["vs"].split(" [")[0], r["graded"])
-              in RATIO_PAIRS]
-    io = [r for r in data["io"] if r["contender"] in (RAW, SLAB, OURS, *VLLM) or not r["chunk"]]
+    """The report's disk-tier section; adds its two target rows to ``targets``."""
+    ratios, io = data["io_ratios"], data["io"]
 
     def ratio_span(ours: str, phase: str) -> str:
         return span([r[phase] for r in ratios if r["ours"] == ours and r["vs"].startswith("raw")])
 
-    load = data["machine"]["loadavg_start"][0], data["machine"]["loadavg_end"][0]
-    lines = fill("tiers", data, total_mib=data["io_total_mib"],
-                 loadavg=f"{load[0]:.1f} -> {load[1]:.1f}",
+    lines = fill("tiers", data, total_mib=data["io_total_mib"], loadavg=" -> ".join(
+                 f"{data['machine'][k][0]:.1f}" for k in ("loadavg_start", "loadavg_end")),
                  **{f"{tag}_{phase}": ratio_span(name, phase) for tag, name in
                     (("slab", SLAB), ("ours", OURS)) for phase in PHASES})
     lines += table(["chunk KiB", "contender", "write GB/s", "write+fsync GB/s", "read warm GB/s",
@@ -312,11 +274,15 @@ def plot(io: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    parser = BenchParser(__doc__)
+    parser.add_workdir()
+    parser.sized("--total-mib", 256, 8, "bytes stored per chunk size")
+    parser.sized("--repeat", 5, 1, "runs per I/O contender, best kept")
+    args = parser.parse_args(argv)
     base = workdir(args, "tiers")
     started = time.perf_counter()
     result = new_result("tiers", args, io_total_mib=args.total_mib, repeat=args.repeat,
-                        cache_note=try_drop_caches(args.drop_caches))
+                        cache_note="cold reads: per-file POSIX_FADV_DONTNEED")
     result["machine"]["dir"] = str(base)
     try:
         result["io"] = bench_io(args, base)

@@ -4,15 +4,18 @@ Prompts of L + 16 tokens, one request at a time, in the modes of ``MODES``; engi
 by side in rotating blocks (``_engine.Turns``), then ours and the peer restarted. Our hits
 are paired with vLLM hits of the same prompts on the same engine (``PAIRED``); targets in
 ``TARGETS``. ``--sliding-window``: a Gemma-3-style model and its device KV capacity
-(templates/hybrid.md), no peer. The method: templates/ttft.md.
+(templates/hybrid.md), no peer. ``--chat``: multi-turn chats, kv-offload with and without
+partial hits (templates/chat.md). The method: templates/ttft.md.
 
     python benchmarks/bench_ttft.py --quick --json /tmp/ttft.json   # tiny, 2 short lengths
     python benchmarks/bench_ttft.py --json ttft.json                  # 1k-8k, ~6 min
+    python benchmarks/bench_ttft.py --chat 8 --json chat.json         # ~3 min
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 import statistics
 import sys
@@ -20,30 +23,18 @@ import time
 from pathlib import Path
 
 from _common import BenchParser, add_engine_flags, csv, finish, new_result, paired, rotated, workdir
-from _engine import TTFT_MODEL, Turns, benchmark_env, running
+from _engine import MODELS, SETTLE_S, SUFFIX_TOKENS, Turns, running, suffixed, ttft_engine
 from _markdown import Targets, fill, fmt, pyplot, save, table
 
 from kv_offload.testing import kv_capacity as kv
 from kv_offload.testing.engine import (
     EngineError,
     EngineProcess,
-    engine_kwargs,
     example_transfer_config,
     offload_transfer,
 )
-from kv_offload.testing.tiny_model import (
-    BENCH_MODEL_KWARGS,
-    make_prompt,
-    make_tiny_hybrid_model,
-    make_tiny_model,
-)
+from kv_offload.testing.tiny_model import make_prompt, make_tiny_hybrid_model, make_tiny_model
 
-MODELS = {  # why the default is tiny: "Model" in templates/page.md
-    "tiny": TTFT_MODEL,
-    "small": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64,
-                  intermediate_size=1408, max_position=16384),
-    "bench": dict(BENCH_MODEL_KWARGS),
-}
 MODES = {  # mode -> what it measures, in table order
     "cold": "cold prefill, no connector",
     "cold_ours": "cold prefill, with kv-offload storing",
@@ -66,7 +57,8 @@ RATIOS = (  # (name, numerator mode, denominator mode), in table order
     ("cpu_vs_vllm_hit", "cpu", "vllm_hit"), ("disk_vs_vllm_hit", "disk", "vllm_hit"))
 PAIRED = (  # (name, mode, its vLLM-hit mode): median of per-prompt ratios, same engine
     ("cpu_vs_own_hit", "cpu", "own_hit"), ("disk_vs_own_hit", "disk", "own_hit_restarted"))
-SUFFIX_TOKENS = 16
+CHAT = {"partial": {}, "whole": {"partial_hits": False}}  # --chat's engines: first / second
+SYSTEM_TOKENS, USER_TOKENS, REPLY_TOKENS = 300, (30, 200), (50, 150)  # --chat's text
 # --sliding-window: vLLM's device KV plan with its hybrid manager off and on (templates/hybrid.md)
 CAPACITY_ENGINE = dict(max_num_batched_tokens=2048, kv_cache_memory_bytes=512 << 20)
 CONTEXTS, IN_FLIGHT, BUDGET_GIB = (32768, 131072), (2048, 8192, 16384), 64
@@ -85,18 +77,17 @@ TARGETS = (  # (ratio key, limit, what, prompt length graded)
 def prompt(length: int, rep: int, *, suffix: int = 0) -> str:
     """Prefix ``length`` tokens (one per (length, rep)) + a 16-token suffix ``suffix``."""
     seed = 10_000 + length * 10 + rep  # distinct seeds: same-seed prompts share a prefix
-    return (make_prompt(length, seed=seed)
-            + make_prompt(SUFFIX_TOKENS, seed=900_000 + seed * 10 + suffix))
+    return suffixed(length, seed, 900_000 + seed * 10 + suffix)
 
 
 class Recorder:
     """TTFT samples per (mode, length), with the hit metrics of each request. An engine
     that fails is recorded (``errors``) and skipped from then on: it costs its own figures."""
 
-    def __init__(self, turns: Turns) -> None:
+    def __init__(self, turns: Turns, in_process: bool) -> None:
         self.samples: dict[str, dict[int, list[dict]]] = {}
         self.errors: dict[str, str] = {}
-        self.turns = turns
+        self.turns, self.in_process = turns, in_process
         self._dead: set[int] = set()
 
     def warm_up(self, engines: list[EngineProcess]) -> None:
@@ -127,12 +118,21 @@ class Recorder:
                 "host_hit": int(m["hits_host"]), "disk_hit": int(m["hits_disk"])})
 
     def reset(self, *engines: EngineProcess) -> None:
-        """reset_prefix_cache() on the engines still alive."""
+        """reset_prefix_cache() on the engines still alive, retried while a request that
+        ended in its prefill step holds its blocks until its prompt tail is stored (--chat:
+        an in-process engine is stepped for it, vLLM's engine-core process steps itself)."""
         for engine in engines:
             if engine is not None and id(engine) not in self._dead:
                 self.turns.take(engine)
                 try:
-                    if not engine.reset():
+                    for _ in range(100):
+                        if engine.reset():
+                            break
+                        if self.in_process:
+                            engine.drain()
+                        else:
+                            time.sleep(0.05)
+                    else:
                         raise EngineError("vLLM refused reset_prefix_cache: blocks in use")
                 except EngineError as exc:
                     self._dead.add(id(engine))
@@ -145,9 +145,9 @@ class Recorder:
                 times = [r["ttft_s"] for r in rows]
                 out.setdefault(mode, {})[str(length)] = {
                     "median_s": statistics.median(times), "samples_s": times,
+                    "host_hits": [r["host_hit"] for r in rows],  # --chat's tokens served
                     "hits": {k: statistics.median(r[k] for r in rows)
-                             for k in ("vllm_hit", "external_hit", "host_hit", "disk_hit")},
-                }
+                             for k in ("vllm_hit", "external_hit", "host_hit", "disk_hit")}}
         return out
 
 
@@ -206,6 +206,35 @@ def wave_two(args: argparse.Namespace, rec: Recorder, engines: list[EngineProces
                 if mode == "disk":
                     rec.block(ours, "own_hit_restarted", exact)
         return {f"{name}_restarted": e.startup_s for name, e in zip(("ours", "peer"), engines)}
+
+
+def conversation(c: int, num_turns: int) -> list[str]:
+    """Conversation ``c``'s prompt at each turn: the system prompt (shared by all), then a
+    user message; the next turn appends a reply and a new message (sizes drawn per turn)."""
+    rng, text, prompts = random.Random(c), make_prompt(SYSTEM_TOKENS, seed=1), []
+    for t in range(num_turns):
+        text += make_prompt(rng.randint(*USER_TOKENS), seed=80_000 + 100 * c + t)
+        prompts.append(text)
+        text += make_prompt(rng.randint(*REPLY_TOKENS), seed=90_000 + 100 * c + t)
+    return prompts
+
+
+def chat(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path], model: Path
+         ) -> dict[str, float]:
+    """--chat: an engine per ``CHAT`` option set (CPU tier only). Turn by turn, each engine
+    in turn serves every conversation's prompt of the turn, each after reset_prefix_cache
+    (what is served from a cache is kv-offload's): mode = the engine, length = the turn."""
+    engines = {name: spawn(args, model, name, offload_transfer({"cpu_size": "1GiB", **extra}),
+                           dirs) for name, extra in CHAT.items()}
+    convs = [conversation(c, args.turns) for c in range(args.chat)]
+    with running(list(engines.values())):
+        rec.warm_up(list(engines.values()))
+        for t in range(args.turns):
+            for name in rotated(list(engines), t):
+                for prompts in convs:
+                    rec.reset(engines[name])
+                    rec.block(engines[name], name, [(t + 1, prompts[t])])
+    return {name: e.startup_s for name, e in engines.items()}
 
 
 def ratios(modes: dict[str, dict[str, dict]]) -> dict[str, dict[str, float]]:
@@ -278,9 +307,26 @@ def capacity_lines(data: dict) -> list[str]:
                                 for name, ctx, n, a, b, gib in rows])))
 
 
+def chat_lines(data: dict) -> list[str]:
+    """The --chat section: per turn, tokens served by kv-offload and TTFT, both engines."""
+    (a, per_a), (b, per_b) = ((n, data["modes"][n]) for n in data["chat_options"])
+    served = {t: [statistics.fmean(p[t]["host_hits"]) for p in (per_a, per_b)] for t in per_a}
+    rows = [[t, *[fmt(x, ".0f") for x in served[t]], fmt(served[t][0] - served[t][1], ".0f"),
+             *[fmt(p[t]["median_s"] * 1e3, ".1f") for p in (per_a, per_b)],
+             fmt(paired(per_a[t]["samples_s"], per_b[t]["samples_s"]))] for t in per_a]
+    return fill("chat", data, a=a, b=b, options=data["chat_options"], model=data["model"]["name"],
+                loadavg=f"{data['machine']['loadavg_end'][0]:.1f}", **data["text_tokens"],
+                table="\n".join(table(
+                    ["turn", f"tokens served: {a}", b, f"{a} - {b}", f"TTFT {a} (ms)",
+                     f"{b} (ms)", f"{a} / {b}, paired"], rows)),
+                notes="".join(f"\n{note}\n" for note in data.get("notes", [])))
+
+
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     """This benchmark's section of docs/benchmarks.md (plot under ``img`` unless None);
-    with --sliding-window, the capacity part first and no plot."""
+    with --sliding-window, the capacity part first and no plot; --chat's own section."""
+    if data.get("chat"):
+        return chat_lines(data)
     hybrid = bool(data.get("capacity"))
     lengths, modes = [str(n) for n in data["lengths"]], data["modes"]
     last = lengths[-1]
@@ -355,24 +401,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.sized("--passes", 3, 1, "repeats of each cheap warm measurement")
     parser.add_argument("--sliding-window", type=int, metavar="TOKENS", help="Gemma-3-style: "
                         "every other layer a window of TOKENS, vLLM's hybrid manager on, no peer")
-    parser.add_argument("--chunk-tokens", type=int, default=None,
-                        help="our chunk size (default: kv-offload's default)")
+    parser.add_argument("--chat", type=int, default=0, metavar="C", help="C multi-turn chats "
+                        "instead, on kv-offload with and without partial hits (CHAT)")
+    parser.sized("--turns", 10, 3, "--chat: turns per conversation")
     add_engine_flags(parser)
-    parser.add_workdir(keep="keep stores and engine logs")
+    parser.add_workdir()
     args = parser.parse_args(argv)
-    args.lengths = sorted(csv(args.lengths))
+    args.lengths = [SYSTEM_TOKENS + args.turns * (USER_TOKENS[1] + REPLY_TOKENS[1])] if (
+        args.chat) else sorted(csv(args.lengths))  # --chat: room for the longest prompt
     # --quick: no connector-free engine (cold and vllm_hit measured on ours), and wave
     # two's engines start while wave one runs (not a restart): two start-ups less.
-    args.no_plain = args.early_start = args.quick
+    args.no_plain, args.early_start = args.quick, args.quick and not args.chat
     args.no_peer = bool(args.sliding_window)  # ExampleConnector refuses the hybrid manager
     args.in_process = args.in_process or args.quick
-    args.env = benchmark_env(in_process=args.in_process,
-                             vllm_default_binding=args.vllm_default_binding)
-    max_len = max(4096, max(args.lengths) + SUFFIX_TOKENS + 64)
-    # Whole prompts in one step: vLLM's ExampleConnector stores only the first scheduled
-    # part of a chunked prefill and then crashes its engine loading it (shape mismatch).
-    args.engine = engine_kwargs(max_model_len=max_len, in_process=args.in_process,
-                                max_num_batched_tokens=max_len)
+    args.engine, args.env = ttft_engine(args.lengths, in_process=args.in_process,
+                                        vllm_default_binding=args.vllm_default_binding)
     if args.sliding_window:  # an engine that cannot keep the manager on fails to start
         args.engine["disable_hybrid_kv_cache_manager"] = False
     return args
@@ -384,14 +427,13 @@ def main(argv: list[str] | None = None) -> dict:
     dirs = {"logs": base / "logs", "peer": base / "peer", "store": base / "store"}
     dirs["peer"].mkdir(parents=True)
     args.ours = {"cpu_size": "1GiB", "disk_path": str(dirs["store"]), "disk_size": "4GiB"}
-    if args.chunk_tokens:
-        args.ours["chunk_tokens"] = args.chunk_tokens
     model_kwargs = {} if args.quick else MODELS[args.model]
     if args.sliding_window:
         model_kwargs = {**model_kwargs, "sliding_window": args.sliding_window}
     model = (make_tiny_hybrid_model if args.no_peer else make_tiny_model)(**model_kwargs)
     started = time.perf_counter()
-    rec = Recorder(Turns(0.0) if args.quick else Turns())  # --quick: no figures to protect
+    # --quick: no pauses at engine switches (no figures to protect)
+    rec = Recorder(Turns(0.0 if args.quick else SETTLE_S), args.in_process)
     def spawn_wave_two() -> list[EngineProcess]:  # ours and the peer, fresh processes
         ours = spawn(args, model, "ours-2", offload_transfer(args.ours), dirs)
         return [ours] if args.no_peer else [ours, spawn(
@@ -399,31 +441,33 @@ def main(argv: list[str] | None = None) -> dict:
 
     early = spawn_wave_two() if args.early_start else None
     try:
-        cap = args.no_peer and capacity(model, model_kwargs.get("max_position", 8192),
-                                        dirs["logs"])
-        startup = wave_one(args, rec, dirs, model)
-        startup.update(wave_two(args, rec, early or spawn_wave_two()))
+        cap = args.no_peer and capacity(model, model_kwargs.get("max_position", 8192), dirs["logs"])
+        if args.chat:
+            startup = chat(args, rec, dirs, model)
+        else:
+            startup = wave_one(args, rec, dirs, model)
+            startup.update(wave_two(args, rec, early or spawn_wave_two()))
     except BaseException:
         for e in early or ():
             e.close()
         print(f"bench_ttft failed; engine logs kept in {dirs['logs']}", file=sys.stderr)
-        args.keep = True
         raise
-    finally:
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
     modes = rec.summary()
     result = new_result(
-        "ttft", args, model={"name": "test default" if args.quick else args.model,
-                             "path": str(model), **model_kwargs},
+        "chat" if args.chat else "ttft", args,
+        model={"name": "test default" if args.quick else args.model, "path": str(model),
+               **model_kwargs},
         engine=args.engine, env=args.env,
         ours_config={k: v for k, v in args.ours.items() if k != "disk_path"},
         lengths=args.lengths, suffix_tokens=SUFFIX_TOKENS, reps=args.reps, passes=args.passes,
         plain_engine=not args.no_plain, early_start=args.early_start,
         in_process=args.in_process, startup_s=startup, modes=modes, errors=rec.errors,
         settle_s=rec.turns.settle_s, engine_switches=rec.turns.num_switches, ratios=ratios(modes),
-        capacity=cap)
-    result["verdicts"] = verdicts(result)
+        capacity=cap, chat=args.chat, turns=args.turns, chat_options=CHAT,
+        text_tokens={"system": SYSTEM_TOKENS, "user": "{}-{}".format(*USER_TOKENS),
+                     "reply": "{}-{}".format(*REPLY_TOKENS)})
+    result["verdicts"] = [] if args.chat else verdicts(result)
     return finish(result, args.json, render_section, started)
 
 

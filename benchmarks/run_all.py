@@ -77,8 +77,7 @@ def _section(name: str, out: Path, runs: dict[str, dict], targets: Targets) -> l
                 "```", traceback.format_exc(limit=2), "```", ""]
 
 
-def write_report(out: Path, runs: dict[str, dict], *, quick: bool,
-                 total_s: float | None) -> Path:
+def write_report(out: Path, runs: dict[str, dict], *, quick: bool, total_s: float | None) -> Path:
     """Write ``out/benchmarks.md`` (and ``out/img/*.png``) from ``out/bench-data/*.json``."""
     targets = Targets()
     body = [line for name in BENCHES for line in _section(name, out, runs, targets)]
@@ -94,17 +93,13 @@ def write_report(out: Path, runs: dict[str, dict], *, quick: bool,
     total = sum(r.get("seconds") or 0 for r in runs.values())
     rows.append(["all of the above", "", f"{total:.0f} ({total / 60:.1f} min)", "", ""])
     m = machine.get
-    lines = fill(
-        "page", quick="**Quick mode: toy sizes for a smoke test; these numbers mean nothing.**"
-                      "\n\n" if quick else "",
+    lines = fill(  # the machine table: machine_info's keys
+        "page", machine,
+        quick="**Quick mode: toy sizes for a smoke test; these numbers mean nothing.**\n\n"
+              if quick else "",
         generated=m("time", "?"), rebuilt=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         total=f" Total wall time {total_s / 60:.1f} min." if total_s else "",
-        machine="\n".join(table(["", ""], [
-            ["CPU", m("cpu_model")], ["cores (nproc)", f"{m('nproc')} usable of {m('cpu_count')}"],
-            ["memory", f"{m('memory_gib')} GiB"], ["OS", m("platform")], ["Python", m("python")],
-            ["vLLM", m("vllm")], ["torch", m("torch")], ["lmdb", m("lmdb")],
-            ["kv-offload", m("kv_offload")],
-            ["load average at start", " / ".join(f"{x:.1f}" for x in m("loadavg", []))]])),
+        loadavg=" / ".join(f"{x:.1f}" for x in m("loadavg", [])),
         targets="\n".join(table(["target", "measured", "limit", "verdict", "from"],
                                 targets.rows)),
         commands="\n".join(table(["command", "exit", "seconds", "started",
@@ -114,7 +109,7 @@ def write_report(out: Path, runs: dict[str, dict], *, quick: bool,
     return report
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -126,11 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing; rebuild the report from the JSON already there")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per benchmark")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
                        if args.quick else ROOT / "docs")
     out = out.resolve()

@@ -315,7 +315,10 @@ class NamespaceTxn:
         return removed
 
     def _forget_listed(self, db: str, value: bytes, slot: int) -> None:
-        """Counters and cross-records of a bad ``free`` or ``lru`` record just deleted."""
+        """Counters and cross-records of a bad ``free`` or ``lru`` record just deleted.
+        For ``lru``: the entry it names at ``slot`` (or a bad one) is removed with its
+        blocks and tail records (``_forget_blocks``), and a slot its ``slots`` record
+        held goes back to the free list if it lies inside the namespace."""
         self.deltas["bad_records"] += 1
         self.deltas["free" if db == "free" else "entries"] -= 1
         if db == "lru":  # value: the key of the entry it listed
@@ -323,8 +326,11 @@ class NamespaceTxn:
             if entry is not None and (self.parse_entry(entry) is None
                                       or EntryRecord.head(entry)[1] == slot):
                 self.delete("entries", value)
+                self._forget_blocks(value)
             if slot >= 0 and self.get("slots", SlotKey.pack(slot)) == value:
                 self.delete("slots", SlotKey.pack(slot))
+                if self.slot_ok(slot) and self.owner_of(slot) is None:  # else unreserve() does
+                    self.free(slot)
 
     def reserve(self, key: bytes, slot: int, owner: Owner, tick: int) -> None:
         self.put("entries", key, EntryRecord.pack(RESERVED, slot, tick))

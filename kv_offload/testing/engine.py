@@ -201,6 +201,12 @@ class EngineProcess:
         in_process) and vLLM's KV cache plan (``kv_cache``): see engine_state."""
         return self.call({"op": "snapshot"})
 
+    def kv_events_sent(self, timeout_s: float = 60.0) -> int:
+        """How many KV event batches vLLM's ZMQ publisher has sent, once none is queued
+        (in_process only): a subscriber that has seen sequence number n - 1 has every
+        event published before this call."""
+        return self.call({"op": "kv_events_sent", "timeout_s": timeout_s})["sent"]
+
     # -- process ---------------------------------------------------------------------------
 
     def _next_answer(self) -> dict[str, Any]:

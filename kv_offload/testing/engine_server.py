@@ -19,6 +19,9 @@ Commands (stdin) and answers (one JSON line each, ``{"ok": true, ...}`` or
     {"op": "reset", "connector": bool} reset_prefix_cache -> {"reset": vLLM's answer}
     {"op": "snapshot"}                 -> metrics, kv_offload (totals), connector (or null),
                                           kv_cache (engine_state.kv_cache_state)
+    {"op": "kv_events_sent", "timeout_s": 60}
+                                       -> {"sent": n}: vLLM's ZMQ KV event batches sent
+                                          once none is queued (engine_state.kv_events_sent)
     {"op": "quit"}
 
 The first answer, once the engine has started, is ``{"ok": true, "startup_s": ...}``.
@@ -130,7 +133,10 @@ def handle(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
                 "kv_offload": engine_state.kv_offload_samples(),
                 "connector": engine_state.connector_state(llm),
                 "kv_cache": engine_state.kv_cache_state(llm)}
-    raise ValueError(f"unknown op {op!r} (generate, drain, reset, snapshot, quit)")
+    if op == "kv_events_sent":
+        return {"sent": engine_state.kv_events_sent(llm, float(command.get("timeout_s", 60.0)))}
+    raise ValueError(f"unknown op {op!r} (generate, drain, reset, snapshot, kv_events_sent, "
+                     "quit)")
 
 
 def serve(spec: dict[str, Any], commands: queue.Queue, reply: Any) -> None:

@@ -102,6 +102,32 @@ def kv_cache_state(llm: Any) -> dict[str, Any]:
     }
 
 
+def kv_events_sent(llm: Any, timeout_s: float) -> int:
+    """How many batches vLLM's ZMQ KV event publisher has sent (sequence numbers 0 to
+    n - 1), once it has sent every batch queued so far; 0 without a ZMQ publisher.
+
+    A subscriber that has seen sequence number n - 1 has every event published before
+    this call: a barrier, where waiting for a quiet period would be a guess a loaded
+    machine can outlast. Reads the publisher's queue and replay buffer (vLLM has no
+    public accessor; read-only use). Raises EngineStateError for a multi-process
+    engine and TimeoutError when the queue is not empty after ``timeout_s``."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise EngineStateError("kv_events_sent needs vLLM's engine core in this process: "
+                               "start the engine with in_process=True")
+    publisher: Any = getattr(core.scheduler, "kv_event_publisher", None)
+    queued = getattr(publisher, "_event_queue", None)
+    if queued is None:  # events off (vLLM's null publisher)
+        return 0
+    deadline = time.monotonic() + timeout_s
+    while queued.unfinished_tasks:  # task_done comes after the send and the buffer append
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"KV event batches still queued after {timeout_s:.0f} s")
+        time.sleep(0.005)
+    sent = publisher._buffer  # (sequence number, payload) of the batches sent, in order
+    return sent[-1][0] + 1 if sent else 0
+
+
 def drain(llm: Any, timeout_s: float) -> None:
     """Step an in-process engine until the connector has no job in flight.
 

@@ -46,7 +46,7 @@ def run_json(name: str, tmp_path: Path, *args: str) -> dict:
 
 @pytest.mark.parametrize("name", ["bench_ttft.py", "bench_overhead.py", "bench_lookup.py",
                                   "bench_remote.py", "bench_copy.py", "bench_tiers.py",
-                                  "run_all.py"])
+                                  "bench_concurrent.py", "run_all.py"])
 def test_help(name):
     assert "--quick" in run_script(name, "--help").stdout
 
@@ -199,6 +199,50 @@ def test_ttft_sliding_window_quick(tmp_path):
     assert "TTFT (sliding window): CPU-tier hit" in report  # its targets, apart from ttft's
     assert "ExampleConnector warm at" not in report.split("## Sliding-window")[0].split(
         "## Targets")[1]  # no peer targets for the sliding-window run
+
+
+@pytest.mark.engine
+def test_ttft_chat_quick(tmp_path):
+    """--chat: two conversations of three turns on kv-offload with and without partial hits;
+    every turn after the first is served from the CPU tier (a reset between requests), with
+    partial hits to the previous turn's last token (more than whole chunks); the report
+    renders it."""
+    data = run_json("bench_ttft.py", tmp_path, "--chat", "2")
+    assert not data["errors"] and set(data["modes"]) == {"partial", "whole"}
+    partial, whole = data["modes"]["partial"], data["modes"]["whole"]
+    assert list(partial) == list(whole) == ["1", "2", "3"]
+    for turn in ("2", "3"):  # turn 2: the previous prompt, 330-500 tokens: one whole chunk
+        assert len(partial[turn]["host_hits"]) == len(whole[turn]["host_hits"]) == 2
+        assert all(p > w > 0 for p, w in zip(partial[turn]["host_hits"],
+                                             whole[turn]["host_hits"])), turn
+        assert all(w % 256 == 0 for w in whole[turn]["host_hits"])
+    out = tmp_path / "report"
+    (out / "bench-data").mkdir(parents=True)
+    (out / "bench-data" / "chat.json").write_text(json.dumps(data))
+    run_script("run_all.py", "--report-only", "--out", str(out))
+    report = (out / "benchmarks.md").read_text()
+    assert "## Multi-turn chat" in report and "Could not render" not in report
+
+
+@pytest.mark.engine
+def test_concurrent_quick(tmp_path):
+    """Two engines, one round of four phases: every hit is served from a cache (after the
+    reset, only kv-offload's CPU tier can), decodes ran while hits were in flight, each
+    kv-offload mode has its ratios to plain, and the report renders it."""
+    data = run_json("bench_concurrent.py", tmp_path)
+    assert set(data["summary"]) == {"sync", "plain@sync", "async", "plain@async"}
+    for mode, s in data["summary"].items():
+        assert s["hits"] == 2 and s["cached_tokens_min"] >= 512, (mode, s)
+        assert s["itl_gaps"] > 0 and s["itl_median_ms"] > 0, (mode, s)
+    for mode in ("sync", "async"):
+        assert set(data["summary"][mode]["vs_plain"]) == {
+            "ttft_median_ms", "ttft_p90_ms", "paired_ttft", "itl_median_ms", "itl_p99_ms"}
+    out = tmp_path / "report"
+    (out / "bench-data").mkdir(parents=True)
+    (out / "bench-data" / "concurrent.json").write_text(json.dumps(data))
+    run_script("run_all.py", "--report-only", "--out", str(out))
+    report = (out / "benchmarks.md").read_text()
+    assert "## Decodes while hits load" in report and "Could not render" not in report
 
 
 @pytest.mark.engine

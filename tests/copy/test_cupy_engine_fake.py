@@ -415,7 +415,7 @@ def test_a_loads_compute_mark_is_destroyed_on_the_copy_thread_once_its_copy_is_i
     worker = OffloadWorker(rank=0, engine=engine, host=host, tiers=tier_ios(ReadySlab(), slot_bytes=host.slot_bytes), io_threads=1)
     worker.start_loads([LoadJob(1, "req", (ChunkMove((10, 11), 0, Place("disk", 3, (0,))),))])
     ((mark, _),) = fake.recorded
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # bounds a hang only
     finished: set[str] = set()
     while "req" not in finished:
         assert time.monotonic() < deadline, "the load never finished"

@@ -92,7 +92,7 @@ class Subscriber:
         self._sock.setsockopt(zmq.RCVTIMEO, 100)
         self._sock.connect(f"tcp://127.0.0.1:{port}")
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-        self.index, self.last = PrefixIndex(), time.monotonic()
+        self.index, self.received = PrefixIndex(), 0  # received: the last seq seen + 1
         self._lock, self._stop = threading.Lock(), False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -102,19 +102,23 @@ class Subscriber:
 
         while not self._stop:
             try:
-                _topic, _seq, payload = self._sock.recv_multipart()
+                _topic, seq, payload = self._sock.recv_multipart()
             except zmq.Again:
                 continue
             with self._lock:
                 for event in self._decode(payload).events:
                     self.index.apply(event)
-                self.last = time.monotonic()
+                self.received = max(self.received, int.from_bytes(seq, "big") + 1)
 
-    def settle(self, quiet_s: float = 1.0, timeout_s: float = 30.0) -> PrefixIndex:
-        """The index once no event came for ``quiet_s``."""
+    def settle(self, engine: EngineProcess, timeout_s: float = 30.0) -> PrefixIndex:
+        """The index once every batch ``engine`` has published so far arrived (its
+        sequence numbers; it waited for a second without events, which a busy host
+        could outlast with events still on their way). ``timeout_s`` bounds a hang only."""
+        sent = engine.kv_events_sent()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() - self.last < quiet_s and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while self.received < sent:
+            assert time.monotonic() < deadline, f"{self.received} of {sent} event batches came"
+            time.sleep(0.01)
         return self.index
 
     def close(self) -> None:
@@ -155,7 +159,7 @@ def run_checked(engine: EngineProcess, sub: Subscriber, order: list[int]) -> lis
     for i in order:
         engine.drain()
         assert engine.reset()
-        predicted = sub.settle().predicted_hit(PROMPTS[i])
+        predicted = sub.settle(engine).predicted_hit(PROMPTS[i])
         request = {"prompt_token_ids": PROMPTS[i]}
         if i == SALTED:
             request["cache_salt"] = "tenant-a"
@@ -196,7 +200,7 @@ def test_replayed_events_predict_every_load_through_evictions_a_reset_and_a_rest
     try:
         with start(model, store, port, tmp_path / "restart.log") as engine:
             engine.drain()  # no request: the disk tier's announcement alone
-            index = sub.settle()
+            index = sub.settle(engine)
             assert index.num_events > 0
             after = run_checked(engine, sub, [4, 3, 2, 1, 0])
         assert all(p == got for _, p, got in after), after

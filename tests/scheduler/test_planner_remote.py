@@ -250,3 +250,24 @@ def test_a_prompt_ending_with_a_whole_chunk_is_served_it_from_the_remote_tier_in
     other.request_id = "o"
     sched2, _ = remote_scheduler(remote, partial_hits=True)
     assert matched(sched2, other)[0] == 8
+
+
+def test_the_remote_tier_is_asked_for_the_final_chunk_when_the_local_tiers_hold_the_rest():
+    """A one-chunk prompt, and one whose earlier chunks the CPU tier holds: the final
+    whole chunk is asked of the remote tier too (the walk over the tiers asks each for the
+    chunks no tier before it holds; a lookup once returned before asking it: 0 and one
+    chunk fewer loaded)."""
+    remote = FakeRemote()
+    sched, blocks = remote_scheduler(remote, partial_hits=True)
+    one = make_request("one", list(range(8)))
+    remote.keys.add(one.block_hashes[1])
+    assert matched(sched, one)[0] == 7
+    writer = make_request("w", list(range(16)) + [99])
+    matched(sched, writer)
+    store_request(sched, blocks, writer, [0, 1, 2, 3, 4])  # the CPU tier: chunks 0 and 1
+    sched.cpu.discard(writer.block_hashes[3])  # chunk 1 left it; only Redis holds it
+    remote.keys.add(writer.block_hashes[3])
+    reader = make_request("r", list(range(16)))
+    assert matched(sched, reader)[0] == 15
+    sched.plan_load(reader, [10, 11, 12, 13], 15)
+    assert sched.hit_tokens_by_tier("r") == {"cpu": 8, "remote": 7}

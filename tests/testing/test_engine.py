@@ -67,6 +67,12 @@ def test_a_failed_command_is_reported_and_the_engine_keeps_serving(engine, queue
     assert len(engine.generate(PROMPTS[:1], max_tokens=2)["tokens"]) == 1
 
 
+def test_an_engine_without_kv_events_has_sent_none(engine, queued):
+    """kv_events_sent, the barrier test_kv_events waits on, answers 0 with vLLM's null
+    publisher (KV events off)."""
+    assert engine.kv_events_sent(timeout_s=5) == 0
+
+
 def test_abort_drops_the_aborted_requests_only(engine, queued):
     cold, _ = queued
     out = engine.generate(PROMPTS, max_tokens=6, abort={"after_steps": 1, "indexes": [1]})

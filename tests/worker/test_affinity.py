@@ -9,10 +9,10 @@ core 0 while core 1 idled (store-heavy throughput 0.87x plain vLLM with engine p
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
+from worker_support import drain
 
 from kv_offload.copy import make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
@@ -107,10 +107,7 @@ def test_loads_and_background_stores_run_on_the_background_cpus():
     try:
         worker.run_stores([StoreJob(1, (ChunkMove((1, 2), 0),), req_ids=("a",))])
         worker.start_loads([LoadJob(2, "b", (ChunkMove((3, 4), 1),))])
-        deadline = time.monotonic() + 10
-        while len(engine.cpus) < 2 and time.monotonic() < deadline:
-            worker.poll()
-            time.sleep(0.01)
+        drain(worker, until=lambda *_: len(engine.cpus) == 2)  # bounds a hang only
         assert engine.cpus == {"store": background, "load": background}
         assert os.sched_getaffinity(0) == here  # vLLM's thread is left alone
     finally:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from worker_support import drain
+from worker_support import drain, wait_until_blocked
 
 from kv_offload.copy import Direction, make_copy_engine
 from kv_offload.copy.host_buffer import allocate_host_slots
@@ -343,8 +343,15 @@ def test_a_poll_in_a_step_without_forward_reports_a_load_the_moment_its_reads_en
     worker = make_worker(planes, slab)
     worker.idle_wait_s = 10.0
     worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0, Place("disk", 3, (0,))),))])
-    threading.Timer(0.05, slab.release.set).start()
-    result = worker.poll(idle=True)
+    results = []
+    poll = threading.Thread(target=lambda: results.append(worker.poll(idle=True)))
+    poll.start()
+    # Opened once the poll waits (not after a fixed 50 ms, which a busy host could
+    # outlast: the reads would end first and the poll find them without waiting).
+    wait_until_blocked(poll)
+    slab.release.set()
+    poll.join(60)  # bounds a hang only
+    [result] = results
     assert result.finished_req_ids == {"req"} and not result.failed_block_ids
     assert all(bool((p[[1, 2]] == 4).all()) for p in planes)
     worker.close()
