@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from kv_offload import OffloadConfig
-from kv_offload.metrics import read_metrics
+from kv_offload.plugin.metrics import read_metrics
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
 
 SHOWN = ("hit_tokens_cpu", "hit_tokens_disk", "miss_tokens", "chunks_stored_cpu",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kv_offload import OffloadConfig
 from kv_offload.testing.tiny_model import make_prompt, make_tiny_model
-from kv_offload.warm import WarmError, WarmOptions, run_warm
+from kv_offload.tools.warm import WarmError, WarmOptions, run_warm
 
 
 def demo_prompts() -> Path:

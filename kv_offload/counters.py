@@ -3,7 +3,7 @@
 Each counter is a typed field of ``SchedulerCounters`` (scheduler thread) or
 ``WorkerCounters`` (one rank's deltas); each gauge a field of ``SchedulerGauges``. The
 field's metadata holds its Prometheus name, help text and labels, from which
-``kv_offload.metrics`` derives the connector stats, the ``/metrics`` families and the log
+``kv_offload.plugin.metrics`` derives the connector stats, the ``/metrics`` families and the log
 summary, and docs/metrics.md documents each (checked by tests/test_metrics.py). A name that
 is not a field here is a bug: ``spec`` raises ``UnknownMetricError``. Imports neither torch
 nor vLLM (the scheduler side uses it).

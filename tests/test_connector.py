@@ -15,13 +15,13 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from kv_offload import OffloadConfig
-from kv_offload.connector import (
+from kv_offload.jobs import ChunkMove, LoadJob, StepPlan, StoreJob, WorkerReport
+from kv_offload.plugin.connector import (
     KVOffloadConnector,
     OffloadConnectorMetadata,
     OffloadWorkerMetadata,
 )
-from kv_offload.engine_info import UnsupportedEngineError
-from kv_offload.jobs import ChunkMove, LoadJob, StepPlan, StoreJob, WorkerReport
+from kv_offload.plugin.engine_info import UnsupportedEngineError
 from kv_offload.testing.scheduler_harness import build_kv_cache_config, build_vllm_config
 from kv_offload.worker.runner import PollResult
 

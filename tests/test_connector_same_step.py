@@ -9,7 +9,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kv_offload import OffloadConfig
-from kv_offload.connector import KVOffloadConnector
+from kv_offload.plugin.connector import KVOffloadConnector
 from kv_offload.testing.scheduler_harness import build_kv_cache_config, build_vllm_config
 
 BLOCK = 8

@@ -17,13 +17,13 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kv_offload.config import OffloadConfig
-from kv_offload.engine_info import (
+from kv_offload.groups import KVGroup
+from kv_offload.plugin.engine_info import (
     UnsupportedEngineError,
     aliased_layers,
     layer_names,
     layout_from_vllm,
 )
-from kv_offload.groups import KVGroup
 from kv_offload.testing.scheduler_harness import build_vllm_config
 
 BLOCK = 16
@@ -138,7 +138,7 @@ def test_a_mamba_group_is_named_by_its_state_layout_where_accepted(vllm_config, 
     """What the scheduler harness runs (it replaces refuse_mamba_hybrids): the namespace
     names the mamba group by its state tensors, and vLLM's mamba zeroing alone is not a
     refusal of its own (docs/architecture.md, Mamba state entries)."""
-    import kv_offload.engine_info as engine_info
+    import kv_offload.plugin.engine_info as engine_info
 
     monkeypatch.setattr(engine_info, "refuse_mamba_hybrids", lambda config: None)
     config = _mamba_hybrid()

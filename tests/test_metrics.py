@@ -29,7 +29,7 @@ from kv_offload.counters import (
     WorkerCounters,
     declared_metrics,
 )
-from kv_offload.metrics import (
+from kv_offload.plugin.metrics import (
     SUMMARY_INTERVAL_S,
     OffloadPromMetrics,
     OffloadStats,

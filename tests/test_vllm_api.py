@@ -13,7 +13,7 @@ import pytest
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
-from kv_offload.connector import KVOffloadConnector
+from kv_offload.plugin.connector import KVOffloadConnector
 
 # README "Tested with", pyproject's vllm bounds. 0.32: the whole suite (the CPU wheel);
 # 0.34: this file and the scheduler-level tests on its pure-Python modules

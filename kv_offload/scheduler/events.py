@@ -9,7 +9,7 @@ GPU events carry for the same blocks, so a router's index of both lines up.
 Pure: no vLLM, no I/O. The planner captures each chunk's ``ChunkBlocks`` from its request
 (``capture``) when it plans a store or a load; the tiers report what became loadable and
 what stopped (``stored``/``removed``); ``take`` hands out ``TierEvent`` values, which
-``kv_offload/kv_events.py`` turns into vLLM's event classes. The queue is bounded: past
+``kv_offload/plugin/kv_events.py`` turns into vLLM's event classes. The queue is bounded: past
 ``max_queued`` an event is dropped, counted (``kv_offload_kv_events_dropped_total``) and logged, and serving never
 waits. Scheduler thread only.
 

@@ -43,9 +43,9 @@ def metric_totals(llm: Any) -> dict[str, float]:
 
 def kv_offload_samples() -> dict[str, float]:
     """Every kv_offload_* Prometheus sample of this process, as 'name{tier/direction}'
-    (``kv_offload.metrics.read_metrics`` keyed by sample)."""
+    (``kv_offload.plugin.metrics.read_metrics`` keyed by sample)."""
     from kv_offload.counters import spec
-    from kv_offload.metrics import read_metrics
+    from kv_offload.plugin.metrics import read_metrics
 
     return {spec(name).sample(): value for name, value in read_metrics().items()}
 
@@ -64,7 +64,7 @@ def connector_state(llm: Any) -> dict[str, Any] | None:
         return None
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-    from kv_offload.connector import KVOffloadConnector
+    from kv_offload.plugin.connector import KVOffloadConnector
 
     sched = conn._scheduler  # the connector has no public accessor; read-only use
     group = get_kv_transfer_group()

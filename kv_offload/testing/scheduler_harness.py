@@ -205,7 +205,7 @@ class SchedulerHarness:
     def _mamba_accepted(self) -> Iterator[None]:
         """While kv-offload's connectors are built: with a mamba group, the engine check
         that refuses mamba hybrids is replaced (see the module docstring)."""
-        import kv_offload.engine_info as engine_info
+        import kv_offload.plugin.engine_info as engine_info
 
         if not self.mamba:
             yield
@@ -227,8 +227,8 @@ class SchedulerHarness:
     def _build_worker(self) -> tuple[Any, Any]:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        import kv_offload.worker.setup as setup
-        from kv_offload.connector import KVOffloadConnector
+        import kv_offload.plugin.worker_setup as setup
+        from kv_offload.plugin.connector import KVOffloadConnector
 
         built: list[Any] = []
         real_worker = setup.OffloadWorker

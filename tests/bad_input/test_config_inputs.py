@@ -245,7 +245,7 @@ def test_the_connector_refuses_a_chunk_longer_than_max_model_len():
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-    from kv_offload.engine_info import layout_from_vllm
+    from kv_offload.plugin.engine_info import layout_from_vllm
     from kv_offload.testing.tiny_model import make_tiny_model
 
     vllm_config = EngineArgs(model=str(make_tiny_model()), block_size=16,
@@ -382,7 +382,7 @@ def warm_inputs(tmp_path, monkeypatch):
 
 
 def warm(capsys, tmp: Path, model: Path, config: Any) -> tuple[int, str]:
-    from kv_offload.cli import main
+    from kv_offload.tools.cli import main
 
     path = tmp / "config.json"
     path.write_text(config if isinstance(config, str) else json.dumps(config))
@@ -435,7 +435,7 @@ def test_a_password_written_in_the_config_is_noticed():
 
 def test_warm_refuses_a_chunk_longer_than_its_max_model_len(warm_inputs, capsys):
     """Before any engine starts: warm knows the block size and max_model_len it was given."""
-    from kv_offload.cli import main
+    from kv_offload.tools.cli import main
 
     tmp, model = warm_inputs
     (tmp / "prompts.jsonl").write_text('{"prompt": "hello"}\n')

@@ -28,9 +28,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from kv_offload.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 from kv_offload.disk import DiskIndex, ReadResult, SlabFile, StorePathError, admin, list_namespaces
 from kv_offload.disk.files import MARKER_NAME, slab_path
+from kv_offload.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 NS = "ab" * 16
 SLOT = 4096
@@ -594,6 +594,6 @@ def test_inspect_into_a_closed_pipe_is_quiet(tmp_path):
     """`kv-offload inspect STORE | head -1` ended in a BrokenPipeError traceback."""
     root = make_store(tmp_path / "store")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(f"{sys.executable} -m kv_offload.cli inspect '{root}' | head -c 1",
+    proc = subprocess.run(f"{sys.executable} -m kv_offload.tools.cli inspect '{root}' | head -c 1",
                           shell=True, capture_output=True, text=True, env=env, timeout=120)
     assert "Traceback" not in proc.stderr and "Broken pipe" not in proc.stderr, proc.stderr

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kv_offload.cli import EXIT_BUSY, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 from kv_offload.disk import DiskIndex, SlabFile, iter_entries, list_namespaces
 from kv_offload.disk.files import slab_dir, slab_path
-from kv_offload.warm_prompts import load_prompts
+from kv_offload.tools.cli import EXIT_BUSY, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+from kv_offload.tools.warm_prompts import load_prompts
 
 NS_A = "a1" * 16  # two ranks, six chunks
 NS_B = "b2" * 16  # one rank, three chunks
@@ -306,7 +306,7 @@ def test_warm_finds_the_namespace_whose_slabs_its_engine_holds(store, holder, tm
                                                                monkeypatch):
     """warm asks the engine (its child processes) which namespace it opened, also through
     a relative, symlinked store path; none open is a clear error."""
-    from kv_offload.warm import WarmError, engine_namespace
+    from kv_offload.tools.warm import WarmError, engine_namespace
 
     (tmp_path / "link").symlink_to(store, target_is_directory=True)
     monkeypatch.chdir(tmp_path)

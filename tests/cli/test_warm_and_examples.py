@@ -29,7 +29,7 @@ ENGINE = ["--block-size", "32", "--chunk-tokens", "64", "--dtype", "float32",
 
 def kv_offload_cmd() -> list[str]:
     script = Path(sys.executable).parent / "kv-offload"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kv_offload.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kv_offload.tools.cli"]
 
 
 # vLLM's engine core in the calling process: one vLLM import fewer per engine start-up.

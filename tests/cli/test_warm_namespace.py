@@ -23,7 +23,7 @@ def namespace_of(model: str) -> str:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-    from kv_offload.engine_info import layout_from_vllm
+    from kv_offload.plugin.engine_info import layout_from_vllm
 
     vllm_config = EngineArgs(model=model, block_size=BLOCK,
                              max_model_len=512).create_engine_config()

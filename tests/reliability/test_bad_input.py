@@ -51,7 +51,7 @@ def test_json_that_is_not_an_object_or_holds_a_bad_value():
 
 
 def test_cpu_tier_too_small_for_one_chunk_names_cpu_size():
-    from kv_offload.connector import num_cpu_slots  # imports vLLM: only here
+    from kv_offload.plugin.connector import num_cpu_slots  # imports vLLM: only here
 
     with pytest.raises(ValueError, match=r"cpu_size: 100.0 KiB holds no chunk of this model "
                                          r"\(1.0 MiB per chunk of 64 tokens\); raise cpu_size"):
@@ -182,7 +182,7 @@ def fake_engine(spec_kind: str = "FullAttentionSpec", *, groups: int = 1, pp: in
 ], ids=["chunked-local", "cross-attention", "sink", "mamba", "pipeline-parallel", "decode-cp",
         "prefill-cp", "sleep-mode", "eagle3", "mtp", "draft-model"])
 def test_unsupported_models_are_refused_at_start_up_with_the_reason(engine, message):
-    from kv_offload.engine_info import UnsupportedEngineError, layout_from_vllm
+    from kv_offload.plugin.engine_info import UnsupportedEngineError, layout_from_vllm
 
     with pytest.raises(UnsupportedEngineError, match=re.escape(message)):
         layout_from_vllm(*fake_engine(**engine), OffloadConfig())
@@ -191,7 +191,7 @@ def test_unsupported_models_are_refused_at_start_up_with_the_reason(engine, mess
 def test_draft_free_speculation_is_not_refused():
     """n-gram speculation keeps no draft KV; tests/e2e/test_spec_decode.py shows its tokens
     equal recompute through kv-offload."""
-    from kv_offload.engine_info import _refuse_unsupported_features
+    from kv_offload.plugin.engine_info import _refuse_unsupported_features
 
     for method in ("ngram", "suffix", None):
         _refuse_unsupported_features(fake_engine(spec_method=method)[0])
@@ -199,6 +199,6 @@ def test_draft_free_speculation_is_not_refused():
 
 def test_sleep_mode_is_refused_before_vllm_starts_it():
     """vLLM 0.33 asks the connector class before it builds anything."""
-    from kv_offload.connector import KVOffloadConnector
+    from kv_offload.plugin.connector import KVOffloadConnector
 
     assert KVOffloadConnector.supports_sleep_mode(None) is False

@@ -7,8 +7,8 @@ import json
 import pytest
 import redis
 
-from kv_offload.cli import main
 from kv_offload.remote import RemoteTarget, RemoteTier
+from kv_offload.tools.cli import main
 
 NS_A, NS_B = "a1" * 16, "b2" * 16
 SLOT = 4096

@@ -10,7 +10,7 @@ import pytest
 from kv_offload.counters import SchedulerCounters
 from kv_offload.disk import DiskIndex
 from kv_offload.jobs import WorkerReport
-from kv_offload.kv_events import connect, to_vllm
+from kv_offload.plugin.kv_events import connect, to_vllm
 from kv_offload.scheduler.events import (
     ANNOUNCE_BATCH,
     ChunkBlocks,
@@ -240,7 +240,7 @@ def test_events_cost_nothing_unless_vllm_publishes_kv_events():
     from vllm.config import KVEventsConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kv_offload.kv_events import attach_events
+    from kv_offload.plugin.kv_events import attach_events
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64,
                              dtype=torch.float32)

@@ -16,9 +16,9 @@ import torch
 from kv_offload import OffloadConfig
 from kv_offload.copy import make_copy_engine, planes_from_kv_tensor
 from kv_offload.copy.host_buffer import allocate_host_slots
-from kv_offload.engine_info import UnsupportedEngineError, layout_from_vllm
 from kv_offload.layout import page_order
-from kv_offload.worker.setup import check_page_order
+from kv_offload.plugin.engine_info import UnsupportedEngineError, layout_from_vllm
+from kv_offload.plugin.worker_setup import check_page_order
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, BLOCKS = 16, 2, 64, 3, 32
 LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")

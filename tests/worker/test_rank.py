@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from vllm.distributed import parallel_state
 
-from kv_offload.engine_info import UnsupportedEngineError
-from kv_offload.worker.setup import tensor_parallel_rank
+from kv_offload.plugin.engine_info import UnsupportedEngineError
+from kv_offload.plugin.worker_setup import tensor_parallel_rank
 
 
 def fake_state(monkeypatch, *, initialised: bool, rank: int = 0, world: int = 1,

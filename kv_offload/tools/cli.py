@@ -348,7 +348,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from kv_offload.warm import WarmError, WarmOptions, run_warm
+    from kv_offload.tools.warm import WarmError, WarmOptions, run_warm
 
     options = WarmOptions(
         model=args.model, prompts=Path(args.prompts), offload=_offload_config(args),

@@ -32,7 +32,7 @@ from kv_offload.disk import StorePathError, iter_entries, list_namespaces
 from kv_offload.disk.admin import namespaces_held_by
 from kv_offload.disk.env import check_store_path
 from kv_offload.keys import chunk_keys
-from kv_offload.warm_prompts import WarmPrompt, check_model, load_prompts
+from kv_offload.tools.warm_prompts import WarmPrompt, check_model, load_prompts
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (92% of RAM) fails on small hosts
 POLL_S = 0.5

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kv_offload.config import OffloadConfig
-from kv_offload.engine_info import UnsupportedEngineError
 from kv_offload.layout import KVLayout, num_cpu_slots
+from kv_offload.plugin.engine_info import UnsupportedEngineError
 from kv_offload.tier_plugins import TierContext, build_tiers
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.audit import CopyAudit, build_audit

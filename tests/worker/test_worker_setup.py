@@ -1,4 +1,4 @@
-"""Worker start-up (worker/setup.py): the CPU tiers of every local rank fit in the host."""
+"""Worker start-up (plugin/worker_setup.py): the CPU tiers of every local rank fit in the host."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 from vllm.distributed import parallel_state
 
 import kv_offload.copy.host_buffer as host_buffer
-import kv_offload.worker.setup as setup
+import kv_offload.plugin.worker_setup as setup
 from kv_offload.copy.host_buffer import InsufficientHostMemoryError
+from kv_offload.plugin.worker_setup import local_tensor_parallel_ranks
 from kv_offload.testing.scheduler_harness import SchedulerHarness
-from kv_offload.worker.setup import local_tensor_parallel_ranks
 
 
 def test_local_ranks_are_the_tensor_parallel_ranks_over_vllms_node_count(monkeypatch):
