@@ -59,7 +59,9 @@ class SecondaryTier(Protocol):
     def find(self, asker: str, keys: Sequence[bytes]) -> Sequence[Place] | None:
         """The places of the leading chunks of ``keys`` this tier holds now, in order;
         None while the answer is pending (the planner asks again next step, with the same
-        ``asker``: the request id). Never waits on I/O it cannot bound."""
+        ``asker``: the request id; a request's tail is asked for as ``lookup.tail_asker``,
+        by tiers that keep tails, which answer it at once). Never waits on I/O it cannot
+        bound."""
 
     def forget(self, asker: str) -> None:
         """``asker`` will not ask again (its request finished)."""

@@ -49,7 +49,7 @@ def build_tiers(specs: Sequence[str], context: TierContext) -> list[Any]:
     """Each factory's half of its tier for ``context.side``, in order. Raises ValueError
     naming the entry when it cannot be imported, is not callable, or returns a tier whose
     name repeats another's."""
-    tiers, names = [], {"disk", "remote"}
+    tiers, names = [], {"cpu", "disk", "remote"}  # "cpu": the primary tier's name
     for spec in specs:
         module, _, attribute = spec.partition(":")
         try:
@@ -63,7 +63,7 @@ def build_tiers(specs: Sequence[str], context: TierContext) -> list[Any]:
         name = getattr(tier, "name", None)
         if not isinstance(name, str) or name in names:
             raise ValueError(f"extra_tiers: {spec!r} made a tier named {name!r}; each tier "
-                             f"needs a name of its own (not disk or remote)")
+                             f"needs a name of its own (not cpu, disk or remote)")
         names.add(name)
         tiers.append(tier)
     return tiers

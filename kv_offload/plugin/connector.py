@@ -103,10 +103,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_connector_extra_config)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.config)
         self.namespace = self.layout.fingerprint()
-        reproducible = ((self.config.disk_enabled or self.config.remote_enabled)
-                        and self._check_hash_reproducible())
+        reproducible = ((self.config.disk_enabled or self.config.remote_enabled
+                         or bool(self.config.extra_tiers)) and self._check_hash_reproducible())
         self.persistent = self.config.disk_enabled and reproducible
         self.remote_enabled = self.config.remote_enabled and reproducible
+        # Like the disk and remote tiers, a tier may outlive this process: keys must too.
+        self.extra_tiers = list(self.config.extra_tiers or []) if reproducible else []
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}  # as registered (restore_kv_caches)
@@ -168,9 +170,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return False  # the scheduler side says it, once
         logger.warning(
             "kv-offload: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block "
-            "hashes that change on every restart and between hosts, so the disk and remote "
-            "tiers could never hit; they are OFF for this run. Fix: set PYTHONHASHSEED to the same value for every "
-            "instance, or use --prefix-caching-hash-algo sha256.", self.layout.hash_algo)
+            "hashes that change on every restart and between hosts, so the disk, remote "
+            "and extra tiers could never hit; they are OFF for this run. Fix: set "
+            "PYTHONHASHSEED to the same value for every instance, or use "
+            "--prefix-caching-hash-algo sha256.", self.layout.hash_algo)
         return False
 
     # ==== scheduler side =====================================================================
@@ -208,7 +211,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                      who="scheduler")
             remote.publish_descriptor(self.layout.descriptor())
             tiers.append(RemoteIndex(remote))
-        tiers += build_tiers(self.config.extra_tiers or [], TierContext(
+        tiers += build_tiers(self.extra_tiers, TierContext(
             "scheduler", self.namespace, self.layout.tp_size, 0, self.layout.slot_bytes,
             self.config))
         planner_config = PlannerConfig(
@@ -399,7 +402,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = build_worker(
             tensors=tensors, names=layer_names(self._kv_cache_config), layout=self.layout,
             config=self.config, num_blocks=int(self._kv_cache_config.num_blocks),
-            namespace=self.namespace, persistent=self.persistent)
+            namespace=self.namespace, persistent=self.persistent,
+            extra_tiers=self.extra_tiers)
         self._kv_caches, self._kv_placement = dict(kv_caches), kv_placement(tensors)
 
     def _checked_kv_tensors(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:

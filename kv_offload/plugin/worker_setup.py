@@ -196,6 +196,7 @@ def build_worker(
     num_blocks: int,
     namespace: str,
     persistent: bool,
+    extra_tiers: Sequence[str] = (),
 ) -> OffloadWorker:
     """Check the engine's tensors against ``layout`` and wire host slots, copy engine
     and slab. ``names``: the attention layer of each tensor (``plane_layers``). Raises
@@ -230,7 +231,7 @@ def build_worker(
 
         remote = remote_tier_for(config, layout, namespace=namespace, who=f"worker rank {rank}")
         tiers.append(RemoteIO(remote, rank=rank, verify_checksums=config.verify_checksums))
-    tiers += build_tiers(config.extra_tiers or [], TierContext(
+    tiers += build_tiers(extra_tiers, TierContext(
         "worker", namespace, layout.tp_size, rank, layout.slot_bytes, config))
     logger.info("kv-offload worker rank %d: %d planes, %d host slots, engine %s (%s), "
                 "audit rate %g, %s", rank, len(planes), host.num_slots, type(engine).__name__,

@@ -65,7 +65,7 @@ class _Ask:
     """One request's question. ``hits`` is set once, by a lookup thread; ``final`` by
     the scheduler thread when it gives an answer (it never changes)."""
 
-    signature: tuple[bytes, int]
+    signature: tuple[bytes, ...]
     keys: Sequence[bytes]
     deadline: float
     hits: int | None = None
@@ -113,11 +113,12 @@ class RemoteLookups:
     def ask(self, req_id: str, keys: Sequence[bytes]) -> int | None:
         """How many of ``keys``, from the first, the remote tier holds; None: not known
         yet, ask again. Once an int is returned for these keys, the same int is returned
-        until ``forget`` or until the request asks about other keys (another first key
-        or count), which starts a new question."""
+        until ``forget`` or until the request asks about other keys, which starts a new
+        question (the keys the local tiers lack may change between two asks while the
+        first and the count stay: a question is all of its keys)."""
         if not keys:
             return 0
-        signature = (keys[0], len(keys))
+        signature = tuple(keys)
         now = self._clock()
         ask = self._asks.get(req_id)
         if ask is not None and ask.signature == signature:

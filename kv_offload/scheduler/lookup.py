@@ -156,9 +156,16 @@ def tail_source(cpu: CpuIndex, tiers: Sequence[SecondaryTier], tails: TailIndex,
         hit = cpu.hit(stored.key)  # staged from the tier by an earlier load
         if hit is not None:
             best = Source(stored.key, hit, tail=True), stored.num_tokens
-        elif stored.key not in cpu and (found := tier.find(request.request_id, [stored.key])):
+        elif stored.key not in cpu and (found := tier.find(tail_asker(request.request_id),
+                                                           [stored.key])):
             best = Source(stored.key, None, found[0], tail=True), stored.num_tokens
     return best
+
+
+def tail_asker(req_id: str) -> str:
+    """Who asks a tier for a request's tail: not the request itself, whose question about
+    its whole chunks a tier may be keeping (``SecondaryTier.find``)."""
+    return f"{req_id}/tail"
 
 
 def planned_again(found: tuple[list[Source], list[ChunkKey], int] | None,

@@ -44,6 +44,7 @@ from kv_offload.scheduler.lookup import (
     hits_discarded,
     loadable_run,
     planned_again,
+    tail_asker,
     tail_source,
     within_staging_budget,
 )
@@ -518,6 +519,7 @@ class OffloadScheduler:
         state = self._requests.pop(req_id, None)
         for tier in self.tiers:
             tier.forget(req_id)
+            tier.forget(tail_asker(req_id))
         if state is not None and state.loading:
             return False
         if block_ids is not None and sources_freed(self.holds.window_sources().get(req_id, ()),

@@ -327,7 +327,8 @@ class OffloadWorker:
         tier = self.tiers.get(sink.tier)
 
         def written(done: Future[list[object | None]]) -> None:
-            fill.set_result(None if done.cancelled() or done.exception() else done.result()[0])
+            results = [] if done.cancelled() or done.exception() else list(done.result())
+            fill.set_result(results[0] if len(results) == 1 else None)
 
         def queue(ended: Future[bool]) -> None:
             if tier is None or not succeeded(ended):

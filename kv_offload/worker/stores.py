@@ -170,9 +170,13 @@ def _spread(futures: list[Future[Any]], done: Future[Sequence[Any]]) -> None:
     values: Sequence[Any] = [None] * len(futures)
     if not done.cancelled():  # cancelled: close() went past its deadline
         try:
-            values = done.result()
+            values = list(done.result())
         except Exception:  # a bug: these chunks are not written, nothing else is affected
             logger.exception("kv-offload: a write of stored chunks failed")
+    if len(values) != len(futures):  # a tier's bug: no result is trusted
+        logger.error("kv-offload: a tier answered %d results for %d written chunks; they "
+                     "count as not written", len(values), len(futures))
+        values = [None] * len(futures)
     for future, value in zip(futures, values):
         if not future.done():
             future.set_result(value)

@@ -271,3 +271,29 @@ def test_the_remote_tier_is_asked_for_the_final_chunk_when_the_local_tiers_hold_
     assert matched(sched, reader)[0] == 15
     sched.plan_load(reader, [10, 11, 12, 13], 15)
     assert sched.hit_tokens_by_tier("r") == {"cpu": 8, "remote": 7}
+
+
+def test_a_remote_answer_is_for_the_keys_asked_not_others_of_the_same_first_and_count():
+    """The remote tier is asked for the chunks the CPU tier lacks, which need not be
+    contiguous. When the CPU tier's hits change between two asks so that the misses are
+    other keys with the same first key and count, the earlier answer must not be reused
+    (review of the tier contract: a chunk the server never had was a remote hit; its
+    read missed and vLLM recomputed it)."""
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote)
+    req = make_request("r", list(range(33)))  # 4 whole chunks + 1 token
+    k0, k1, k2, k3 = (req.block_hashes[i] for i in (1, 3, 5, 7))
+    remote.keys = {k0, k2, k3}  # not k1
+    slot1 = _published(sched, k1)
+    assert matched(sched, req)[0] == 32  # k0 remote, k1 CPU, k2 and k3 remote
+    sched.cpu.discard_slot(slot1)  # k1 leaves the CPU tier, k3 arrives: misses k0, k1, k2
+    _published(sched, k3)
+    assert matched(sched, req)[0] == 8  # the server holds k0 of them
+
+
+def _published(sched, key) -> int:
+    """``key`` READY in the CPU tier, unpinned; its slot."""
+    slot = sched.cpu.reserve(key, SlotState.STORING)
+    sched.cpu.publish(slot)
+    sched.cpu.unpin([slot])
+    return slot

@@ -374,10 +374,14 @@ def test_a_released_kv_cache_pauses_offloading_and_restoring_it_resumes(
     back), S is running with its store copy held back and H has finished, held for its
     copy. No engine copy runs between unregister and restore, everything ends idle,
     and the chunks stored before and during the pause serve the next requests."""
-    held = {"read": 0, "store": 0}
+    held = {"_read": 0, "store": 0}  # OffloadWorker._read: a read from a tier
+    fired: set[str] = set()
 
     def delays(fn, args):
-        return held.get(getattr(fn, "__name__", ""))
+        name = getattr(fn, "__name__", "")
+        if held.get(name):
+            fired.add(name)
+        return held.get(name)
 
     mode = PAUSES[pause]
     harness = harness_factory(num_blocks=64, cpu_slots=12, background_stores=True,
@@ -385,7 +389,7 @@ def test_a_released_kv_cache_pauses_offloading_and_restoring_it_resumes(
                               async_scheduling=async_scheduling)
     prompt = _doc(48, 0) + [5]
     _store_on_disk_only(harness, prompt)  # L's chunks: on disk only
-    held.update(read=30, store=30)
+    held.update(_read=30, store=30)
     harness.add("L", prompt[:-1] + [6], max_tokens=2)
     harness.add("H", _doc(33, 300), max_tokens=1)
     harness.add("S", _doc(40, 600), max_tokens=30)
@@ -395,6 +399,7 @@ def test_a_released_kv_cache_pauses_offloading_and_restoring_it_resumes(
         if harness.requests["H"].is_finished() and planner.holds.is_copying("S"):
             break
     assert harness.requests["L"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert fired == {"_read", "store"}, "the scripted delays did not apply"
     assert planner.holds.num_held() == 1 and planner.holds.is_copying("S")
     assert harness.worker.has_pending_jobs()
     hits_before = planner.counters.hit_tokens_cpu + planner.counters.hit_tokens_disk
@@ -414,7 +419,7 @@ def test_a_released_kv_cache_pauses_offloading_and_restoring_it_resumes(
             hits_before), "a lookup answered a hit while the KV cache was released"
         assert set(planner.loads.records) | set(planner.stores.records) <= jobs_before, (
             "a job planned while paused is still in flight")
-    held.update(read=0, store=0)
+    held.update(_read=0, store=0)
     harness.restore_kv_cache()
     harness.run()
     assert harness.check_idle() == []

@@ -16,6 +16,7 @@ def named(name):
 
 make_cold = named("cold")
 make_disk = named("disk")
+make_cpu = named("cpu")
 
 
 @pytest.mark.parametrize("bad", ["my_tiers", "my_tiers.make", ["my tiers:make"], [3], "a:b"])
@@ -44,3 +45,5 @@ def test_each_tier_needs_a_name_of_its_own():
         build_tiers(["test_tier_plugins:make_cold", "test_tier_plugins:make_cold"], CONTEXT)
     with pytest.raises(ValueError, match="named 'disk'"):
         build_tiers(["test_tier_plugins:make_disk"], CONTEXT)
+    with pytest.raises(ValueError, match="named 'cpu'"):  # the planner's name for CPU hits
+        build_tiers(["test_tier_plugins:make_cpu"], CONTEXT)
