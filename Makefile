@@ -18,7 +18,7 @@ HYBRID ?=
 VLLM_NEXT ?= 0.34.0
 VLLM_NEXT_ROOT := $(VENV)/vllm-next
 VLLM_NEXT_DIR := $(VLLM_NEXT_ROOT)/$(VLLM_NEXT)
-VLLM_NEXT_TESTS := tests/test_vllm_api.py tests/scheduler
+VLLM_NEXT_TESTS := tests/test_vllm_api.py tests/scheduler tests/tiers
 
 .PHONY: help install test lint pytest demo bench clean vllm-next test-vllm-next
 
