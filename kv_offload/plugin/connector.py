@@ -87,6 +87,17 @@ def _adopt_vllm_logging() -> None:
     ours.propagate = False
 
 
+def _vllm_evicts_cached_blocks() -> bool:
+    """Whether vLLM's KV cache manager can drop blocks from its prefix cache by id
+    (``KVCacheManager.evict_blocks``, vLLM 0.32-0.34): what lets a failed same-step load's
+    blocks be dropped (``KVOffloadConnector._uncache_failed_blocks``)."""
+    try:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+    except ImportError:
+        return False
+    return callable(getattr(KVCacheManager, "evict_blocks", None))
+
+
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads prefix KV to host RAM, local disk and a shared Redis; loads it back asynchronously.
 
@@ -117,6 +128,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_failed_reqs: set[str] = set()
         self._stores_issued_for: StepPlan | None = None  # the last plan _issue_stores ran
         self._read_failed_load: StepPlan | None = None  # a plan whose same-step load failed
+        self._uncache_missing_logged = False  # _uncache_failed_blocks' error, logged once
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
             if (self.persistent or self.remote_enabled) and not self.config.verify_checksums:
@@ -236,7 +248,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler = self._vllm_config.scheduler_config
         why = why_off(async_scheduling=bool(getattr(scheduler, "async_scheduling", False)),
                       inflight_loads=bool(getattr(scheduler, "max_num_inflight_kv_loads", 0)),
-                      remote_and_tp=self.remote_enabled and self.layout.tp_size > 1)
+                      remote_and_tp=self.remote_enabled and self.layout.tp_size > 1,
+                      prefix_cache_kept=not _vllm_evicts_cached_blocks())
         if why and self.config.sync_load_budget_ms:
             logger.info("kv-offload: same-step loads are off %s; hits load asynchronously", why)
             return 0.0
@@ -319,6 +332,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return OffloadConnectorMetadata(plan, idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = getattr(connector_output, "invalid_block_ids", None)
+        if failed:  # before vLLM frees or reuses a block of this output's requests
+            self._guard.call("update_connector_output (failed loads)", lambda: None,
+                             self._uncache_failed_blocks, failed)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata):
             self._guard.call("update_connector_output", lambda: None,
@@ -333,6 +350,26 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             if budget is not None:  # the load bandwidth that sizes same-step loads
                 budget.observe(stats.data.get("bytes_load", 0),
                                stats.data.get("seconds_load", 0))
+
+    def _uncache_failed_blocks(self, failed: set[int]) -> None:
+        """Drop the blocks a failed load spoiled (``OffloadScheduler.blocks_spoiled_by``)
+        from vLLM's prefix cache. Under "recompute" vLLM (0.32-0.34) keeps a failed
+        synchronous load's blocks cached, counting on the request to recompute them in
+        place; a preemption or an abort first leaves their wrong KV to the next request
+        with that prefix (docs/vllm-bugs.md). Called from ``update_from_output``, after
+        vLLM truncated the requests and before it frees any of their blocks or schedules
+        again; an asynchronous load's blocks are not cached yet (a no-op for them). The
+        requests keep their blocks; a block dropped here is not cached again when its
+        request recomputes it (a future prefix-cache miss, never wrong KV)."""
+        evict = getattr(self._kv_cache_manager, "evict_blocks", None)
+        if evict is None:
+            if not self._uncache_missing_logged:
+                self._uncache_missing_logged = True
+                logger.error("kv-offload: vLLM's KV cache manager has no evict_blocks; a "
+                             "failed load's blocks stay in its prefix cache and may be "
+                             "served with wrong KV (docs/vllm-bugs.md)")
+            return
+        evict(self._sched.blocks_spoiled_by(failed))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

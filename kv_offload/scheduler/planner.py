@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kv_offload.counters import SchedulerCounters
@@ -457,6 +457,22 @@ class OffloadScheduler:
             if sources_freed(sources, block_tables(self._block_ids_of(req))):
                 freed.append(req)
         return tuple(freed)
+
+    def blocks_spoiled_by(self, failed_blocks: Collection[int]) -> set[int]:
+        """The engine blocks whose KV a failed load may have spoiled: ``failed_blocks``
+        and, in the table of every request kv-offload knows of, each block from its first
+        failed one on (a same-step load's forward computed those on the failed KV; a
+        request that hit a failed block in vLLM's prefix cache in that step too).
+        Read-only. First KV cache group only: vLLM takes block-level load errors from
+        single-group engines only."""
+        failed = set(failed_blocks)
+        spoiled = set(failed)
+        for req_id in self._requests:
+            table = block_tables(self._block_ids_of(req_id))[0]
+            first = next((i for i, b in enumerate(table) if b in failed), None)
+            if first is not None:
+                spoiled.update(int(b) for b in table[first:])
+        return spoiled
 
     # -- completions -----------------------------------------------------------------------
 

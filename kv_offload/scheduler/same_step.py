@@ -22,7 +22,8 @@ MIN_MEASURED_BYTES = 1 << 20
 """Copies smaller than this say more about per-call overhead than bandwidth: ignored."""
 
 
-def why_off(*, async_scheduling: bool, inflight_loads: bool, remote_and_tp: bool) -> str:
+def why_off(*, async_scheduling: bool, inflight_loads: bool, remote_and_tp: bool,
+            prefix_cache_kept: bool = False) -> str:
     """Why same-step loads must be off in this engine ("" when they may be on).
 
     - async scheduling: vLLM (0.32-0.34) recovers from a failed synchronous load only in
@@ -33,6 +34,9 @@ def why_off(*, async_scheduling: bool, inflight_loads: bool, remote_and_tp: bool
     - a remote tier with TP > 1: one rank's failed same-step load leaves the other ranks'
       stores of that step computed on wrong attention (the all-reduce mixes it in), and
       their remote writes are not gated on every rank (CPU and disk entries are).
+    - ``prefix_cache_kept``: the connector cannot drop a failed same-step load's blocks
+      from vLLM's prefix cache (its KV cache manager has no ``evict_blocks``); vLLM keeps
+      them there under "recompute" and would serve their wrong KV (docs/vllm-bugs.md).
     """
     if async_scheduling:
         return "with async scheduling (docs/vllm-bugs.md)"
@@ -40,6 +44,9 @@ def why_off(*, async_scheduling: bool, inflight_loads: bool, remote_and_tp: bool
         return "with --max-num-inflight-kv-loads (hits load while the batch is full)"
     if remote_and_tp:
         return "with a remote tier and TP > 1"
+    if prefix_cache_kept:
+        return ("without vLLM's KVCacheManager.evict_blocks (a failed load's blocks would "
+                "stay in its prefix cache, docs/vllm-bugs.md)")
     return ""
 
 

@@ -145,7 +145,8 @@ def test_a_same_step_request_that_fails_to_plan_reports_its_hits_blocks():
 def test_why_same_step_loads_are_off():
     from kv_offload.scheduler.same_step import why_off
 
-    base = dict(async_scheduling=False, inflight_loads=False, remote_and_tp=False)
+    base = dict(async_scheduling=False, inflight_loads=False, remote_and_tp=False,
+                prefix_cache_kept=False)
     assert why_off(**base) == ""
     for name in base:
         assert why_off(**{**base, name: True}), name

@@ -162,6 +162,44 @@ def test_a_shared_staging_slot_is_not_reused_under_a_waiting_job(harness_factory
     assert harness.check_idle() == []
 
 
+@pytest.mark.parametrize("copy_thread", [True, False], ids=["copy_thread", "vllm_thread"])
+@pytest.mark.parametrize("ending", ["preempt", "abort"])
+def test_a_failed_same_step_load_leaves_no_wrong_kv_in_vllms_prefix_cache(
+        harness_factory, ending, copy_thread):
+    """Seed 33's KVMismatchError (docs/vllm-bugs.md): a same-step load's copy fails;
+    vLLM truncates the request and, under "recompute", keeps the blocks it cached when it
+    allocated them (the failed ones, and those the forward then computed on them) in its
+    prefix cache for the request to recompute in place. The request is preempted (or
+    aborted) before it does; then the same prompt (the request resumed, or a new one)
+    hit those blocks in vLLM's own cache and was computed on the failed KV. kv-offload
+    now drops a failed load's blocks from vLLM's prefix cache."""
+    harness = harness_factory(num_blocks=9, copy_thread=copy_thread)  # 8 usable blocks
+    prompt = _doc(40, 0) + [5]  # 6 blocks of 8
+    harness.add("writer", prompt, max_tokens=1)
+    harness.run()
+    assert harness.reset_prefix_cache(reset_connector=False)  # the CPU tier alone holds it
+    for layer in harness.kv:  # the engine's blocks hold other KV than the prompt's
+        layer.fill_(-3.0)
+    ahead = harness.add("ahead", _doc(15, 500), max_tokens=4)  # a block more at its 3rd step
+    harness.step()
+    harness.faults = Faults(copy_failure=1.0)
+    victim = harness.add("victim", prompt, max_tokens=2)
+    harness.step()  # the same-step load fails; vLLM truncates the request to 0 tokens
+    harness.faults = Faults()
+    assert harness.scheduler_side.counters.loads_same_step == 1
+    assert victim.status == RequestStatus.RUNNING and victim.num_computed_tokens == 0
+    if ending == "abort":
+        harness.abort("victim")
+        harness.add("again", prompt, max_tokens=2)
+    harness.step()  # "ahead" needs a block: vLLM preempts the victim, which recomputed nothing
+    if ending == "preempt":
+        assert victim.num_preemptions == 1 and victim.num_computed_tokens == 0
+    harness.run()  # the KV of every position is checked before a token is computed on it
+    assert ahead.is_finished() and harness.check_idle() == []
+    again = harness.requests["victim" if ending == "preempt" else "again"]
+    assert again.is_finished() and again.num_output_tokens == 2
+
+
 def test_exceptions_in_connector_hooks_never_reach_vllm(harness_factory, monkeypatch):
     """Every scheduler hook degrades to a miss: a lookup that raises is a miss; a load
     plan that raises after vLLM was told to wait fails the load (recomputed, not hung);
