@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -190,8 +191,8 @@ class StepLoop:
         """The engine blocks of ``request_id`` (empty once freed)."""
         return self.requests[request_id].blocks
 
-    def run_step(self, scheduled: list[tuple[str, int]] | tuple = (),
-                 preempted: list[str] | tuple = ()) -> None:
+    def run_step(self, scheduled: Sequence[tuple[str, int]] = (),
+                 preempted: Sequence[str] = ()) -> None:
         """One engine step of a scripted test, in vLLM's synchronous order without a
         forward: plan (``scheduled``: request id, tokens), fence, hold, loads, stores,
         poll; the outputs are applied at once (``loads_finished``, ``failed_blocks``)."""
