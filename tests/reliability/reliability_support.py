@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 from kv_offload.testing.engine import EngineProcess
-from kv_offload.testing.tiers import secondary_tiers, tier_ios
+from kv_offload.testing.requests import FakeRequest
+from kv_offload.testing.step_loop import KVShape, StepLoop
 from kv_offload.testing.tiny_model import make_prompt
 
 HERE = Path(__file__).resolve().parent
@@ -107,100 +107,30 @@ def idle_problems(state: dict | None) -> list[str]:
 
 BLOCK = 4  # tokens per block (and per hash) of the rig
 RIG_CHUNK = 8  # tokens per chunk: 2 blocks
-NUM_BLOCKS, PLANE_BYTES = 1024, 128
-SLOT_BYTES = 2 * PLANE_BYTES * (RIG_CHUNK // BLOCK)  # two planes (layers)
+NUM_BLOCKS = 1024
+# Two layers (planes) of 128 bytes per block: 4 tokens x 8 float32 values.
+RIG_SHAPE = KVShape(block_size=BLOCK, blocks_per_chunk=RIG_CHUNK // BLOCK, layers=2, heads=1,
+                    content=8)
+SLOT_BYTES = RIG_SHAPE.slot_bytes  # 512
 NS = "0e11ab1e"
 
 
-class FakeRequest:
-    """What OffloadScheduler reads of a vLLM request: chained block hashes and lengths."""
-
-    def __init__(self, request_id: str, tokens: list[int]) -> None:
-        import hashlib
-
-        self.request_id = request_id
-        self.block_hashes, parent = [], b"root"
-        for i in range(len(tokens) // BLOCK):
-            parent = hashlib.sha256(parent + bytes(tokens[i * BLOCK:(i + 1) * BLOCK])).digest()
-            self.block_hashes.append(parent)
-        self.num_tokens = self.num_prompt_tokens = len(tokens)
+def rig_request(request_id: str, tokens: list[int]) -> FakeRequest:
+    """A request of ``tokens`` hashed at the rig's block size."""
+    return FakeRequest(request_id, tokens, block_size=BLOCK)
 
 
-class Rig:
-    """OffloadScheduler + OffloadWorker (torch copy engine over random uint8 planes), driven
-    step by step as vLLM drives the connector: lookup, alloc, plan, execute, poll, report.
-
-    ``slab``: a SlabFile, a fake with ``read``/``write``/``close``, or None (no disk tier).
-    Block ids are handed out from a simple counter (never reused within a test).
-    """
+class Rig(StepLoop):
+    """The step loop (``kv_offload.testing.step_loop``) as these tests drive it: scripted
+    (``admit``, ``run_step``, ``drain``), on the CPU with the torch copy engine over random
+    KV, and a disk tier where ``disk_index`` and ``slab`` are given (``slab``: a SlabFile or
+    a fake with ``read``/``write``/``close``). Adds the idle check."""
 
     def __init__(self, *, disk_index=None, slab=None, num_cpu_slots: int = 16,
                  load_timeout_s: float = 30.0) -> None:
-        import torch
-
-        from kv_offload.copy import make_copy_engine
-        from kv_offload.copy.host_buffer import allocate_host_slots
-        from kv_offload.scheduler import OffloadScheduler, PlannerConfig
-        from kv_offload.worker import OffloadWorker
-
-        gen = torch.Generator().manual_seed(0)
-        self.planes = [torch.randint(0, 256, (NUM_BLOCKS, PLANE_BYTES), dtype=torch.uint8,
-                                     generator=gen) for _ in range(2)]
-        self.blocks: dict[str, list[int]] = {}
-        self._next_block = 0
-        config = PlannerConfig(chunk_tokens=RIG_CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
-                               num_ranks=1, num_cpu_slots=num_cpu_slots)
-        self.sched = OffloadScheduler(config, tiers=secondary_tiers(disk_index),
-                                      block_ids_of=lambda rid: self.blocks[rid])
-        host = allocate_host_slots(num_cpu_slots, SLOT_BYTES, pinned=False)
-        self.worker = OffloadWorker(rank=0, engine=make_copy_engine(self.planes, host, 2),
-                                    host=host, tiers=tier_ios(slab, slot_bytes=SLOT_BYTES),
-                                    io_threads=2,
-                                    load_timeout_s=load_timeout_s)
-        self.finished: set[str] = set()
-        self.failed_blocks: set[int] = set()
-
-    def admit(self, req: FakeRequest) -> int:
-        """vLLM schedules ``req`` (no local hit): lookup, allocate blocks, plan the load.
-        Returns the external hit tokens."""
-        hit = self.sched.num_matched_tokens(req, 0)
-        n = -(-req.num_tokens // BLOCK)
-        self.blocks[req.request_id] = list(range(self._next_block, self._next_block + n))
-        self._next_block += n
-        assert self._next_block <= NUM_BLOCKS, "the rig ran out of blocks"
-        self.sched.plan_load(req, self.blocks[req.request_id], hit)
-        return hit
-
-    def step(self, scheduled: list[tuple[str, int]] = ()) -> None:
-        """One engine step: plan, run jobs on the worker, poll, report back."""
-        plan = self.sched.plan_step(list(scheduled))
-        self.worker.fence(plan.preempted)  # what the connector's handle_preemptions does
-        self.worker.hold(plan.held)
-        if plan.loads:
-            self.worker.start_loads(plan.loads)
-        if plan.stores:
-            self.worker.run_stores(plan.stores)
-        self.poll()
-
-    def poll(self) -> None:
-        result = self.worker.poll()
-        self.finished |= result.finished_req_ids
-        self.failed_blocks |= result.failed_block_ids
-        report = self.worker.take_report()
-        if report:
-            self.sched.on_report(report)
-        if result.finished_sending:  # vLLM frees the held blocks
-            self.sched.blocks_released(result.finished_sending)
-
-    def drain(self, timeout_s: float = 30.0) -> None:
-        """Step until neither side has a job in flight; AssertionError on timeout (which
-        bounds a hang only)."""
-        deadline = time.monotonic() + timeout_s
-        while self.sched.has_pending_work() or self.worker.has_pending_jobs():
-            if time.monotonic() > deadline:
-                raise AssertionError("jobs still pending: the rig hangs")
-            self.step()
-            time.sleep(0.005)
+        super().__init__("cpu", shape=RIG_SHAPE, num_blocks=NUM_BLOCKS, cpu_slots=num_cpu_slots,
+                         disk_index=disk_index, slab=slab, io_threads=2,
+                         load_timeout_s=load_timeout_s, random_kv=True)
 
     def idle_problems(self) -> list[str]:
         """Like idle_problems() for an engine's connector state."""
@@ -210,9 +140,6 @@ class Rig:
             "pending_work": self.sched.has_pending_work(),
             "worker_pending_jobs": self.worker.has_pending_jobs(),
             "disk": disk.stats() if disk is not None else None})
-
-    def close(self) -> None:
-        self.worker.close(timeout_s=5)
 
 
 def rig_tokens(seed: int, n: int) -> list[int]:

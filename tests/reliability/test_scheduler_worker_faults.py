@@ -18,10 +18,10 @@ import pytest
 import torch
 from reliability_support import (
     RIG_CHUNK,
-    FakeRequest,
     Rig,
     open_rig_index,
     open_rig_slab,
+    rig_request,
     rig_tokens,
 )
 
@@ -38,12 +38,12 @@ def stored(tmp_path):
     root = tmp_path / "store"
     index, slab = open_rig_index(root), open_rig_slab(root)
     rig = Rig(disk_index=index, slab=slab)
-    req = FakeRequest("w", rig_tokens(1, TOKENS))
+    req = rig_request("w", rig_tokens(1, TOKENS))
     rig.admit(req)
-    rig.step([("w", TOKENS)])
+    rig.run_step([("w", TOKENS)])
     rig.drain()
     assert index.stats()["num_entries"] == 4
-    expected = [p[rig.blocks["w"][:8]].clone() for p in rig.planes]
+    expected = [p[rig.block_ids("w")[:8]].clone() for p in rig.kv]
     rig.close()
     index.close()
     return root, rig_tokens(1, TOKENS), expected
@@ -87,9 +87,9 @@ def test_abort_while_loading_from_disk_releases_every_pin(stored):
     read chunks are published in the CPU tier, bytes intact."""
     root, tokens, expected = stored
     rig, index, slab = restarted_rig(root)
-    x, y = FakeRequest("x", tokens), FakeRequest("y", tokens)
+    x, y = rig_request("x", tokens), rig_request("y", tokens)
     assert rig.admit(x) == rig.admit(y) == 4 * RIG_CHUNK
-    rig.step()  # hands both loads to the worker; the reads block
+    rig.run_step()  # hands both loads to the worker; the reads block
     rig.sched.request_finished("x")  # vLLM aborts both while they are loading
     rig.sched.request_finished("y")
     counts = rig.sched.cpu.counts()
@@ -97,10 +97,10 @@ def test_abort_while_loading_from_disk_releases_every_pin(stored):
     assert index.stats()["pinned"] == 4, "a slot being read must stay pinned"
     slab.release.set()
     rig.drain()
-    assert rig.finished == {"x", "y"} and not rig.failed_blocks
+    assert rig.loads_finished == {"x", "y"} and not rig.failed_blocks
     assert slab.reads == 4, "the shared chunks were read once"
-    for p, want in zip(rig.planes, expected):
-        assert torch.equal(p[rig.blocks["y"][:8]], want)
+    for p, want in zip(rig.kv, expected):
+        assert torch.equal(p[rig.block_ids("y")[:8]], want)
     assert rig.sched.cpu.counts()["ready"] == 4
     assert rig.idle_problems() == []
     rig.close()
@@ -113,10 +113,10 @@ def test_abort_before_the_load_is_handed_out_still_releases(stored):
     root, tokens, _ = stored
     rig, index, slab = restarted_rig(root)
     slab.release.set()
-    rig.admit(FakeRequest("x", tokens))
+    rig.admit(rig_request("x", tokens))
     rig.sched.request_finished("x")
     rig.drain()
-    assert rig.finished == {"x"}
+    assert rig.loads_finished == {"x"}
     assert rig.idle_problems() == []
     rig.close()
     index.close()
@@ -129,24 +129,24 @@ def test_abort_while_storing_commits_the_right_bytes_and_releases(tmp_path):
     root = tmp_path / "store"
     index, slab = open_rig_index(root), open_rig_slab(root)
     rig = Rig(disk_index=index, slab=slab)
-    rig.admit(FakeRequest("s", rig_tokens(2, TOKENS)))
-    original = [p[rig.blocks["s"][:8]].clone() for p in rig.planes]
+    rig.admit(rig_request("s", rig_tokens(2, TOKENS)))
+    original = [p[rig.block_ids("s")[:8]].clone() for p in rig.kv]
     plan = rig.sched.plan_step([("s", TOKENS)])
     rig.worker.run_stores(plan.stores)
     rig.sched.request_finished("s")  # vLLM frees the blocks now...
-    for p in rig.planes:
-        p[rig.blocks["s"]] = 0  # ...and another request overwrites them
+    for p in rig.kv:
+        p[rig.block_ids("s")] = 0  # ...and another request overwrites them
     rig.drain()
     assert index.stats()["num_entries"] == 4 and rig.idle_problems() == []
     rig.close()
     index.close()
     again, index, slab = restarted_rig(root)
     slab.release.set()
-    again.admit(FakeRequest("filler", rig_tokens(9, 9)))  # different blocks than "s"
-    assert again.admit(FakeRequest("t", rig_tokens(2, TOKENS))) == 4 * RIG_CHUNK
+    again.admit(rig_request("filler", rig_tokens(9, 9)))  # different blocks than "s"
+    assert again.admit(rig_request("t", rig_tokens(2, TOKENS))) == 4 * RIG_CHUNK
     again.drain()
-    for p, want in zip(again.planes, original):
-        assert torch.equal(p[again.blocks["t"][:8]], want)
+    for p, want in zip(again.kv, original):
+        assert torch.equal(p[again.block_ids("t")[:8]], want)
     assert again.idle_problems() == []
     again.close()
     index.close()
@@ -156,7 +156,7 @@ def test_preempted_while_storing_never_loads_incomplete_chunks(tmp_path):
     """Preempted while its chunks are STORING, the request is rescheduled: the lookup stops
     at the STORING chunk (0 hit tokens, it recomputes) and nothing is stored twice."""
     rig = Rig()
-    req = FakeRequest("p", rig_tokens(3, TOKENS))
+    req = rig_request("p", rig_tokens(3, TOKENS))
     rig.admit(req)
     plan = rig.sched.plan_step([("p", TOKENS)])
     assert rig.sched.cpu.counts()["storing"] == 4
@@ -165,7 +165,7 @@ def test_preempted_while_storing_never_loads_incomplete_chunks(tmp_path):
     rig.worker.run_stores(plan.stores)
     rig.drain()
     assert rig.sched.cpu.counts()["ready"] == 4
-    assert rig.admit(FakeRequest("q", rig_tokens(3, TOKENS))) == 4 * RIG_CHUNK
+    assert rig.admit(rig_request("q", rig_tokens(3, TOKENS))) == 4 * RIG_CHUNK
     rig.drain()
     assert rig.idle_problems() == []
     rig.close()
@@ -179,11 +179,11 @@ def test_unexpected_exception_from_a_slab_read_is_a_load_error(stored, exc):
     are dropped from both tiers, every pin is released, nothing crashes."""
     root, tokens, _ = stored
     rig, index, _ = restarted_rig(root, exc=exc)
-    rig.admit(FakeRequest("x", tokens))
-    rig.admit(FakeRequest("y", tokens))
+    rig.admit(rig_request("x", tokens))
+    rig.admit(rig_request("y", tokens))
     rig.drain()
-    assert rig.finished == {"x", "y"}
-    assert rig.failed_blocks == set(rig.blocks["x"][:8]) | set(rig.blocks["y"][:8])
+    assert rig.loads_finished == {"x", "y"}
+    assert rig.failed_blocks == set(rig.block_ids("x")[:8]) | set(rig.block_ids("y")[:8])
     assert rig.sched.counters.load_errors >= 4
     assert index.stats()["num_entries"] == 0 and len(rig.sched.cpu) == 0
     assert rig.idle_problems() == []
@@ -214,8 +214,8 @@ class RaisingWriteSlab:
 def test_unexpected_exception_from_a_slab_write_is_a_failed_store(tmp_path, exc):
     index = open_rig_index(tmp_path)
     rig = Rig(disk_index=index, slab=RaisingWriteSlab(exc))
-    rig.admit(FakeRequest("s", rig_tokens(4, TOKENS)))
-    rig.step([("s", TOKENS)])
+    rig.admit(rig_request("s", rig_tokens(4, TOKENS)))
+    rig.run_step([("s", TOKENS)])
     rig.drain()
     assert index.stats()["num_entries"] == 0
     assert rig.sched.cpu.counts()["ready"] == 4, "the CPU tier still serves the chunks"
@@ -245,8 +245,8 @@ class FlakyFullSlab:
 def store_requests(rig: Rig, seed: int, count: int) -> None:
     for i in range(count):
         rid = f"r{seed}-{i}"
-        rig.admit(FakeRequest(rid, rig_tokens(seed + i, TOKENS)))
-        rig.step([(rid, TOKENS)])
+        rig.admit(rig_request(rid, rig_tokens(seed + i, TOKENS)))
+        rig.run_step([(rid, TOKENS)])
         rig.sched.request_finished(rid)
     rig.drain()
 
@@ -260,7 +260,7 @@ def test_enospc_burst_is_counted_logged_once_and_never_breaks_the_tier(tmp_path,
         store_requests(rig, 10, 5)  # 20 chunks, 20 failed writes (more than DISK_BROKEN_AFTER)
     warnings = [r for r in caplog.records if "disk write failed" in r.getMessage()]
     assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
-    assert rig.worker.take_stats()["disk_write_errors"] == 20
+    assert rig.stats["disk_write_errors"] == 20
     assert rig.sched.disk_enabled, "ENOSPC is per chunk, it must not disable the tier"
     assert index.stats()["num_entries"] == 0 and index.stats()["reserved"] == 0
     assert rig.sched.cpu.counts()["ready"] == 20, "the CPU tier still serves the chunks"
@@ -295,9 +295,9 @@ def test_disk_broken_mid_flight_releases_everything_and_stops_disk_use(stored, c
 
     root, tokens, _ = stored
     rig, index, slab = restarted_rig(root)
-    rig.admit(FakeRequest("x", tokens))
-    rig.admit(FakeRequest("new", rig_tokens(5, TOKENS)))
-    rig.step([("new", TOKENS)])  # a staged load (blocked) and a disk store in flight
+    rig.admit(rig_request("x", tokens))
+    rig.admit(rig_request("new", rig_tokens(5, TOKENS)))
+    rig.run_step([("new", TOKENS)])  # a staged load (blocked) and a disk store in flight
     assert index.stats()["reserved"] == 4 and index.stats()["pinned"] == 4
     with caplog.at_level(logging.ERROR, logger="kv_offload"):
         rig.sched.on_report(WorkerReport(broken={"disk": "rank 0: injected"}))
@@ -306,10 +306,10 @@ def test_disk_broken_mid_flight_releases_everything_and_stops_disk_use(stored, c
     slab.release.set()
     rig.drain()
     assert not rig.sched.disk_enabled
-    assert rig.admit(FakeRequest("z", tokens)) == 4 * RIG_CHUNK  # the CPU tier still hits
-    rig.admit(FakeRequest("other", rig_tokens(6, TOKENS)))
+    assert rig.admit(rig_request("z", tokens)) == 4 * RIG_CHUNK  # the CPU tier still hits
+    rig.admit(rig_request("other", rig_tokens(6, TOKENS)))
     before = index.stats()["counters"]["hits"] + index.stats()["counters"]["misses"]
-    rig.step([("other", TOKENS)])
+    rig.run_step([("other", TOKENS)])
     rig.drain()
     after = index.stats()
     assert after["counters"]["hits"] + after["counters"]["misses"] == before, "disk was used"
@@ -323,20 +323,20 @@ def test_a_hung_disk_read_does_not_stall_cpu_tier_loads(stored):
     root, tokens, _ = stored
     rig, index, slab = restarted_rig(root)
     rig.worker.load_timeout_s = 2 * HANG_S  # "x" neither times out nor ends: it hangs
-    cpu_only = FakeRequest("c", rig_tokens(7, TOKENS))
+    cpu_only = rig_request("c", rig_tokens(7, TOKENS))
     rig.admit(cpu_only)
-    rig.step([("c", TOKENS)])
+    rig.run_step([("c", TOKENS)])
     rig.drain()  # "c" is in the CPU tier now
-    rig.admit(FakeRequest("x", tokens))  # its read hangs
-    rig.step()
-    rig.admit(FakeRequest("c2", rig_tokens(7, TOKENS)))
+    rig.admit(rig_request("x", tokens))  # its read hangs
+    rig.run_step()
+    rig.admit(rig_request("c2", rig_tokens(7, TOKENS)))
     deadline = time.monotonic() + HANG_S / 2  # bounds a hang only
-    while "c2" not in rig.finished and time.monotonic() < deadline:
-        rig.step()
+    while "c2" not in rig.loads_finished and time.monotonic() < deadline:
+        rig.run_step()
         time.sleep(0.01)
     slab.release.set()
     try:
-        assert "c2" in rig.finished and not rig.failed_blocks, \
+        assert "c2" in rig.loads_finished and not rig.failed_blocks, \
             "a CPU-tier load waited on an unrelated disk read"
     finally:
         rig.drain()
@@ -350,17 +350,17 @@ def test_load_timeout_releases_pins_only_when_the_read_ends(stored):
     root, tokens, _ = stored
     rig, index, slab = restarted_rig(root)
     rig.worker.load_timeout_s = 0.2
-    rig.admit(FakeRequest("x", tokens))
+    rig.admit(rig_request("x", tokens))
     deadline = time.monotonic() + HANG_S / 2  # bounds a hang only: the read hangs longer
-    while "x" not in rig.finished and time.monotonic() < deadline:
-        rig.step()
+    while "x" not in rig.loads_finished and time.monotonic() < deadline:
+        rig.run_step()
         time.sleep(0.02)
-    assert "x" in rig.finished and len(rig.failed_blocks) == 8
+    assert "x" in rig.loads_finished and len(rig.failed_blocks) == 8
     assert index.stats()["pinned"] == 4 and rig.sched.cpu.counts()["pinned"] == 4
     slab.release.set()
     rig.drain()
     assert rig.idle_problems() == []
-    assert rig.sched.cpu.state(FakeRequest("x", tokens).block_hashes[1]) in (
+    assert rig.sched.cpu.state(rig_request("x", tokens).block_hashes[1]) in (
         None, SlotState.READY)
     rig.close()
     index.close()
@@ -370,7 +370,7 @@ def test_idle_rig_has_no_stray_state():
     """Guard for the helper itself: a fresh rig is idle and idle_problems() sees a pin."""
     rig = Rig()
     assert rig.idle_problems() == [] and rig.sched.cpu.counts()["free"] == 16
-    req = FakeRequest("a", rig_tokens(8, TOKENS))
+    req = rig_request("a", rig_tokens(8, TOKENS))
     rig.admit(req)
     rig.sched.plan_step([("a", TOKENS)])  # stores planned, never executed
     assert rig.idle_problems() != []

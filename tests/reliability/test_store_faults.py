@@ -17,11 +17,11 @@ import pytest
 from reliability_support import (
     NS,
     RIG_CHUNK,
-    FakeRequest,
     Rig,
     mount_tmpfs,
     open_rig_index,
     open_rig_slab,
+    rig_request,
     rig_tokens,
     unmount,
 )
@@ -61,8 +61,8 @@ def test_index_on_a_full_disk_does_not_crash_the_scheduler(tmpfs, caplog):
     with caplog.at_level(logging.ERROR, logger="kv_offload"):
         for i in range(3):
             rid = f"r{i}"
-            rig.admit(FakeRequest(rid, rig_tokens(i, TOKENS)))
-            rig.step([(rid, TOKENS)])
+            rig.admit(rig_request(rid, rig_tokens(i, TOKENS)))
+            rig.run_step([(rid, TOKENS)])
         rig.drain()
     assert not rig.sched.disk_enabled
     assert any("No space left" in r.getMessage() for r in caplog.records)
@@ -82,11 +82,11 @@ def test_slab_file_system_full_fails_stores_softly(tmp_path):
         rig = Rig(disk_index=index, slab=slab, num_cpu_slots=128)
         for i in range(40):  # 160 chunks: more than the tmpfs holds
             rid = f"r{i}"
-            rig.admit(FakeRequest(rid, rig_tokens(i, TOKENS)))
-            rig.step([(rid, TOKENS)])
+            rig.admit(rig_request(rid, rig_tokens(i, TOKENS)))
+            rig.run_step([(rid, TOKENS)])
             rig.sched.request_finished(rid)
         rig.drain()
-        stats = rig.worker.take_stats()
+        stats = rig.stats
         committed = index.stats()["num_entries"]
         assert stats.get("disk_write_errors", 0) > 0, "the tmpfs never filled"
         assert committed + stats["disk_write_errors"] == 160
@@ -95,7 +95,7 @@ def test_slab_file_system_full_fails_stores_softly(tmp_path):
         assert rig.idle_problems() == []
         rig.close()  # and everything committed reads back (no half-written chunk visible)
         reader = Rig(disk_index=index, slab=open_rig_slab(store), num_cpu_slots=128)
-        hits = sum(reader.admit(FakeRequest(f"q{i}", rig_tokens(i, TOKENS))) > 0
+        hits = sum(reader.admit(rig_request(f"q{i}", rig_tokens(i, TOKENS))) > 0
                    for i in range(40))
         reader.drain()
         assert hits > 0 and not reader.failed_blocks
@@ -129,8 +129,8 @@ def test_read_only_store_disables_the_tier_once(tmp_path, caplog, removed):
     store = tmp_path / "store"
     index, slab = open_rig_index(store), open_rig_slab(store)
     rig = Rig(disk_index=index, slab=slab, num_cpu_slots=32)
-    rig.admit(FakeRequest("ok", rig_tokens(100, TOKENS)))
-    rig.step([("ok", TOKENS)])
+    rig.admit(rig_request("ok", rig_tokens(100, TOKENS)))
+    rig.run_step([("ok", TOKENS)])
     rig.drain()
     assert index.stats()["num_entries"] == 4
     if removed == "slab_file":
@@ -146,8 +146,8 @@ def test_read_only_store_disables_the_tier_once(tmp_path, caplog, removed):
         with caplog.at_level(logging.WARNING, logger="kv_offload"):
             for i in range(DISK_BROKEN_AFTER // 4 + 2):
                 rid = f"r{i}"
-                rig.admit(FakeRequest(rid, rig_tokens(i, TOKENS)))
-                rig.step([(rid, TOKENS)])
+                rig.admit(rig_request(rid, rig_tokens(i, TOKENS)))
+                rig.run_step([(rid, TOKENS)])
                 rig.sched.request_finished(rid)
             rig.drain()
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -155,7 +155,7 @@ def test_read_only_store_disables_the_tier_once(tmp_path, caplog, removed):
         assert "Read-only file system" in errors[0]
         assert not rig.sched.disk_enabled
         assert index.stats()["num_entries"] == 4 and index.stats()["reserved"] == 0
-        assert rig.admit(FakeRequest("again", rig_tokens(0, TOKENS))) == 4 * RIG_CHUNK
+        assert rig.admit(rig_request("again", rig_tokens(0, TOKENS))) == 4 * RIG_CHUNK
         rig.drain()
         assert rig.idle_problems() == []
     finally:

@@ -1,48 +1,25 @@
 """Builders shared by the planner tests: fake requests with chained hashes, schedulers."""
 
-import hashlib
-from dataclasses import dataclass
-
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
+from kv_offload.testing.requests import FakeRequest
 from kv_offload.testing.tiers import secondary_tiers
 
 BLOCK = 4  # tokens per block (and per hash)
 CHUNK = 8  # tokens per chunk: 2 blocks
 
 
-@dataclass
-class FakeRequest:
-    request_id: str
-    block_hashes: list
-    num_tokens: int
-    num_prompt_tokens: int
+def make_request(req_id: str, tokens: list[int], **attributes) -> FakeRequest:
+    """A request of ``tokens`` (all of them its prompt) hashed at ``BLOCK`` tokens per block;
+    ``attributes``: the optional ones of vLLM's Request (``FakeRequest``)."""
+    return FakeRequest(req_id, tokens, block_size=BLOCK, **attributes)
 
 
-@dataclass
-class SkippingRequest(FakeRequest):
-    """A request that must not read cached KV (``prompt_logprobs``), as each vLLM says it."""
-
-    skip_reading_external_kv: bool | None = None  # vLLM 0.34's Request
-    skip_reading_prefix_cache: bool | None = None  # vLLM 0.32's
-
-
-def skipping(req: FakeRequest, attribute: str, value: bool = True) -> SkippingRequest:
-    """``req`` with ``attribute`` (one of SkippingRequest's) set to ``value``."""
-    out = SkippingRequest(req.request_id, req.block_hashes, req.num_tokens,
-                          req.num_prompt_tokens)
-    for name in ("skip_reading_external_kv", "skip_reading_prefix_cache"):
-        setattr(out, name, getattr(req, name, None))
-    setattr(out, attribute, value)
-    return out
-
-
-def make_request(req_id: str, tokens: list[int]) -> FakeRequest:
-    hashes, parent = [], b"root"
-    for i in range(len(tokens) // BLOCK):
-        parent = hashlib.sha256(parent + bytes(tokens[i * BLOCK:(i + 1) * BLOCK])).digest()
-        hashes.append(parent)
-    return FakeRequest(req_id, hashes, len(tokens), len(tokens))
+def skipping(req: FakeRequest, attribute: str, value: bool = True) -> FakeRequest:
+    """A copy of ``req`` that must not read cached KV (``prompt_logprobs``), as each vLLM
+    says it: ``attribute`` (``skip_reading_external_kv``, vLLM 0.34's, or
+    ``skip_reading_prefix_cache``, 0.32's) set to ``value``."""
+    return req.with_attributes(**{attribute: value})
 
 
 def make_scheduler(*, num_ranks=1, num_cpu_slots=16, disk_index=None, blocks=None,
@@ -57,10 +34,11 @@ def make_scheduler(*, num_ranks=1, num_cpu_slots=16, disk_index=None, blocks=Non
 
 
 def store_request(sched, blocks, req, block_ids, *, ranks=1):
-    """Schedule ``req`` fully and complete its store on ``ranks`` ranks; returns the job."""
+    """Schedule ``req`` fully and complete its stores on ``ranks`` ranks; returns the job of
+    its whole chunks (with ``partial_hits`` its tail, past them, is a job of its own)."""
     blocks[req.request_id] = block_ids
     plan = sched.plan_step([(req.request_id, req.num_tokens)])
-    (job,) = plan.stores
+    (job,) = [j for j in plan.stores if j.audited]
     for _ in range(ranks):
-        sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
+        sched.on_report(WorkerReport(host_stored={j.job_id: 1 for j in plan.stores}))
     return job

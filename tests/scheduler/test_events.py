@@ -2,7 +2,6 @@
 disk and remote tiers, in vLLM's block hash space, bounded, and announced after a restart."""
 
 import logging
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -20,18 +19,7 @@ from kv_offload.scheduler.events import (
     decode,
     encode,
 )
-from tests.scheduler.planner_support import BLOCK, CHUNK, FakeRequest, make_request, make_scheduler
-
-
-@dataclass
-class TokenRequest(FakeRequest):
-    all_token_ids: list
-    lora_request: object = None
-
-
-def request(req_id: str, tokens: list[int]) -> TokenRequest:
-    base = make_request(req_id, tokens)
-    return TokenRequest(req_id, base.block_hashes, len(tokens), len(tokens), list(tokens))
+from tests.scheduler.planner_support import BLOCK, CHUNK, make_request, make_scheduler
 
 
 def tier_events(**kw) -> TierEvents:
@@ -48,7 +36,7 @@ def index(events):
 
 
 def test_a_chunk_payload_is_its_vllm_blocks():
-    req = request("r", list(range(3 * CHUNK)))
+    req = make_request("r", list(range(3 * CHUNK)))
     blocks = chunk_blocks(req, 1, chunk_tokens=CHUNK, block_size=BLOCK)
     per = CHUNK // BLOCK
     assert blocks.block_hashes == tuple(req.block_hashes[per:2 * per])
@@ -76,7 +64,7 @@ def test_the_disk_record_round_trips_and_a_damaged_one_is_none():
 def test_the_queue_is_bounded_and_drops_are_counted_and_logged(caplog):
     counters = SchedulerCounters()
     events = tier_events(max_queued=2, counters=counters)
-    req = request("r", list(range(3 * CHUNK)))
+    req = make_request("r", list(range(3 * CHUNK)))
     keys = [req.block_hashes[(c + 1) * (CHUNK // BLOCK) - 1] for c in range(3)]
     events.capture(req, range(3), keys)
     with caplog.at_level(logging.WARNING, logger="kv_offload"):
@@ -92,7 +80,7 @@ def test_a_payload_vllm_cannot_describe_is_skipped_and_logged_never_raised(caplo
         raise RuntimeError("an odd multimodal request")
 
     events = tier_events(extra_keys_of=broken)
-    req = request("r", list(range(CHUNK)))
+    req = make_request("r", list(range(CHUNK)))
     with caplog.at_level(logging.ERROR, logger="kv_offload"):
         events.capture(req, [0], [req.block_hashes[-1]])
     assert events.payload(req.block_hashes[-1]) is None and events.num_uncaptured == 1
@@ -105,14 +93,14 @@ def test_cpu_tier_announces_published_chunks_and_withdraws_evicted_ones():
     sched, blocks = make_scheduler(num_cpu_slots=2)
     events = tier_events()
     connect(sched, events)
-    a = request("a", list(range(2 * CHUNK)))
+    a = make_request("a", list(range(2 * CHUNK)))
     plan = schedule(sched, blocks, a)
     assert events.take() == []  # STORING: not loadable yet
     sched.on_report(WorkerReport(host_stored={plan.stores[0].job_id: 1}))
     stored = events.take()
     assert {(Tier.CPU, h) for h in a.block_hashes} == index(stored)
     assert stored[0].blocks.token_ids == tuple(range(CHUNK))
-    b = request("b", list(range(100, 100 + 2 * CHUNK)))
+    b = make_request("b", list(range(100, 100 + 2 * CHUNK)))
     plan = schedule(sched, blocks, b)  # evicts both chunks of a
     removed = events.take()
     assert [e.stored for e in removed] == [False, False]
@@ -132,7 +120,7 @@ def test_the_remote_tier_is_announced_remote_and_withdrawn_on_reset():
     sched, blocks = make_scheduler(remote=SimpleNamespace(close=lambda: None))  # never asked
     events = tier_events()
     connect(sched, events)
-    a = request("a", list(range(CHUNK)))
+    a = make_request("a", list(range(CHUNK)))
     job = schedule(sched, blocks, a).stores[0]
     sched.on_report(WorkerReport(host_stored={job.job_id: 1}))
     sched.on_report(WorkerReport(written={job.job_id: {"remote": {0: (True,)}}}))
@@ -171,7 +159,7 @@ def test_disk_tier_announces_commits_withdraws_evictions_and_a_restart_reannounc
     sched, blocks = make_scheduler(disk_index=idx, num_cpu_slots=8)
     events = tier_events()
     connect(sched, events)
-    a, b = request("a", list(range(2 * CHUNK))), request("b", list(range(50, 50 + CHUNK)))
+    a, b = make_request("a", list(range(2 * CHUNK))), make_request("b", list(range(50, 50 + CHUNK)))
     store_on_disk(sched, blocks, a)
     seen = events.take()
     assert index(seen) == {(t, h) for t in (Tier.CPU, Tier.DISK) for h in a.block_hashes}
@@ -195,12 +183,12 @@ def test_disk_tier_announces_commits_withdraws_evictions_and_a_restart_reannounc
 def test_a_restart_announces_in_batches_and_skips_chunks_stored_without_blocks(disk):
     idx = disk(capacity_slots=ANNOUNCE_BATCH + 8)
     sched, blocks = make_scheduler(disk_index=idx, num_cpu_slots=ANNOUNCE_BATCH + 8)
-    store_on_disk(sched, blocks, request("old", list(range(CHUNK))))  # events off: no record
+    store_on_disk(sched, blocks, make_request("old", list(range(CHUNK))))  # events off: no record
     events = tier_events()
     connect(sched, events)
     events.take()
     for i in range(ANNOUNCE_BATCH + 2):
-        store_on_disk(sched, blocks, request(f"r{i}", [i + 100] * CHUNK))
+        store_on_disk(sched, blocks, make_request(f"r{i}", [i + 100] * CHUNK))
     sched.tier("disk").flush()
     restarted = make_scheduler(disk_index=disk(capacity_slots=ANNOUNCE_BATCH + 8))[0]
     events = tier_events()
@@ -214,7 +202,7 @@ def test_vllm_events_carry_the_gpu_events_fields():
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external
 
-    req = request("r", list(range(CHUNK, 3 * CHUNK)))
+    req = make_request("r", list(range(CHUNK, 3 * CHUNK)))
     events = tier_events()
     keys = [req.block_hashes[(c + 1) * (CHUNK // BLOCK) - 1] for c in range(2)]
     events.capture(req, [1], keys)
@@ -285,7 +273,7 @@ def test_replayed_events_equal_what_the_tiers_hold_through_a_random_workload(dis
         else:
             tokens = rng.choice(prefixes) + [rng.randrange(256) for _ in range(
                 rng.choice([1, CHUNK, 2 * CHUNK]))]
-            req = request(f"r{step}", tokens)
+            req = make_request(f"r{step}", tokens)
             per = CHUNK // BLOCK
             for c in range(len(req.block_hashes) // per):
                 chunks[req.block_hashes[(c + 1) * per - 1]] = tuple(

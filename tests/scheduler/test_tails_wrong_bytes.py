@@ -11,7 +11,6 @@ the request's tokens, or the tail of an earlier chunk standing where a whole chu
 
 from __future__ import annotations
 
-import hashlib
 from types import SimpleNamespace
 
 import pytest
@@ -20,19 +19,14 @@ from kv_offload.disk import DiskIndex
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
 from kv_offload.scheduler.tails import tail_key, tail_seed
+from kv_offload.testing.requests import FakeRequest
 from kv_offload.testing.tiers import secondary_tiers
 
 BLOCK, CHUNK = 4, 8
 
 
-def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
-    hashes, parent = [], b"root"
-    for i in range(len(tokens) // BLOCK):
-        parent = hashlib.sha256(parent + repr(tokens[i * BLOCK:(i + 1) * BLOCK]).encode()
-                                ).digest()
-        hashes.append(parent)
-    return SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=len(tokens),
-                           num_prompt_tokens=len(tokens), all_token_ids=list(tokens))
+def request(req_id: str, tokens: list[int]) -> FakeRequest:
+    return FakeRequest(req_id, tokens, block_size=BLOCK)
 
 
 @pytest.fixture
@@ -57,7 +51,7 @@ def scheduler(disk_index: DiskIndex, blocks: dict) -> OffloadScheduler:
                             block_ids_of=lambda rid: blocks[rid])
 
 
-def store(sched: OffloadScheduler, blocks: dict, req: SimpleNamespace, *,
+def store(sched: OffloadScheduler, blocks: dict, req: FakeRequest, *,
           on_disk: bool = True) -> None:
     """``req`` computed whole: its chunks and tail copied, and written to disk."""
     blocks[req.request_id] = table = list(range(100, 100 + -(-req.num_tokens // BLOCK)))

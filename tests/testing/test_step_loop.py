@@ -46,7 +46,7 @@ def test_step_loop_issues_stores_where_each_runner_does(runner):
     def run_stores(jobs):
         calls.append("stores")
         storing = [loop.requests[r] for job in jobs for r in job.req_ids]
-        assert all(r.computed == r.num_tokens for r in storing)  # not sampled yet
+        assert all(r.computed == r.request.num_tokens for r in storing)  # not sampled yet
         real_store(jobs)
 
     worker.start_loads = lambda jobs: (calls.append("loads"), real_start(jobs))[1]
@@ -166,3 +166,25 @@ def test_step_loop_with_same_step_loads_waits_per_layer_and_moves_every_byte_rig
         assert {f"layer{i}" for i in range(4)} <= set(waits)
     finally:
         loop.close()
+
+
+def test_step_loop_with_a_disk_tier_moves_every_byte_right(tmp_path):
+    """The step loop's random workload over the CPU and disk tiers, wired through the tier
+    contract as the connector wires them: a CPU tier of 4 slots evicts, so hits are served
+    from the disk too; every loaded and stored byte checked."""
+    from kv_offload.disk import DiskIndex, SlabFile
+    from kv_offload.testing.step_loop import KVShape
+
+    slot_bytes = KVShape().slot_bytes
+    index = DiskIndex.open(tmp_path, namespace_id="5e1f", descriptor={"test": "step_loop"},
+                           slot_bytes=slot_bytes, num_ranks=1, capacity_bytes=64 * slot_bytes)
+    slab = SlabFile(tmp_path, namespace_id="5e1f", rank=0, num_ranks=1, slot_bytes=slot_bytes)
+    try:
+        out = run_step_loop("cpu", steps=150, seed=6, cpu_slots=4, disk_index=index,
+                            slab=slab)
+        assert out["mismatches"] == 0 and out["stored_mismatches"] == 0, out
+        counters = index.stats()["counters"]
+        assert index.stats()["num_entries"] > 0 and counters["hits"] > 0, index.stats()
+        assert out["tokens_loaded"] > 0
+    finally:
+        index.close()
