@@ -76,6 +76,8 @@ def tier_run(cpu: CpuIndex, tiers: Sequence[SecondaryTier], asker: str,
     holds in another state (STORING: it is READY soon) ends the run. None while a tier's
     answer is pending."""
     hits = cpu.hits(keys)
+    if None not in hits:  # every chunk in the CPU tier: the common hit, no tier asked
+        return [Source(h.key, h) for h in hits if h is not None]
     missing: list[int] = []  # positions a secondary tier may fill
     for i, (key, hit) in enumerate(zip(keys, hits)):
         if hit is None:
