@@ -1,4 +1,5 @@
-"""Shared fixtures: throwaway Redis servers for the remote-tier tests."""
+"""Shared fixtures: throwaway Redis servers for the remote-tier tests, and
+``SchedulerHarness`` engines closed after each test."""
 
 from __future__ import annotations
 
@@ -34,3 +35,21 @@ def redis_cluster(tmp_path_factory):
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def harness_factory(tmp_path):
+    """Builds ``SchedulerHarness`` engines (keyword arguments as its own), each in a
+    directory of its own, all closed after the test."""
+    from kv_offload.testing.scheduler_harness import SchedulerHarness  # imports vLLM
+
+    made: list[SchedulerHarness] = []
+
+    def make(**kwargs) -> SchedulerHarness:
+        harness = SchedulerHarness(tmp_path / f"h{len(made)}", **kwargs)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()

@@ -44,20 +44,6 @@ def _seeds() -> list[int]:
     return list(range(int(spec)))
 
 
-@pytest.fixture
-def harness_factory(tmp_path):
-    made: list[SchedulerHarness] = []
-
-    def make(**kwargs) -> SchedulerHarness:
-        harness = SchedulerHarness(tmp_path / f"h{len(made)}", **kwargs)
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
-
-
 @pytest.fixture(autouse=True)
 def quiet_injected_faults(caplog):
     """Injected faults log errors by design; keep the test output readable."""

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from kv_offload.testing.scheduler_harness import SchedulerHarness
 from kv_offload.tier_contract import Address, Place
 from kv_offload.tier_plugins import TierContext
 
@@ -204,20 +203,12 @@ class MemoryIO:
 
 
 @pytest.fixture
-def make_harness(tmp_path):
+def make_harness(harness_factory):
+    """``harness_factory`` with the memory tier and no disk tier, its data cleared."""
     DATA.clear()
     TIERS.clear()
-    made: list[SchedulerHarness] = []
-
-    def make(**kwargs: Any) -> SchedulerHarness:
-        options = dict(disk=False, cpu_slots=4, num_blocks=32, extra_tiers=(SPEC,))
-        harness = SchedulerHarness(tmp_path / f"h{len(made)}", **{**options, **kwargs})
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
+    options = dict(disk=False, cpu_slots=4, num_blocks=32, extra_tiers=(SPEC,))
+    return lambda **kwargs: harness_factory(**{**options, **kwargs})
 
 
 @pytest.fixture(autouse=True)
