@@ -31,10 +31,11 @@ def verdict(ok: bool | None) -> str:
 
 def fill(name: str, data: dict | None = None, **values: Any) -> list[str]:
     """The lines of ``templates/<name>.md`` with its placeholders filled from ``values``,
-    else from the same keys of ``data`` (a benchmark's JSON); a KeyError names a
-    placeholder left without a value."""
+    else from the same keys of ``data`` (a benchmark's JSON; ``$notes``: its notes, each a
+    paragraph); a KeyError names a placeholder left without a value."""
     text = string.Template((TEMPLATES / f"{name}.md").read_text())
-    filled = {k: str(v) for k, v in {**(data or {}), **values}.items()}
+    notes = "".join(f"\n{note}\n" for note in (data or {}).get("notes", []))
+    filled = {k: str(v) for k, v in {**(data or {}), "notes": notes, **values}.items()}
     return text.substitute(filled).rstrip().splitlines() + [""]
 
 

@@ -147,8 +147,7 @@ def render_section(data: dict, img: Any, targets: Targets) -> list[str]:
                 loadavg=" -> ".join(" / ".join(f"{x:.1f}" for x in load[k])
                                     for k in ("loadavg_start", "loadavg_end")),
                 table="\n".join(table(["mode", *COLUMNS.values()], rows)),
-                ratios="\n".join(table(head, ratios)),
-                notes="".join(f"\n{note}\n" for note in data.get("notes", [])))
+                ratios="\n".join(table(head, ratios)))
 
 
 def contender(spec: str) -> tuple[str, dict[str, Any]]:

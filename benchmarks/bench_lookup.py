@@ -15,8 +15,8 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from _common import BenchParser, csv, finish, new_result, workdir
 from _markdown import Targets, fill, fmt, table
@@ -35,16 +35,6 @@ TARGET_US_PER_CHUNK = 5.0
 FLAT_FACTOR = 2.0  # "flat": the largest size costs at most this times the smallest
 DECODE_BATCH = 16  # running requests in a decode step
 FILLER = bytes(32)  # block hashes that are not chunk keys are never looked up
-
-
-@dataclass
-class FakeRequest:
-    """What the scheduler reads of a vLLM request."""
-
-    request_id: str
-    block_hashes: list[bytes]
-    num_tokens: int
-    num_prompt_tokens: int
 
 
 class Bench:
@@ -84,12 +74,14 @@ class Bench:
         slots = self.disk.allocate(keys)
         self.disk.commit([(k, s, (0,)) for k, s in zip(keys, slots) if s is not None])
 
-    def request(self, keys: list[bytes]) -> FakeRequest:
-        """A new request whose i-th chunk is named ``keys[i]``, plus one token to compute."""
+    def request(self, keys: list[bytes]) -> SimpleNamespace:
+        """A new request whose i-th chunk is named ``keys[i]``, plus one token to compute:
+        what the scheduler reads of a vLLM request."""
         self._ids += 1
         hashes = [h for key in keys for h in [*[FILLER] * (HASHES_PER_CHUNK - 1), key]]
         num_tokens = len(keys) * CHUNK_TOKENS + 1
-        return FakeRequest(f"r{self._ids}", hashes, num_tokens, num_tokens)
+        return SimpleNamespace(request_id=f"r{self._ids}", block_hashes=hashes,
+                               num_tokens=num_tokens, num_prompt_tokens=num_tokens)
 
     # -- measurements: each returns seconds per call -------------------------------------
 

@@ -82,16 +82,6 @@ def timed(fn: Callable[[], object]) -> tuple[float, float, int]:
     return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
-def client_name(client: Any) -> str:
-    """'<parser> (RESP<n>) + <command packer>' of ``client``'s connections."""
-    conn = client.connection_pool.get_connection()
-    try:
-        return (f"{type(conn._parser).__name__} (RESP{conn.protocol}) + "
-                f"{type(conn._command_packer).__name__}")
-    finally:
-        client.connection_pool.release(conn)
-
-
 # -- I/O contenders: each returns {"store": timed(...), "load": ...} (disk adds
 # "load_cold") ---------------------------------------------------------------------------------
 
@@ -306,7 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
         info = client.info("server")
         result["server"] = {"version": info.get("redis_version"), "maxmemory": args.maxmemory,
                             "binary": server_binary()}
-        result["clients"] = {"remote": client_name(client)}
+        conn = client.connection_pool.get_connection()  # its parser and command packer
+        result["clients"] = {"remote": f"{type(conn._parser).__name__} (RESP{conn.protocol})"
+                                       f" + {type(conn._command_packer).__name__}"}
+        client.connection_pool.release(conn)
         if result["versions"]["hiredis"] == "not installed":
             print("WARNING: hiredis is not installed: the client parses with redis-py's "
                   "Python parser", file=sys.stderr, flush=True)

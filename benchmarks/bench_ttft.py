@@ -4,12 +4,12 @@ Prompts of L + 16 tokens, one request at a time, in the modes of ``MODES``; engi
 by side in rotating blocks (``_engine.Turns``), then ours and the peer restarted. Our hits
 are paired with vLLM hits of the same prompts on the same engine (``PAIRED``); targets in
 ``TARGETS``. ``--sliding-window``: a Gemma-3-style model and its device KV capacity
-(templates/hybrid.md), no peer. ``--chat``: multi-turn chats, kv-offload with and without
-partial hits (templates/chat.md). The method: templates/ttft.md.
+(templates/hybrid.md), no peer. ``--chat``: multi-turn chats on a small KV cache, plain vLLM
+and kv-offload with and without partial hits (templates/chat.md). The method: templates/ttft.md.
 
     python benchmarks/bench_ttft.py --quick --json /tmp/ttft.json   # tiny, 2 short lengths
     python benchmarks/bench_ttft.py --json ttft.json                  # 1k-8k, ~6 min
-    python benchmarks/bench_ttft.py --chat 8 --json chat.json         # ~3 min
+    python benchmarks/bench_ttft.py --chat 8 --json chat.json         # ~4 min
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import time
+from itertools import combinations
 from pathlib import Path
 
 from _common import BenchParser, add_engine_flags, csv, finish, new_result, paired, rotated, workdir
@@ -57,7 +58,7 @@ RATIOS = (  # (name, numerator mode, denominator mode), in table order
     ("cpu_vs_vllm_hit", "cpu", "vllm_hit"), ("disk_vs_vllm_hit", "disk", "vllm_hit"))
 PAIRED = (  # (name, mode, its vLLM-hit mode): median of per-prompt ratios, same engine
     ("cpu_vs_own_hit", "cpu", "own_hit"), ("disk_vs_own_hit", "disk", "own_hit_restarted"))
-CHAT = {"partial": {}, "whole": {"partial_hits": False}}  # --chat's engines: first / second
+CHAT = {"plain": None, "whole": {"partial_hits": False}, "partial": {}}  # --chat's engines
 SYSTEM_TOKENS, USER_TOKENS, REPLY_TOKENS = 300, (30, 200), (50, 150)  # --chat's text
 # --sliding-window: vLLM's device KV plan with its hybrid manager off and on (templates/hybrid.md)
 CAPACITY_ENGINE = dict(max_num_batched_tokens=2048, kv_cache_memory_bytes=512 << 20)
@@ -113,7 +114,7 @@ class Recorder:
                 return
             m = out["metrics"]
             self.samples.setdefault(mode, {}).setdefault(length, []).append({
-                "ttft_s": out["latency_s"][0],
+                "ttft_s": out["latency_s"][0], "served": out["cached_tokens"][0],
                 "vllm_hit": int(m["prefix_cache_hits"]), "external_hit": int(m["external_hits"]),
                 "host_hit": int(m["hits_host"]), "disk_hit": int(m["hits_disk"])})
 
@@ -145,7 +146,8 @@ class Recorder:
                 times = [r["ttft_s"] for r in rows]
                 out.setdefault(mode, {})[str(length)] = {
                     "median_s": statistics.median(times), "samples_s": times,
-                    "host_hits": [r["host_hit"] for r in rows],  # --chat's tokens served
+                    **{k: [r[v] for r in rows] for k, v in (  # --chat: per request
+                        ("host_hits", "host_hit"), ("served", "served"))},
                     "hits": {k: statistics.median(r[k] for r in rows)
                              for k in ("vllm_hit", "external_hit", "host_hit", "disk_hit")}}
         return out
@@ -221,19 +223,16 @@ def conversation(c: int, num_turns: int) -> list[str]:
 
 def chat(args: argparse.Namespace, rec: Recorder, dirs: dict[str, Path], model: Path
          ) -> dict[str, float]:
-    """--chat: an engine per ``CHAT`` option set (CPU tier only). Turn by turn, each engine
-    in turn serves every conversation's prompt of the turn, each after reset_prefix_cache
-    (what is served from a cache is kv-offload's): mode = the engine, length = the turn."""
-    engines = {name: spawn(args, model, name, offload_transfer({"cpu_size": "1GiB", **extra}),
-                           dirs) for name, extra in CHAT.items()}
+    """--chat: an engine per ``CHAT`` option set (None: no connector), all with one small KV
+    cache. Turn by turn, each engine serves every conversation's prompt: mode = engine, length = turn."""
+    engines = {name: spawn(args, model, name, extra if extra is None else offload_transfer(
+        {"cpu_size": "1GiB", **extra}), dirs) for name, extra in CHAT.items()}
     convs = [conversation(c, args.turns) for c in range(args.chat)]
     with running(list(engines.values())):
         rec.warm_up(list(engines.values()))
         for t in range(args.turns):
             for name in rotated(list(engines), t):
-                for prompts in convs:
-                    rec.reset(engines[name])
-                    rec.block(engines[name], name, [(t + 1, prompts[t])])
+                rec.block(engines[name], name, [(t + 1, prompts[t]) for prompts in convs])
     return {name: e.startup_s for name, e in engines.items()}
 
 
@@ -307,26 +306,44 @@ def capacity_lines(data: dict) -> list[str]:
                                 for name, ctx, n, a, b, gib in rows])))
 
 
-def chat_lines(data: dict) -> list[str]:
-    """The --chat section: per turn, tokens served by kv-offload and TTFT, both engines."""
-    (a, per_a), (b, per_b) = ((n, data["modes"][n]) for n in data["chat_options"])
-    served = {t: [statistics.fmean(p[t]["host_hits"]) for p in (per_a, per_b)] for t in per_a}
-    rows = [[t, *[fmt(x, ".0f") for x in served[t]], fmt(served[t][0] - served[t][1], ".0f"),
-             *[fmt(p[t]["median_s"] * 1e3, ".1f") for p in (per_a, per_b)],
-             fmt(paired(per_a[t]["samples_s"], per_b[t]["samples_s"]))] for t in per_a]
-    return fill("chat", data, a=a, b=b, options=data["chat_options"], model=data["model"]["name"],
-                loadavg=f"{data['machine']['loadavg_end'][0]:.1f}", **data["text_tokens"],
-                table="\n".join(table(
-                    ["turn", f"tokens served: {a}", b, f"{a} - {b}", f"TTFT {a} (ms)",
-                     f"{b} (ms)", f"{a} / {b}, paired"], rows)),
-                notes="".join(f"\n{note}\n" for note in data.get("notes", [])))
+def chat_lines(data: dict, img: Path | None) -> list[str]:
+    """The --chat section: per turn and engine (``CHAT``), tokens served and TTFT, and TTFT
+    paired per conversation (each later engine over each earlier one); its plot under ``img``."""
+    modes, names = data["modes"], list(data["chat_options"])
+    pairs = list(combinations(names[::-1], 2))
+    rows = [[t, *[fmt(statistics.fmean(modes[n][t]["served"]), ".0f") for n in names],
+             *[fmt(modes[n][t]["median_s"] * 1e3, ".1f") for n in names],
+             *[fmt(paired(modes[a][t]["samples_s"], modes[b][t]["samples_s"])) for a, b in pairs]]
+            for t in modes[names[0]]]
+    header = ["turn", *[f"served: {n}" for n in names], *[f"TTFT {n} (ms)" for n in names],
+              *[f"{a} / {b}" for a, b in pairs]]
+    plotted = img is not None and chat_plot(modes, img / "chat.png")
+    return fill("chat", data, options=data["chat_options"], model=data["model"]["name"],
+                loadavg=" / ".join(f"{x:.1f}" for x in data["machine"]["loadavg_end"]),
+                kv_mib=f'{data["engine"]["kv_cache_memory_bytes"] / 2**20:.2f}',
+                max_model_len=data["engine"]["max_model_len"], **data["text_tokens"],
+                table="\n".join(table(header, rows)),
+                plot="![TTFT and tokens served per turn](img/chat.png)\n" if plotted else "")
+
+
+def chat_plot(modes: dict, path: Path) -> bool:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    for ax, (label, y) in zip(axes, (("TTFT, median (ms)", lambda p: p["median_s"] * 1e3), (
+            "prompt tokens served from a cache, mean", lambda p: statistics.fmean(p["served"])))):
+        for name, per in modes.items():
+            ax.plot([int(t) for t in per], [y(p) for p in per.values()], marker="o", label=name)
+        ax.set(xlabel="turn of each conversation", ylabel=label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    return save(fig, plt, path)
 
 
 def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     """This benchmark's section of docs/benchmarks.md (plot under ``img`` unless None);
     with --sliding-window, the capacity part first and no plot; --chat's own section."""
     if data.get("chat"):
-        return chat_lines(data)
+        return chat_lines(data, img)
     hybrid = bool(data.get("capacity"))
     lengths, modes = [str(n) for n in data["lengths"]], data["modes"]
     last = lengths[-1]
@@ -364,8 +381,7 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
         ratios_table="\n".join(table(["ratio", *[f"L={n}" for n in lengths]], ratios_rows)),
         plot="![TTFT vs prompt length](img/ttft.png)\n" if plotted else "",
         startup=", ".join(f"{k} {v:.0f}" for k, v in data["startup_s"].items()),
-        seconds=f"{data['seconds']:.0f}",
-        notes="".join(f"\n{note}\n" for note in data.get("notes", [])))
+        seconds=f"{data['seconds']:.0f}")
     return capacity_lines(data) + lines[2:] if hybrid else lines
 
 
@@ -402,7 +418,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sliding-window", type=int, metavar="TOKENS", help="Gemma-3-style: "
                         "every other layer a window of TOKENS, vLLM's hybrid manager on, no peer")
     parser.add_argument("--chat", type=int, default=0, metavar="C", help="C multi-turn chats "
-                        "instead, on kv-offload with and without partial hits (CHAT)")
+                        "instead, on plain vLLM and kv-offload with and without partial hits")
     parser.sized("--turns", 10, 3, "--chat: turns per conversation")
     add_engine_flags(parser)
     parser.add_workdir()
@@ -416,6 +432,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.in_process = args.in_process or args.quick
     args.engine, args.env = ttft_engine(args.lengths, in_process=args.in_process,
                                         vllm_default_binding=args.vllm_default_binding)
+    if args.chat:  # vLLM's KV cache: one longest prompt (+ the null block), float32 K and V
+        g, e = MODELS["tiny" if args.quick else args.model], args.engine  # quick: tiny's KV
+        e["kv_cache_memory_bytes"] = (e["max_model_len"] + e["block_size"]) * 8 * g[
+            "num_layers"] * g["num_kv_heads"] * g["head_dim"]
     if args.sliding_window:  # an engine that cannot keep the manager on fails to start
         args.engine["disable_hybrid_kv_cache_manager"] = False
     return args

@@ -203,25 +203,27 @@ def test_ttft_sliding_window_quick(tmp_path):
 
 @pytest.mark.engine
 def test_ttft_chat_quick(tmp_path):
-    """--chat: two conversations of three turns on kv-offload with and without partial hits;
-    every turn after the first is served from the CPU tier (a reset between requests), with
-    partial hits to the previous turn's last token (more than whole chunks); the report
-    renders it."""
+    """--chat: two conversations of three turns on plain vLLM and on kv-offload with and
+    without partial hits, side by side, each engine with room for one longest prompt in
+    its KV cache; plain vLLM serves from its own prefix cache only, partial hits serve more
+    of each later turn than it (the previous prompt to its last token, where vLLM's cache
+    stops at a whole block), and the report renders the section and its plot."""
     data = run_json("bench_ttft.py", tmp_path, "--chat", "2")
-    assert not data["errors"] and set(data["modes"]) == {"partial", "whole"}
-    partial, whole = data["modes"]["partial"], data["modes"]["whole"]
-    assert list(partial) == list(whole) == ["1", "2", "3"]
-    for turn in ("2", "3"):  # turn 2: the previous prompt, 330-500 tokens: one whole chunk
-        assert len(partial[turn]["host_hits"]) == len(whole[turn]["host_hits"]) == 2
-        assert all(p > w > 0 for p, w in zip(partial[turn]["host_hits"],
-                                             whole[turn]["host_hits"])), turn
-        assert all(w % 256 == 0 for w in whole[turn]["host_hits"])
+    assert not data["errors"] and set(data["modes"]) == {"plain", "whole", "partial"}
+    plain, partial = data["modes"]["plain"], data["modes"]["partial"]
+    assert list(plain) == list(partial) == list(data["modes"]["whole"]) == ["1", "2", "3"]
+    assert data["engine"]["kv_cache_memory_bytes"] == (4096 + 32) * 4096  # 4 KiB a token
+    for turn in ("2", "3"):
+        assert all(len(m[turn]["served"]) == 2 for m in data["modes"].values())
+        assert not any(plain[turn]["host_hits"]), "no connector: vLLM's own hits only"
+        assert sum(partial[turn]["served"]) > sum(plain[turn]["served"]), turn
     out = tmp_path / "report"
     (out / "bench-data").mkdir(parents=True)
     (out / "bench-data" / "chat.json").write_text(json.dumps(data))
     run_script("run_all.py", "--report-only", "--out", str(out))
     report = (out / "benchmarks.md").read_text()
     assert "## Multi-turn chat" in report and "Could not render" not in report
+    assert "img/chat.png" in report and (out / "img" / "chat.png").stat().st_size > 0
 
 
 @pytest.mark.engine
