@@ -11,6 +11,7 @@ import errno
 import os
 import threading
 import time
+from concurrent import futures
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
 from kv_offload.testing.tiers import tier_ios, written_to
 from kv_offload.tier_contract import Place
 from kv_offload.worker import OffloadWorker
+from kv_offload.worker.loads import WorkerLoad
 
 NUM_BLOCKS, PLANE_BYTES, BPC = 16, 128, 2
 SLOT_BYTES = 2 * PLANE_BYTES * BPC  # two planes (layers)
@@ -328,6 +330,38 @@ def test_loads_past_the_inline_budget_go_to_the_copy_thread(planes, monkeypatch)
     assert copied_on[1] == threading.get_ident()  # within the budget: the calling thread
     assert copied_on[2] != threading.get_ident()  # within the limit, past what is left of it
     assert copied_on[3] != threading.get_ident()  # past the limit
+    worker.close()
+
+
+def test_a_load_copy_ending_while_a_poll_looks_at_it_is_still_reported_to_vllm(planes,
+                                                                               monkeypatch):
+    """poll looked at a load's copy twice: is it over, for the request's completion
+    (vLLM's finished_recving), then again for the scheduler's report. A copy on the copy
+    thread that ended between the two was reported loaded and forgotten, its request never
+    finished: vLLM would have waited for that request's KV forever."""
+    monkeypatch.setattr("kv_offload.worker.runner.INLINE_LOAD_MAX_BYTES", 0)  # copy thread
+    worker = make_worker(planes, None)
+    ending, end = threading.Event(), threading.Event()
+
+    def last_step_of_the_copy(mark):  # on the copy thread, after the copy, before its end
+        ending.set()
+        assert end.wait(30), "the test never let the copy end"
+
+    worker.engine.release_mark = last_step_of_the_copy
+    take = WorkerLoad.take_failed_blocks
+
+    def copy_ends_meanwhile(load):
+        blocks = take(load)
+        if blocks is None and not end.is_set():  # the copy ends right after this look
+            end.set()
+            futures.wait([load.future], timeout=30)
+        return blocks
+
+    monkeypatch.setattr(WorkerLoad, "take_failed_blocks", copy_ends_meanwhile)
+    worker.start_loads([LoadJob(1, "req", (ChunkMove((1, 2), 0),))])
+    assert ending.wait(30), "the copy thread never copied"
+    reports, _, failed = drain(worker, until=lambda r, f, b: "req" in f)
+    assert not failed and any(x.loaded.get(1) == {0: frozenset()} for x in reports)
     worker.close()
 
 
