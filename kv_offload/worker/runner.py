@@ -517,10 +517,7 @@ class OffloadWorker:
                         finished.add(load.job.req_id)
                         if blocks:
                             failed_reqs.add(load.job.req_id)
-                # Once vLLM was told (above, this poll or an earlier one): a copy on the
-                # copy thread may end between the two looks, and a load reported here is
-                # forgotten, its request never finished for vLLM.
-                if load.reported_to_vllm and load.copy_ended():
+                if load.reported_to_vllm and load.copy_ended():  # a copy may end between looks
                     self._report.loaded[job_id] = {self.rank: load.failed_rows()}
                     if load.bad_reads:
                         self._report.bad_reads[job_id] = {self.rank: frozenset(load.bad_reads)}
