@@ -156,7 +156,8 @@ def render_section(data: dict, img: Path | None, targets: Targets) -> list[str]:
     a target (alternatives an earlier version measured) are left out."""
     results = [r for r in data["results"] if r.get("target") is not None]
     host = data.get("host", {})
-    load = [data["machine"][k][0] for k in ("loadavg_start", "loadavg_end")]
+    machine = data.get("machine", host)  # older JSON (or none): the load average under "host"
+    load = [(machine.get(k) or [None])[0] for k in ("loadavg_start", "loadavg_end")]
 
     def ratios(big: bool) -> str:
         return span([r["ratio"] for r in results

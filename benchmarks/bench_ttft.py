@@ -327,8 +327,7 @@ def chat_lines(data: dict, img: Path | None) -> list[str]:
 
 
 def chat_plot(modes: dict, path: Path) -> bool:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    fig, axes = (plt := pyplot()).subplots(1, 2, figsize=(9, 4))
     for ax, (label, y) in zip(axes, (("TTFT, median (ms)", lambda p: p["median_s"] * 1e3), (
             "prompt tokens served from a cache, mean", lambda p: statistics.fmean(p["served"])))):
         for name, per in modes.items():
