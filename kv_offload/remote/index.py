@@ -5,20 +5,30 @@ network: the tier's ``RemoteLookups`` asks the server on its own threads (starte
 the first question), within the lookup budget, and the answer is memoised per request
 (vLLM asks again, next step, while a request waits). A chunk's place is its key; there
 is nothing to pin, reserve or commit: a chunk every rank wrote is there (until the
-server evicts it: a read then misses and vLLM recomputes it). Whole chunks only (no
-index of request tails). Counts lookups, their errors and time, and the chunks written.
+server evicts it: a read then misses and vLLM recomputes it). Counts lookups, their
+errors and time, and the chunks written.
+
+Request tails (``scheduler/tails.py``): a tail is reserved and written like a chunk;
+once every rank wrote it, its record (parent, token ids) is queued for the tier's
+``TailWriter`` (``remote/tail_records.py``). ``tails_of`` asks a second
+``RemoteLookups`` (same budget and rules; its fetch reads the parent's records and checks
+every rank's value exists, ``RemoteTails.tails_many``), memoised per asker like
+``find``; ``find`` of a tail it reported answers at once from that memo.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kv_offload.remote.tail_records import RemoteTails, Tail, TailWriter
 from kv_offload.scheduler.events import Tier, TierEvents
 from kv_offload.tier_contract import Place
 
 NAME = "remote"
+MAX_TAIL_NOTES = 4096  # tails reserved and not yet written (a bound, like the disk's)
 
 
 class RemoteIndex:
@@ -27,7 +37,7 @@ class RemoteIndex:
     stores for the rest of the run."""
 
     name = NAME
-    keeps_tails = False
+    keeps_tails = True
     takes_fills = False
 
     def __init__(self, remote: Any) -> None:
@@ -39,6 +49,11 @@ class RemoteIndex:
         self._errors = 0
         self._memo: dict[str, tuple[tuple[bytes, ...], int]] = {}  # asker -> (keys, hits)
         self._events: TierEvents | None = None
+        self._tail_lookups: Any = None
+        self._tail_memo: dict[str, tuple[bytes, list[Tail]]] = {}  # asker -> (parent, tails)
+        self._tail_notes: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}  # note_tail
+        self._writer: TailWriter | None = None
+        self._tails: Any = None  # remote.tail_records(), made once
 
     def bind(self, counters: Any, clock: Callable[[], float]) -> None:
         self._counters, self._clock = counters, clock
@@ -47,6 +62,10 @@ class RemoteIndex:
         """The leading chunks of ``keys`` the server holds; None while pending."""
         if not self.enabled or not keys:
             return []
+        tails = self._tail_memo.get(asker)
+        if tails is not None:  # a tail tails_of reported: its values were there
+            held = {key for key, _ in tails[1]}
+            return [Place(NAME, k) for k in itertools.takewhile(held.__contains__, keys)]
         asked = tuple(keys)
         memo = self._memo.get(asker)
         if memo is not None and memo[0] == asked:
@@ -69,14 +88,44 @@ class RemoteIndex:
 
     def forget(self, asker: str) -> None:
         self._memo.pop(asker, None)
-        if self._lookups is not None:
-            self._lookups.forget(asker)
+        self._tail_memo.pop(asker, None)
+        for lookups in (self._lookups, self._tail_lookups):
+            if lookups is not None:
+                lookups.forget(asker)
 
-    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
-        return []
+    def tails_of(self, asker: str, parent: bytes) -> list[Tail] | None:
+        """(key, token ids) of the tails of ``parent`` on the server whose record makes
+        their key and whose value every rank holds, oldest first; None while pending
+        (asked off the scheduler thread, within the lookup budget: past it, none)."""
+        if not self.enabled:
+            return []
+        memo = self._tail_memo.get(asker)
+        if memo is not None and memo[0] == parent:
+            return memo[1]
+        if self._tail_lookups is None:
+            self._tail_lookups = self.remote.async_lookups(
+                clock=self._clock, fetch=self._tail_records().tails_many, miss=[],
+                num_threads=1)
+        began = self._clock()
+        found = self._tail_lookups.ask(asker, (parent,))
+        self._counters.seconds_remote_lookup += self._clock() - began
+        if found is None:
+            return None
+        self._tail_memo[asker] = (parent, found)
+        return found
+
+    def _tail_records(self) -> RemoteTails:
+        if self._tails is None:
+            self._tails = self.remote.tail_records()
+        return self._tails
 
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
-        pass  # never reserved: keeps_tails is False
+        """``key`` is a request tail of ``parent``: its record is written once every rank
+        wrote its value (``written``). Notes of tails never written age out past
+        ``MAX_TAIL_NOTES``."""
+        self._tail_notes[key] = (parent, tokens)
+        while len(self._tail_notes) > MAX_TAIL_NOTES:
+            del self._tail_notes[next(iter(self._tail_notes))]
 
     def count_lookup(self, hits: int, misses: int) -> None:
         pass  # counted per question (remote_lookups)
@@ -101,10 +150,16 @@ class RemoteIndex:
         per_rank = list(results.values())
         done = [k for i, (k, p) in enumerate(zip(keys, places))
                 if p is not None and i not in failed and all(r[i] for r in per_rank)]
+        tails = [(k, note) for k in keys if (note := self._tail_notes.pop(k, None))]
+        records = [(parent, k, tokens) for k, (parent, tokens) in tails if k in done]
+        if records and self.enabled:
+            if self._writer is None:
+                self._writer = TailWriter(self._tail_records())
+            self._writer.put(records)
         if self._counters is not None:
             self._counters.chunks_stored_remote += len(done)
         if self._events is not None and self.enabled:  # off after reset_all
-            self._events.stored(Tier.REMOTE, done)
+            self._events.stored(Tier.REMOTE, [k for k in done if k not in dict(tails)])
         return len(done)
 
     def drop(self, place: Place, key: bytes) -> None:
@@ -122,6 +177,7 @@ class RemoteIndex:
             return
         self.enabled = False
         self._memo.clear()
+        self._tail_memo.clear()
         if self._events is not None:
             self._events.tier_off(Tier.REMOTE)
 
@@ -133,6 +189,11 @@ class RemoteIndex:
         return {"up": self.remote.health.up}
 
     def close(self) -> None:
-        if self._lookups is not None:
-            self._lookups.close()
+        """Write the queued tail records (up to a few seconds), stop the threads, close
+        the connections."""
+        if self._writer is not None:
+            self._writer.close()
+        for lookups in (self._lookups, self._tail_lookups):
+            if lookups is not None:
+                lookups.close()
         self.remote.close()

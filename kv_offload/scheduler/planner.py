@@ -38,6 +38,7 @@ from kv_offload.scheduler.holds import (
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import (
+    Pending,
     Source,
     final_chunk_key,
     first_chunk_held,
@@ -239,6 +240,8 @@ class OffloadScheduler:
             return run, asked, request.num_tokens - 1
         partial = None if self.tails is None else tail_source(
             self.cpu, self.tiers, self.tails, request, keys, end, chunk_tokens=chunk)
+        if partial is Pending.PENDING:  # a tier's tails answer is pending: vLLM asks next step
+            return None
         if partial is None:
             return run, list(keys), end * chunk
         source, num_tokens = partial

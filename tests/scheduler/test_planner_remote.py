@@ -31,6 +31,7 @@ class FakeRemote:
         self.down = False
         self.health = RemoteHealth("fake")
         self.closed = False
+        self.tails: dict[bytes, list] = {}  # parent -> [(key, tokens)] (FakeTails)
 
     def lookup(self, keys) -> int:
         self.calls += 1
@@ -47,12 +48,35 @@ class FakeRemote:
     def lookup_many(self, requests) -> list[int]:
         return [self.lookup(keys) for keys in requests]
 
-    def async_lookups(self, *, clock) -> RemoteLookups:
-        self.lookups = RemoteLookups(self, budget_s=10.0, clock=clock, num_threads=1)
-        return self.lookups
+    def async_lookups(self, *, clock, **kwargs) -> RemoteLookups:
+        kwargs.setdefault("num_threads", 1)
+        made = RemoteLookups(self, budget_s=10.0, clock=clock, **kwargs)
+        if "fetch" not in kwargs:
+            self.lookups = made
+        return made
+
+    def tail_records(self) -> FakeTails:
+        return FakeTails(self)
 
     def close(self) -> None:
         self.closed = True
+
+
+class FakeTails:
+    """The tails' records of a ``FakeRemote`` (``RemoteTails``): parent -> (key, tokens),
+    a tail loadable while its key is in ``remote.keys``."""
+
+    def __init__(self, remote: FakeRemote) -> None:
+        self.remote = remote
+
+    def tails_many(self, questions) -> list[list]:
+        return [[t for t in self.remote.tails.get(bytes(q[0]), []) if t[0] in self.remote.keys]
+                for q in questions]
+
+    def write(self, records, *, stamp: int) -> bool:
+        for parent, key, tokens in records:
+            self.remote.tails.setdefault(parent, []).append((key, tuple(tokens)))
+        return True
 
 
 def remote_scheduler(remote, **kwargs):

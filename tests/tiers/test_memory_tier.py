@@ -77,7 +77,7 @@ class MemoryTier:
     def forget(self, asker: str) -> None:
         pass
 
-    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+    def tails_of(self, asker: str, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
         return list(self.tails.get(parent, {}).items())
 
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
