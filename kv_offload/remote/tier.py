@@ -31,13 +31,13 @@ from kv_offload.remote.cluster import (
 )
 from kv_offload.remote.health import RemoteHealth
 from kv_offload.remote.lookups import RemoteLookups
-from kv_offload.remote.tail_records import RemoteTails
 from kv_offload.remote.resp import (
     Joined,
     RespPacker,
     pipeline_on_connection,
     pipelines_on_connections,
 )
+from kv_offload.remote.tail_records import RemoteTails
 from kv_offload.remote.values import HEADER_BYTES, ValueCheck, encode_header, meta_key
 
 logger = logging.getLogger(__name__)
