@@ -102,6 +102,8 @@ class RemoteIndex:
         memo = self._tail_memo.get(asker)
         if memo is not None and memo[0] == parent:
             return memo[1]
+        if self._lookups is not None and self._lookups.slow:
+            return []  # the chunks' questions found the server slow or down: not waited for
         if self._tail_lookups is None:
             self._tail_lookups = self.remote.async_lookups(
                 clock=self._clock, fetch=self._tail_records().tails_many, miss=[],
@@ -126,6 +128,11 @@ class RemoteIndex:
         self._tail_notes[key] = (parent, tokens)
         while len(self._tail_notes) > MAX_TAIL_NOTES:
             del self._tail_notes[next(iter(self._tail_notes))]
+
+    def wait_tails_written(self, timeout_s: float = 5.0) -> bool:
+        """Block until the tail records queued so far were written (or failed), up to
+        ``timeout_s``; whether they were. Not for the scheduler thread (tests)."""
+        return self._writer is None or self._writer.wait(timeout_s)
 
     def count_lookup(self, hits: int, misses: int) -> None:
         pass  # counted per question (remote_lookups)

@@ -165,6 +165,12 @@ class RemoteLookups(Generic[A]):
         still answered, into nothing."""
         self._asks.pop(req_id, None)
 
+    @property
+    def slow(self) -> bool:
+        """Whether new questions are answered a miss at once: the server is backing off,
+        or a round trip took longer than the budget (until a probe comes back in time)."""
+        return self._slow or not self.tier.health.up
+
     def num_pending(self) -> int:
         """Requests whose question no lookup thread has answered yet (and that were
         not answered by the budget)."""
