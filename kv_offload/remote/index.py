@@ -157,8 +157,8 @@ class RemoteIndex:
         per_rank = list(results.values())
         done = [k for i, (k, p) in enumerate(zip(keys, places))
                 if p is not None and i not in failed and all(r[i] for r in per_rank)]
-        tails = [(k, note) for k in keys if (note := self._tail_notes.pop(k, None))]
-        records = [(parent, k, tokens) for k, (parent, tokens) in tails if k in done]
+        tails = {k: note for k in keys if (note := self._tail_notes.pop(k, None))}
+        records = [(parent, k, tokens) for k, (parent, tokens) in tails.items() if k in done]
         if records and self.enabled:
             if self._writer is None:
                 self._writer = TailWriter(self._tail_records())
@@ -166,7 +166,7 @@ class RemoteIndex:
         if self._counters is not None:
             self._counters.chunks_stored_remote += len(done)
         if self._events is not None and self.enabled:  # off after reset_all
-            self._events.stored(Tier.REMOTE, [k for k in done if k not in dict(tails)])
+            self._events.stored(Tier.REMOTE, [k for k in done if k not in tails])
         return len(done)
 
     def drop(self, place: Place, key: bytes) -> None:
