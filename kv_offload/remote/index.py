@@ -79,8 +79,10 @@ class RemoteIndex:
         if hits is None:
             return None
         self._counters.remote_lookups += 1
-        # Failed round trips and answers past the budget since the last answer.
+        # Failed round trips and answers past the budget (tails' questions too) since
+        # the last answer.
         errors = self._lookups.num_timeouts + self.remote.health.num_failures
+        errors += 0 if self._tail_lookups is None else self._tail_lookups.num_timeouts
         self._counters.remote_lookup_errors += max(0, errors - self._errors)
         self._errors = errors
         self._memo[asker] = (asked, hits)
