@@ -1,8 +1,8 @@
 """RemoteIndex: the remote tier's scheduler half (``tier_contract.SecondaryTier``).
 
 Which leading chunks of a request the shared server holds, asked without waiting on the
-network: the tier's ``RemoteLookups`` asks the server on its own threads (started with
-the first question), within the lookup budget, and the answer is memoised per request
+network: the tier's ``RemoteLookups`` asks the server on its own threads (started, and
+connected, when the tier is bound at engine start), within the lookup budget, and the answer is memoised per request
 (vLLM asks again, next step, while a request waits). A chunk's place is its key; there
 is nothing to pin, reserve or commit: a chunk every rank wrote is there (until the
 server evicts it: a read then misses and vLLM recomputes it). Counts lookups, their
@@ -56,7 +56,13 @@ class RemoteIndex:
         self._tails: Any = None  # remote.tail_records(), made once
 
     def bind(self, counters: Any, clock: Callable[[], float]) -> None:
+        """Starts the lookup threads, which connect now (off this thread: a server that
+        is down delays nothing, it only backs off), so that the first request's question
+        pays no import or connection set-up within its budget."""
         self._counters, self._clock = counters, clock
+        if self._lookups is None:
+            self._lookups = self.remote.async_lookups(clock=clock)
+            self._errors = self.remote.health.num_failures
 
     def find(self, asker: str, keys: Sequence[bytes]) -> list[Place] | None:
         """The leading chunks of ``keys`` the server holds; None while pending."""
@@ -70,9 +76,6 @@ class RemoteIndex:
         memo = self._memo.get(asker)
         if memo is not None and memo[0] == asked:
             return [Place(NAME, k) for k in asked[:memo[1]]]
-        if self._lookups is None:
-            self._lookups = self.remote.async_lookups(clock=self._clock)
-            self._errors = self.remote.health.num_failures
         began = self._clock()
         hits = self._lookups.ask(asker, asked)
         self._counters.seconds_remote_lookup += self._clock() - began

@@ -73,9 +73,11 @@ def all_prompts() -> list[str]:
 def offload(store: Path | None, **remote) -> dict:
     # A lookup budget of 5 s: on a loaded 2-core test machine (three Redis nodes, the
     # engine and its remote writes on the same cores) round trips pass the default
-    # 50 ms, even 500 ms (the lookup thread's first ask imports redis and connects), and
-    # a lookup past its budget is a miss, the next one skipped once; these tests need
-    # the hits (a CI dry run lost the one-chunk prompt's 63 so).
+    # 50 ms, even 500 ms, and a lookup past its budget is a miss, the next one skipped
+    # once; these tests need the hits (a CI dry run lost the one-chunk prompt's 63 so).
+    # The lookup threads now connect at engine start, so the first ask no longer pays
+    # for connecting, but a descheduled lookup thread still can pass 500 ms; the budget
+    # itself is tested with a fake clock (tests/remote/test_lookups.py).
     return {"cpu_size": "64MiB", "disk_path": str(store) if store else None,
             "disk_size": "256MiB", "chunk_tokens": CHUNK, "io_threads": 2,
             "remote_max_backoff_s": 2.0, "remote_lookup_budget_ms": 5000.0,

@@ -117,7 +117,10 @@ def schedule(sched, blocks, req):
 
 
 def test_the_remote_tier_is_announced_remote_and_withdrawn_on_reset():
-    sched, blocks = make_scheduler(remote=SimpleNamespace(close=lambda: None))  # never asked
+    never_asked = SimpleNamespace(close=lambda: None)  # lookups bound at start, unused
+    remote = SimpleNamespace(close=lambda: None, health=SimpleNamespace(num_failures=0),
+                             async_lookups=lambda clock: never_asked)
+    sched, blocks = make_scheduler(remote=remote)
     events = tier_events()
     connect(sched, events)
     a = make_request("a", list(range(CHUNK)))
