@@ -75,6 +75,13 @@ class SecondaryTier(Protocol):
         budget, then []). Only tails whose key ``tails.tail_key(parent, tokens)`` makes:
         never tokens whose KV it does not hold."""
 
+    def expect_tails(self, asker: str, parents: Sequence[bytes]) -> None:
+        """The planner may soon ask ``tails_of(asker, parent)`` for these parents (asked
+        while ``asker``'s chunk question is pending, ``lookup.expect_tails``): a tier whose
+        answer takes a round trip starts asking now, so that the later ``tails_of``
+        answers at once; one that answers at once does nothing. Never waits on I/O; a
+        hint: ``tails_of`` answers the same either way."""
+
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
         """``key``, about to be reserved, is a request tail of ``parent``."""
 

@@ -121,6 +121,9 @@ class DiskTier:
     def forget(self, asker: str) -> None:
         pass  # answers are not memoised
 
+    def expect_tails(self, asker: str, parents: Sequence[bytes]) -> None:
+        pass  # tails_of answers at once (a read transaction)
+
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
         """``key`` is a request tail of ``parent``: its tail records are written with its
         commit (``tails_of`` finds it, also after a restart). Notes of tails that never

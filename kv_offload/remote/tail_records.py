@@ -6,8 +6,9 @@ the tail key). Once every rank wrote it, its *record* goes to a hash per parent
 (``values.tails_name``, inside the namespace): field = the tail key, value = when it was
 written and the tail's token ids (``values.encode_tail_record``). ``TailWriter`` writes
 records on a thread of its own (the scheduler thread never waits on the network);
-``RemoteTails.tails_many`` answers a lookup thread's batch of "which tails does this
-parent have" (``RemoteLookups`` with ``fetch=tails_many``).
+``RemoteTails.tails_many`` answers a lookup thread's batch of "which tails do these
+parents have" (``RemoteLookups`` with ``fetch=tails_many``; a question may name several
+parents: ``RemoteIndex.expect_tails``).
 
 Bounded like the CPU tier's ``TailIndex``: a new record supersedes the records of its
 parent whose tokens it extends (the next turn of a conversation), and a parent keeps
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 Tail = tuple[bytes, tuple[int, ...]]  # (tail key, token ids)
 TailRecord = tuple[bytes, bytes, tuple[int, ...]]  # (parent, tail key, token ids)
+TailsByParent = dict[bytes, list[Tail]]  # one question's answer: parent -> its tails
 _STOP = None
 
 
@@ -69,24 +71,27 @@ class RemoteTails:
     def _name(self, parent: bytes) -> bytes:
         return tails_name(self.tier.key_prefix, self.tier.namespace, parent)
 
-    def tails_many(self, questions: Sequence[Sequence[bytes]]) -> list[list[Tail]]:
-        """For each question (one parent key), the tails of that parent that are
-        loadable now: a record that makes its key and a value for every rank; oldest
-        first. Two round trips (the records, then the values' ``EXISTS``); [] for every
-        question on a failure."""
-        parents = [bytes(q[0]) for q in questions]
+    def tails_many(self, questions: Sequence[Sequence[bytes]]) -> list[TailsByParent]:
+        """For each question (parent keys), each parent's tails that are loadable now: a
+        record that makes its key and a value for every rank; oldest first. Every parent
+        of the batch in the same two round trips (the records, then the values'
+        ``EXISTS``); {} (no tails for any parent) for every question on a failure."""
+        asked = [[bytes(p) for p in q] for q in questions]
+        parents = list(dict.fromkeys(p for q in asked for p in q))
         replies = self.tier.pipeline([(b"HGETALL", self._name(p)) for p in parents])
         if replies is None:
-            return [[] for _ in parents]
-        found = [_trusted(parent, reply) for parent, reply in zip(parents, replies)]
+            return [{} for _ in asked]
+        found = {parent: _trusted(parent, reply) for parent, reply in zip(parents, replies)}
         per = self.tier.num_ranks
         checks = [(b"EXISTS", *[self.tier.name(key, r) for r in range(per)])
-                  for tails in found for key, _ in tails]
+                  for parent in parents for key, _ in found[parent]]
         counts = self.tier.pipeline(checks)
         if counts is None:
-            return [[] for _ in parents]
+            return [{} for _ in asked]
         present = iter(int(c) == per for c in counts)
-        return [[tail for tail in tails if next(present)] for tails in found]
+        loadable = {parent: [tail for tail in found[parent] if next(present)]
+                    for parent in parents}
+        return [{parent: loadable[parent] for parent in q} for q in asked]
 
     def write(self, records: Sequence[TailRecord], *, stamp: int) -> bool:
         """Record tails whose values every rank wrote: per parent, the new records

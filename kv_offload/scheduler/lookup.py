@@ -188,6 +188,39 @@ def tail_source(cpu: CpuIndex, tiers: Sequence[SecondaryTier], tails: TailIndex,
     return best
 
 
+def likely_tail_parents(request: Any, keys: Sequence[ChunkKey], first: int, *,
+                        chunk_tokens: int) -> list[bytes]:
+    """The parents whose tails ``tail_source`` asks for if the run from chunk ``first``
+    ends on a complete miss (``keys[first - 1]``, or the request's ``tail_seed`` when
+    ``first`` is 0) or on a full hit of ``keys`` (``keys[-1]``), each where tokens would
+    be left to serve before the request's last token; [] for a request without tails.
+    Read-only."""
+    seed = tail_seed(request)
+    if seed is None:
+        return []
+    limit = request.num_tokens - 1
+    return [keys[index - 1] if index else seed
+            for index in dict.fromkeys((first, len(keys)))
+            if index <= len(keys) and index * chunk_tokens < limit]
+
+
+def expect_tails(tiers: Sequence[SecondaryTier], request: Any, keys: Sequence[ChunkKey],
+                 first: int, *, chunk_tokens: int) -> None:
+    """Tell the tiers that keep tails which parents ``tail_source`` will likely ask
+    (``likely_tail_parents``), as ``tail_asker``: called while the request's chunk
+    question is pending, so that the remote tier asks for both in the same step and a
+    run that ends at either parent waits one step, not two
+    (``SecondaryTier.expect_tails``). A run that ends in between asks its parent's tails
+    afterwards (one step more). Mutates only the tiers' memos."""
+    parents = likely_tail_parents(request, keys, first, chunk_tokens=chunk_tokens)
+    if not parents:
+        return
+    asker = tail_asker(request.request_id)
+    for tier in tiers:
+        if tier.enabled and tier.keeps_tails:
+            tier.expect_tails(asker, parents)
+
+
 def tail_asker(req_id: str) -> str:
     """Who asks a tier for a request's tail: not the request itself, whose question about
     its whole chunks a tier may be keeping (``SecondaryTier.find``)."""

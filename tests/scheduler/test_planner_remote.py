@@ -73,11 +73,11 @@ class FakeTails:
     def __init__(self, remote: FakeRemote) -> None:
         self.remote = remote
 
-    def tails_many(self, questions) -> list[list]:
+    def tails_many(self, questions) -> list[dict]:
         if self.remote.gate is not None:
             self.remote.gate.wait(30)
-        return [[t for t in self.remote.tails.get(bytes(q[0]), []) if t[0] in self.remote.keys]
-                for q in questions]
+        return [{bytes(p): [t for t in self.remote.tails.get(bytes(p), [])
+                            if t[0] in self.remote.keys] for p in q} for q in questions]
 
     def write(self, records, *, stamp: int) -> bool:
         for parent, key, tokens in records:
@@ -368,8 +368,8 @@ def test_a_request_tail_is_recorded_remotely_only_after_every_rank_wrote_it():
 
 def test_a_remote_tail_is_pending_then_served_to_the_last_token_but_one(disk_index):
     """Issue 33 on the remote tier: another host stored a 20-token prompt (two chunks and
-    a tail of 4 tokens) in Redis; this one asks for its chunks, then (pending: vLLM asks
-    again next step) for the tails of the last chunk, and loads 19 tokens from Redis, the
+    a tail of 4 tokens) in Redis; this one asks for its chunks and, alongside (pending:
+    vLLM asks again next step), for the tails of the last chunk, and loads 19 tokens from Redis, the
     tail staged into the CPU tier and filled into the local disk with its record (found
     there by its parent after a restart)."""
     remote = FakeRemote()
@@ -381,7 +381,7 @@ def test_a_remote_tail_is_pending_then_served_to_the_last_token_but_one(disk_ind
     sched, _ = remote_scheduler(remote, num_ranks=2, partial_hits=True, disk_index=disk_index)
     reader = make_request("r", list(range(20)))
     answer, pending = matched(sched, reader)
-    assert answer == 19 and pending >= 2, "the chunks' answer, then the tail's, are awaited"
+    assert answer == 19 and pending >= 1, "the chunks' and the tail's answers are awaited"
     assert sched.num_matched_tokens(reader, 0) == 19, "memoised"
     sched.plan_load(reader, [10, 11, 12, 13, 14], 19)
     assert sched.hit_tokens_by_tier("r") == {"remote": 19}
@@ -402,9 +402,7 @@ def test_a_remote_tail_is_not_served_when_the_tails_answer_times_out():
     chunks only (a miss for the tail), and is never held longer."""
     remote = FakeRemote()
     clock = FakeClock()
-    sched, _ = remote_scheduler(remote, partial_hits=True)
-    tier = sched.tier("remote")
-    tier.bind(sched.counters, clock)
+    sched, _ = remote_scheduler(remote, partial_hits=True, clock=clock)
     req = make_request("r", list(range(20)))
     tail = tail_key(req.block_hashes[3], (16, 17, 18, 19))
     remote.keys.update([req.block_hashes[1], req.block_hashes[3], tail])
@@ -420,5 +418,11 @@ def test_a_remote_tail_is_not_served_when_the_tails_answer_times_out():
     assert answer == 16, "the tail's question timed out: whole chunks only"
     remote.gate.set()
     assert sched.num_matched_tokens(req, 0) == 16, "a miss, also once the answer came"
-    sched.request_finished("r")
-    assert matched(sched, make_request("r", list(range(20))))[0] == 19, "forgotten with it"
+    # The round trip held past the budget marks the tails' questions slow: the next is
+    # skipped (a miss at once) and its probe, answered in time, ends that.
+    for _ in range(100):
+        sched.request_finished("r")
+        if matched(sched, make_request("r", list(range(20))))[0] == 19:
+            break
+        time.sleep(0.01)
+    assert sched.num_matched_tokens(req, 0) == 19, "the timed-out miss was forgotten"

@@ -80,6 +80,9 @@ class MemoryTier:
     def tails_of(self, asker: str, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
         return list(self.tails.get(parent, {}).items())
 
+    def expect_tails(self, asker: str, parents: Sequence[bytes]) -> None:
+        pass  # tails_of answers at once
+
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
         self.notes[key] = (parent, tokens)
 
