@@ -57,6 +57,8 @@ class FakeRemote:
         made = RemoteLookups(self, budget_s=10.0, clock=clock, **kwargs)
         if "fetch" not in kwargs:
             self.lookups = made
+        else:
+            self.tail_lookups = made
         return made
 
     def tail_records(self) -> FakeTails:
@@ -259,6 +261,16 @@ def test_the_lookup_threads_stop_with_the_scheduler():
     assert remote.lookups.running
     sched.close()
     assert remote.closed and not remote.lookups.running
+
+
+def test_the_tails_lookup_thread_starts_with_the_engine_and_stops_with_it():
+    """Like the chunks' (test_planner_remote_start): the first tails question pays no
+    thread start nor connection set-up within its budget."""
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote, partial_hits=True)
+    assert remote.tail_lookups.running, "started at bind, before any question"
+    sched.close()
+    assert not remote.tail_lookups.running
 
 
 def test_a_prompt_ending_with_a_whole_chunk_is_served_it_from_the_remote_tier_in_part():

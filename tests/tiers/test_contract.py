@@ -7,7 +7,8 @@ committed; what is found reads back the bytes each rank wrote; a tier turned off
 and reserves nothing while what was handed out is still released. A tier that keeps
 request tails (all three) finds a noted tail by its parent once every rank wrote it,
 answering ``tails_of`` at once or pending first (the remote tier), and then ``find``s
-it at once.
+it at once; ``expect_tails`` (a hint) changes no answer, and on the remote tier one
+question answers every expected parent.
 """
 
 from __future__ import annotations
@@ -211,3 +212,25 @@ def test_a_request_tail_is_found_by_its_parent_once_every_rank_wrote_it(tier):
         time.sleep(0.001)
     assert len(tier.scheduler.find("s/tail", [kept_key])) == 1, "found at once"
     assert tails_of(tier, key(21), until=0) == []
+
+
+def test_expected_tails_are_answered_by_tails_of_as_without_the_hint(tier):
+    """``expect_tails`` is a hint (the planner's, while a chunk question is pending): a
+    tier answers ``tails_of`` of each expected parent as it would have without it; the
+    remote tier asks for them all in one question, so once one is answered the others
+    are too, at once, and ``find`` of a tail it reported answers at once."""
+    parent, bare = key(22), key(23)
+    kept = tail_key(parent, (5, 6, 7))
+    tier.scheduler.note_tail(kept, parent, (5, 6, 7))
+    assert store(tier, [kept]) == 1
+    assert tails_of(tier, parent, until=1) == [(kept, (5, 6, 7))]  # its record is there
+    tier.scheduler.expect_tails("e/tail", [bare, parent, bare])
+    deadline = time.monotonic() + 30  # bounds a hang only
+    while (found := tier.scheduler.tails_of("e/tail", parent)) is None:
+        assert time.monotonic() < deadline, "tails_of never answered"
+        time.sleep(0.001)
+    assert list(found) == [(kept, (5, 6, 7))]
+    assert tier.scheduler.tails_of("e/tail", bare) == [], "answered with it"
+    assert len(tier.scheduler.find("e/tail", [kept])) == 1, "found at once"
+    tier.scheduler.expect_tails("e/tail", [parent])  # answered already: nothing asked
+    assert list(tier.scheduler.tails_of("e/tail", parent)) == [(kept, (5, 6, 7))]
