@@ -83,7 +83,7 @@ class RemoteLookups(Generic[A]):
     injected. ``fetch`` (default: the tier's ``lookup_many``) answers a batch of
     questions in one go on a lookup thread, ``miss`` is the answer of a question that
     failed, timed out or was skipped: the same rules serve another kind of question (the
-    remote tier's request tails, ``RemoteTier.tails_many``: ``miss=[]``).
+    remote tier's request tails, ``RemoteTails.tails_many``: ``miss={}``).
     """
 
     def __init__(self, tier: LookupTier, *, budget_s: float,
