@@ -130,8 +130,8 @@ class OffloadConfig:
         partial_hits: serve a hit to the last cached token, not only whole chunks: a
             request that ends inside a chunk is served that chunk up to its last token
             but one, and the tokens a request computed past its last whole chunk (its
-            tail) are kept in the CPU tier when it finishes, for a later prompt that
-            shares them (the next turn of a chat). Default true; models with several
+            tail) are kept in the CPU, disk and remote tiers once its prompt is computed,
+            for a later prompt that shares them (the next turn of a chat). Default true; models with several
             KV cache groups (hybrids) are served whole chunks only.
         extra_tiers: secondary tiers from other packages, asked after the disk and
             remote tiers: a list of factories, "package.module:factory"

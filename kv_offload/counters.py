@@ -135,10 +135,12 @@ class SchedulerCounters:
         "without a call while the server backs off)")
     remote_lookup_errors: int = _counter(
         "kv_offload_remote_lookup_errors_total",
-        "Remote existence checks that failed or ran past the budget")
+        "Remote existence checks that failed or ran past the budget (request tails' "
+        "questions included)")
     seconds_remote_lookup: float = _counter(
         "kv_offload_remote_lookup_seconds_total",
-        "Seconds the scheduler spent in remote existence checks")
+        "Seconds the scheduler spent in remote existence checks (request tails' "
+        "questions included)")
 
     def add_per_tier(self, what: str, tier: str, count: int) -> None:
         """Add ``count`` to the counter ``{what}_{tier}`` (``chunks_loaded_disk``...). The

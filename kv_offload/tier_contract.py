@@ -6,8 +6,8 @@ first. Below it, an ordered list of *secondary tiers* (the disk, then the remote
 a test adds an in-memory one, ``tests/tiers/test_memory_tier.py``) keeps copies of host
 slots. Each is one package owning two halves:
 
-- ``SecondaryTier``, on the scheduler: which leading chunks of a list it holds (at once,
-  or "ask again" while its answer is pending), addresses to write new chunks to, pins,
+- ``SecondaryTier``, on the scheduler: which leading chunks of a list it holds, and which
+  request tails of a parent (at once, or "ask again" while its answer is pending), addresses to write new chunks to, pins,
   committing what every rank wrote, dropping a chunk a read found bad, turning itself
   off.
 - ``TierIO``, on each worker rank: read an address into a host slot, write host slots to
@@ -60,14 +60,27 @@ class SecondaryTier(Protocol):
         """The places of the leading chunks of ``keys`` this tier holds now, in order;
         None while the answer is pending (the planner asks again next step, with the same
         ``asker``: the request id; a request's tail is asked for as ``lookup.tail_asker``,
-        by tiers that keep tails, which answer it at once). Never waits on I/O it cannot
-        bound."""
+        by tiers that keep tails, which answer it at once once ``tails_of`` reported it).
+        Never waits on I/O it cannot bound."""
 
     def forget(self, asker: str) -> None:
         """``asker`` will not ask again (its request finished)."""
 
-    def tails_of(self, parent: bytes) -> Sequence[tuple[bytes, tuple[int, ...]]]:
-        """(key, token ids) of the request tails of ``parent`` it holds ([] if none)."""
+    def tails_of(self, asker: str, parent: bytes
+                 ) -> Sequence[tuple[bytes, tuple[int, ...]]] | None:
+        """(key, token ids) of the request tails of ``parent`` it holds ([] if none),
+        oldest first; None while the answer is pending, as for ``find`` (the planner asks
+        again next step with the same ``asker``, ``lookup.tail_asker``, forgotten with
+        ``forget``). A tier that answers None bounds the wait (the remote tier: its lookup
+        budget, then []). Only tails whose key ``tails.tail_key(parent, tokens)`` makes:
+        never tokens whose KV it does not hold."""
+
+    def expect_tails(self, asker: str, parents: Sequence[bytes]) -> None:
+        """The planner may soon ask ``tails_of(asker, parent)`` for these parents (asked
+        while ``asker``'s chunk question is pending, ``lookup.expect_tails``): a tier whose
+        answer takes a round trip starts asking now, so that the later ``tails_of``
+        answers at once; one that answers at once does nothing. Never waits on I/O; a
+        hint: ``tails_of`` answers the same either way."""
 
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
         """``key``, about to be reserved, is a request tail of ``parent``."""

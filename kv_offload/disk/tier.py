@@ -121,6 +121,9 @@ class DiskTier:
     def forget(self, asker: str) -> None:
         pass  # answers are not memoised
 
+    def expect_tails(self, asker: str, parents: Sequence[bytes]) -> None:
+        pass  # tails_of answers at once (a read transaction)
+
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
         """``key`` is a request tail of ``parent``: its tail records are written with its
         commit (``tails_of`` finds it, also after a restart). Notes of tails that never
@@ -129,8 +132,9 @@ class DiskTier:
         while len(self._tails) > MAX_TAIL_NOTES:
             del self._tails[next(iter(self._tails))]
 
-    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
-        """(key, token ids) of the request tails of ``parent`` on disk ([] while off).
+    def tails_of(self, asker: str, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, token ids) of the request tails of ``parent`` on disk ([] while off;
+        never pending).
         A record whose token ids and parent do not make its key (``tails.tail_key``) is
         left out (invariant 9: damage, or another writer's records): a load would report
         tokens whose KV its slot does not hold."""

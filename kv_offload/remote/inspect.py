@@ -1,6 +1,8 @@
 """What a Redis/Valkey server holds for kv-offload: namespaces, chunks, bytes, server state.
 
-Read-only (SCAN, STRLEN, GET, INFO); safe while engines run. Used by
+Read-only (SCAN, STRLEN, HLEN, GET, INFO); safe while engines run. Request tails are
+counted by their records (``<prefix>:{<namespace>:<parent>}:tails``, one field per
+tail); their values are chunk values like any other. Used by
 ``kv-offload inspect --remote``. Namespaces are named by the descriptor that each
 engine's scheduler publishes at start (``<prefix>:meta:<namespace>``); a descriptor the
 server evicted shows as unknown.
@@ -17,6 +19,7 @@ from kv_offload.remote.values import meta_key, namespace_pattern
 from kv_offload.sizes import format_size
 
 _KEY_RE = re.compile(rb"^.*:\{(?P<ns>[0-9a-f]{32}):(?P<chunk>[0-9a-f]+)\}:r(?P<rank>\d+)of(?P<n>\d+)$")
+_TAILS_RE = re.compile(rb"^.*:\{(?P<ns>[0-9a-f]{32}):(?P<parent>[0-9a-f]+)\}:tails$")
 _SERVER_FIELDS = ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys",
                   "expired_keys", "keyspace_hits", "keyspace_misses")
 
@@ -29,15 +32,20 @@ def inspect_remote(target: RemoteTarget, *, key_prefix: str, namespace: str | No
     found: dict[str, dict[str, Any]] = {}
     pattern = namespace_pattern(key_prefix, namespace)
     batch: list[tuple[bytes, re.Match]] = []
+    tail_hashes: list[tuple[bytes, str]] = []  # (records' hash, namespace)
     scanned = 0
+
+    def ns_entry(ns_id: str, num_ranks: int = 0) -> dict[str, Any]:
+        return found.setdefault(ns_id, {"values": 0, "bytes": 0, "chunks": set(),
+                                        "num_ranks": num_ranks, "tails": 0})
 
     def flush() -> None:
         pipe = client.pipeline(transaction=False)
         for name, _ in batch:
             pipe.strlen(name)
         for (_, match), size in zip(batch, pipe.execute()):
-            ns = found.setdefault(match["ns"].decode(), {
-                "values": 0, "bytes": 0, "chunks": set(), "num_ranks": int(match["n"])})
+            ns = ns_entry(match["ns"].decode())
+            ns["num_ranks"] = int(match["n"])
             ns["values"] += 1
             ns["bytes"] += int(size)
             ns["chunks"].add(match["chunk"])
@@ -52,14 +60,23 @@ def inspect_remote(target: RemoteTarget, *, key_prefix: str, namespace: str | No
             batch.append((name, match))
             if len(batch) >= 1000:
                 flush()
+        elif tails := _TAILS_RE.match(name):
+            tail_hashes.append((name, tails["ns"].decode()))
     if batch:
         flush()
+    for at in range(0, len(tail_hashes), 1000):  # records: one per tail (HLEN)
+        pipe = client.pipeline(transaction=False)
+        for name, _ in tail_hashes[at:at + 1000]:
+            pipe.hlen(name)
+        for (_, ns_id), count in zip(tail_hashes[at:at + 1000], pipe.execute()):
+            ns_entry(ns_id)["tails"] += int(count)
     namespaces = []
     for ns_id, ns in sorted(found.items()):
         raw = client.get(meta_key(key_prefix, ns_id))
         namespaces.append({
             "namespace_id": ns_id, "values": ns["values"], "bytes": ns["bytes"],
             "chunks": len(ns["chunks"]), "num_ranks": ns["num_ranks"],
+            "tails": ns["tails"],  # request tails recorded (their values count as chunks)
             # Some ranks' values were evicted: those chunks miss until stored again.
             "partial": ns["values"] != len(ns["chunks"]) * ns["num_ranks"],
             "descriptor": json.loads(raw) if raw else None})
@@ -103,7 +120,8 @@ def format_report(report: dict) -> list[str]:
                   f"  model      {d.get('model', '? (descriptor evicted or not published)')}",
                   f"  chunks     {ns['chunks']} x {ns['num_ranks']} rank(s), {ns['values']} "
                   f"values" + (" (some ranks' values evicted: those chunks miss)"
-                               if ns["partial"] else ""),
+                               if ns["partial"] else "")
+                  + (f", {ns['tails']} of them request tails" if ns["tails"] else ""),
                   f"  bytes      {format_size(ns['bytes'])}"]
         if d:
             lines.append(f"  layout     {d.get('dtype')}, {d.get('num_layers')} layers, "

@@ -43,12 +43,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 64  # requests per round trip
 _STOP = None  # tells a lookup thread to end
+A = TypeVar("A")  # an answer: a count of chunks, or a parent's request tails
 
 
 class LookupTier(Protocol):
@@ -68,28 +69,36 @@ class _Ask:
     signature: tuple[bytes, ...]
     keys: Sequence[bytes]
     deadline: float
-    hits: int | None = None
-    final: int | None = None
+    hits: Any = None
+    final: Any = None
 
 
-class RemoteLookups:
+class RemoteLookups(Generic[A]):
     """Asynchronous, memoised remote lookups with a total time budget per request.
 
     ``ask``, ``forget`` and ``num_pending`` belong to the scheduler thread: they never
     block (no network, no lock shared with the lookup threads). ``budget_s`` bounds,
     from the first ``ask``, how long a request may be answered None. ``start=False``
     runs no thread: ``run_once`` then does a lookup thread's work (tests). ``clock`` is
-    injected.
+    injected. ``fetch`` (default: the tier's ``lookup_many``) answers a batch of
+    questions in one go on a lookup thread, ``miss`` is the answer of a question that
+    failed, timed out or was skipped: the same rules serve another kind of question (the
+    remote tier's request tails, ``RemoteTails.tails_many``: ``miss={}``).
     """
 
     def __init__(self, tier: LookupTier, *, budget_s: float,
                  clock: Callable[[], float] = time.monotonic, num_threads: int = 4,
-                 start: bool = True) -> None:
+                 start: bool = True,
+                 fetch: Callable[[list[Sequence[bytes]]], list[A]] | None = None,
+                 miss: A = 0) -> None:  # type: ignore[assignment]
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive, got {budget_s}")
         self.tier = tier
         self.budget_s = budget_s
         self._clock = clock
+        self._fetch: Callable[[list[Sequence[bytes]]], list[A]] = (
+            fetch if fetch is not None else tier.lookup_many)  # type: ignore[assignment]
+        self._miss = miss
         self._queue: queue.SimpleQueue[_Ask | None] = queue.SimpleQueue()
         self._asks: dict[str, _Ask] = {}
         # Per lookup thread: when its round trip in flight started (None: idle). Each
@@ -110,14 +119,14 @@ class RemoteLookups:
 
     # -- scheduler thread --------------------------------------------------------------
 
-    def ask(self, req_id: str, keys: Sequence[bytes]) -> int | None:
-        """How many of ``keys``, from the first, the remote tier holds; None: not known
-        yet, ask again. Once an int is returned for these keys, the same int is returned
+    def ask(self, req_id: str, keys: Sequence[bytes]) -> A | None:
+        """How many of ``keys``, from the first, the remote tier holds (or ``fetch``'s
+        answer); None: not known yet, ask again. Once an int is returned for these keys, the same int is returned
         until ``forget`` or until the request asks about other keys, which starts a new
         question (the keys the local tiers lack may change between two asks while the
         first and the count stay: a question is all of its keys)."""
         if not keys:
-            return 0
+            return self._miss
         signature = tuple(keys)
         now = self._clock()
         ask = self._asks.get(req_id)
@@ -128,21 +137,21 @@ class RemoteLookups:
         self._asks[req_id] = ask
         if self._slow or not self.tier.health.up:
             self.num_skipped += 1
-            ask.final = 0
+            ask.final = self._miss
             if self._queue.empty() and all(t is None for t in self._trips):  # one probe
                 self._queue.put(ask)
-            return 0
+            return self._miss
         self._queue.put(ask)
         return None
 
-    def _answer(self, ask: _Ask, now: float) -> int | None:
+    def _answer(self, ask: _Ask, now: float) -> A | None:
         if ask.final is not None:
             return ask.final
         hits = ask.hits
         if hits is not None:
             ask.final = hits
         elif now >= ask.deadline:
-            ask.final = 0
+            ask.final = self._miss
             self.num_timeouts += 1
             # Slow if the server holds a round trip past the budget; not when this
             # request only queued behind others.
@@ -155,6 +164,12 @@ class RemoteLookups:
         """Drop ``req_id``'s memo (finished or aborted). A lookup in flight for it is
         still answered, into nothing."""
         self._asks.pop(req_id, None)
+
+    @property
+    def slow(self) -> bool:
+        """Whether new questions are answered a miss at once: the server is backing off,
+        or a round trip took longer than the budget (until a probe comes back in time)."""
+        return self._slow or not self.tier.health.up
 
     def num_pending(self) -> int:
         """Requests whose question no lookup thread has answered yet (and that were
@@ -195,10 +210,10 @@ class RemoteLookups:
         began = self._clock()
         self._trips[slot] = began
         try:
-            results = self.tier.lookup_many([a.keys for a in batch])
+            results = self._fetch([a.keys for a in batch])
         except Exception:  # a bug, not a server problem: answer misses, keep serving
             logger.exception("kv-offload: remote lookup raised; answering misses")
-            results, failures = [0] * len(batch), -1
+            results, failures = [self._miss] * len(batch), -1
         finally:
             self._trips[slot] = None
         done = self._clock()

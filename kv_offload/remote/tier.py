@@ -35,7 +35,9 @@ from kv_offload.remote.resp import (
     Joined,
     RespPacker,
     pipeline_on_connection,
+    pipelines_on_connections,
 )
+from kv_offload.remote.tail_records import RemoteTails
 from kv_offload.remote.values import HEADER_BYTES, ValueCheck, encode_header, meta_key
 
 logger = logging.getLogger(__name__)
@@ -192,12 +194,51 @@ class RemoteTier:
         commands = [(b"EXISTS", *names[i:i + per]) for i in range(0, len(names), per)]
         return pipeline_on_connection(client.connection_pool, commands)
 
-    def async_lookups(self, *, clock: Callable[[], float] = time.monotonic) -> RemoteLookups:
+    def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any] | None:
+        """Send single-key commands (the key second, as in ``HGETALL name``) in one round
+        trip (per cluster node: each command to its key's node) and return the raw
+        replies in order; None on any failure or while backing off (recorded like any
+        call's). Blocks: lookup and writer threads only."""
+        if not commands:
+            return []
+        if not self.health.should_try():
+            return None
+        try:
+            client = self._get_client()
+            if not self.target.is_cluster:
+                replies = pipeline_on_connection(client.connection_pool, commands)
+            else:
+                by_pool: dict[Any, list[int]] = {}
+                for i, command in enumerate(commands):
+                    by_pool.setdefault(node_pool(client, command[1]), []).append(i)
+                answers = pipelines_on_connections(
+                    {pool: [commands[i] for i in at] for pool, at in by_pool.items()})
+                replies = [None] * len(commands)
+                for pool, at in by_pool.items():
+                    for i, reply in zip(at, answers[pool]):
+                        replies[i] = reply
+        except Exception as exc:
+            if _is_redirect(exc):  # resharded: refresh the topology, no backoff
+                self.close()
+                self.health.record_success()
+            else:
+                self._failed(exc)
+            return None
+        self.health.record_success()
+        return replies
+
+    def tail_records(self) -> RemoteTails:
+        """The request tails' records of this namespace (``remote/tail_records.py``)."""
+        return RemoteTails(self)
+
+    def async_lookups(self, *, clock: Callable[[], float] = time.monotonic,
+                      **kwargs: Any) -> RemoteLookups:
         """A ``RemoteLookups`` over this tier (its lookup threads start now): what the
         scheduler asks instead of calling ``lookup`` on its own thread, each request
-        waiting at most ``lookup_budget_s``. The caller closes it (before closing the
-        tier)."""
-        return RemoteLookups(self, budget_s=self.lookup_budget_s, clock=clock)
+        waiting at most ``lookup_budget_s``; ``kwargs`` go to it (``fetch`` and ``miss``
+        for another kind of question, ``num_threads``). The caller closes it (before
+        closing the tier)."""
+        return RemoteLookups(self, budget_s=self.lookup_budget_s, clock=clock, **kwargs)
 
     def warm(self) -> bool:
         """Open a pooled connection now (one per node on a cluster), so that the next

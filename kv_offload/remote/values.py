@@ -7,12 +7,17 @@ Pure: no I/O. A value is a 40-byte header followed by one chunk of one rank::
 
 Reading verifies every field, so a value written by another format version, truncated
 by the server, or stored under the wrong key is a miss (never loaded).
+
+A request tail's value is a chunk value like any other (a whole host slot, under the
+tail's key); its *record* (``tails_name``: a hash per parent, one field per tail key) says
+which tokens it holds, so that a lookup finds it from its parent.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -26,6 +31,8 @@ MAGIC = b"KVOR"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHHQQ16s")
 HEADER_BYTES = _HEADER.size
+_TAIL_STAMP = struct.Struct("<Q")
+MAX_TAIL_TOKENS = 1 << 20  # a tail is shorter than a chunk; more is not a record of ours
 
 
 class ValueCheck(enum.Enum):
@@ -50,6 +57,29 @@ def key_name(prefix: str, namespace: str, chunk_key: bytes, rank: int, num_ranks
     different chunks spread over the nodes.
     """
     return f"{prefix}:{{{namespace}:{chunk_key.hex()}}}:r{rank}of{num_ranks}".encode()
+
+
+def tails_name(prefix: str, namespace: str, parent: bytes) -> bytes:
+    """The key of the hash holding the request tails stored under ``parent``
+    (``scheduler/tails.py``): one field per tail key, its value a ``tail record``. The
+    hash tag is the parent chunk's, so the records sit on that chunk's cluster node."""
+    return f"{prefix}:{{{namespace}:{parent.hex()}}}:tails".encode()
+
+
+def encode_tail_record(stamp: int, tokens: Sequence[int]) -> bytes:
+    """A tail record: when it was written (``stamp``, ns since the epoch: orders the
+    records of a parent, oldest replaced first) and the tail's token ids, int32 LE."""
+    return _TAIL_STAMP.pack(stamp) + struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def decode_tail_record(value: bytes) -> tuple[int, tuple[int, ...]] | None:
+    """(stamp, token ids) of a tail record; None when it is not one (too short, not a
+    whole number of tokens). Whether the tokens make the key is the caller's check."""
+    body = len(value) - _TAIL_STAMP.size
+    if body <= 0 or body % 4 or body > 4 * MAX_TAIL_TOKENS:
+        return None
+    (stamp,) = _TAIL_STAMP.unpack_from(value)
+    return stamp, struct.unpack_from(f"<{body // 4}i", value, _TAIL_STAMP.size)
 
 
 def meta_key(prefix: str, namespace: str) -> bytes:

@@ -109,14 +109,20 @@ class LoadPlanner:
     def _fill_places(self, run: Sequence[Source]) -> dict[ChunkKey, list[Place]]:
         """Places reserved, in the tiers before a staged chunk's source that take fills,
         for the chunk (key -> places): what is fetched from the remote tier also lands
-        on the local disk."""
+        on the local disk; a request tail only in tiers that keep tails, noted there
+        (``note_tail``) with its parent and tokens."""
         fills: dict[ChunkKey, list[Place]] = {}
         for position, name in enumerate(self._order):
             tier = self.tiers[name]
             if not tier.takes_fills:
                 continue
-            keys = [s.key for s in run if s.cpu is None and s.place is not None
-                    and self._order.index(s.place.tier) > position]
+            staged = [s for s in run if s.cpu is None and s.place is not None
+                      and self._order.index(s.place.tier) > position
+                      and (not s.tail or (tier.keeps_tails and s.tail_of is not None))]
+            for source in staged:  # a tail's records go with its commit there
+                if source.tail_of is not None:
+                    tier.note_tail(source.key, *source.tail_of)
+            keys = [s.key for s in staged]
             for key, place in zip(keys, tier.reserve(keys) if keys else ()):
                 if place is not None:
                     fills.setdefault(key, []).append(place)

@@ -8,6 +8,7 @@ that they are not looked up at all.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -25,6 +26,18 @@ class Source(NamedTuple):
     cpu: CpuHit | None = None
     place: Place | None = None
     tail: bool = False  # a request tail (tails.py), not a chunk
+    # A tail staged from a secondary tier: (its parent, all its token ids), for the
+    # earlier tiers that keep tails and take fills (``SecondaryTier.note_tail``).
+    tail_of: tuple[bytes, tuple[int, ...]] | None = None
+
+
+class Pending(enum.Enum):
+    """A tier's answer is not known yet: vLLM asks again next step."""
+
+    PENDING = "pending"
+
+
+PENDING = Pending.PENDING
 
 
 def hits_discarded(request: Any) -> bool:
@@ -132,12 +145,14 @@ def final_chunk_key(request: Any, keys: Sequence[ChunkKey], chunk_tokens: int,
 
 def tail_source(cpu: CpuIndex, tiers: Sequence[SecondaryTier], tails: TailIndex,
                 request: Any, keys: Sequence[ChunkKey], index: int, *, chunk_tokens: int
-                ) -> tuple[Source, int] | None:
+                ) -> tuple[Source, int] | None | Pending:
     """Where tokens of chunk ``index`` (the first that the whole-chunk run from ``keys``
     lacks) can come from, and how many, short of the request's last token: the stored
     tail of the chunk before it that shares the most tokens with the request (CPU tier,
-    ``tails.TailIndex``, or a secondary tier that keeps tails, ``tails_of``; such a tier
-    answers ``find`` of a tail at once). Read-only."""
+    ``tails.TailIndex``, or a secondary tier that keeps tails, ``tails_of``, then
+    ``find``, both as ``tail_asker``). ``PENDING`` while such a tier's answer is pending
+    (the remote tier's: asked off the scheduler thread). Read-only but for the tiers'
+    memos."""
     start, limit = index * chunk_tokens, request.num_tokens - 1
     seed = tail_seed(request)
     if limit <= start or seed is None:
@@ -152,16 +167,58 @@ def tail_source(cpu: CpuIndex, tiers: Sequence[SecondaryTier], tails: TailIndex,
             break
         if not (tier.enabled and tier.keeps_tails):
             continue
-        stored = longest_shared(tier.tails_of(parent), tokens)
+        asker = tail_asker(request.request_id)
+        held = tier.tails_of(asker, parent)
+        if held is None:
+            return PENDING
+        stored = longest_shared(held, tokens)
         if stored is None or (best is not None and stored.num_tokens <= best[1]):
             continue
         hit = cpu.hit(stored.key)  # staged from the tier by an earlier load
         if hit is not None:
             best = Source(stored.key, hit, tail=True), stored.num_tokens
-        elif stored.key not in cpu and (found := tier.find(tail_asker(request.request_id),
-                                                           [stored.key])):
-            best = Source(stored.key, None, found[0], tail=True), stored.num_tokens
+        elif stored.key not in cpu:
+            found = tier.find(asker, [stored.key])
+            if found is None:
+                return PENDING
+            if found:
+                tail_of = parent, tuple(dict(held)[stored.key])
+                best = (Source(stored.key, None, found[0], tail=True, tail_of=tail_of),
+                        stored.num_tokens)
     return best
+
+
+def likely_tail_parents(request: Any, keys: Sequence[ChunkKey], first: int, *,
+                        chunk_tokens: int) -> list[bytes]:
+    """The parents whose tails ``tail_source`` asks for if the run from chunk ``first``
+    ends on a complete miss (``keys[first - 1]``, or the request's ``tail_seed`` when
+    ``first`` is 0) or on a full hit of ``keys`` (``keys[-1]``), each where tokens would
+    be left to serve before the request's last token; [] for a request without tails.
+    Read-only."""
+    seed = tail_seed(request)
+    if seed is None:
+        return []
+    limit = request.num_tokens - 1
+    return [keys[index - 1] if index else seed
+            for index in dict.fromkeys((first, len(keys)))
+            if index <= len(keys) and index * chunk_tokens < limit]
+
+
+def expect_tails(tiers: Sequence[SecondaryTier], request: Any, keys: Sequence[ChunkKey],
+                 first: int, *, chunk_tokens: int) -> None:
+    """Tell the tiers that keep tails which parents ``tail_source`` will likely ask
+    (``likely_tail_parents``), as ``tail_asker``: called while the request's chunk
+    question is pending, so that the remote tier asks for both in the same step and a
+    run that ends at either parent waits one step, not two
+    (``SecondaryTier.expect_tails``). A run that ends in between asks its parent's tails
+    afterwards (one step more). Mutates only the tiers' memos."""
+    parents = likely_tail_parents(request, keys, first, chunk_tokens=chunk_tokens)
+    if not parents:
+        return
+    asker = tail_asker(request.request_id)
+    for tier in tiers:
+        if tier.enabled and tier.keeps_tails:
+            tier.expect_tails(asker, parents)
 
 
 def tail_asker(req_id: str) -> str:

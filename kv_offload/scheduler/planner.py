@@ -38,7 +38,9 @@ from kv_offload.scheduler.holds import (
 from kv_offload.scheduler.hook_guard import HookGuard
 from kv_offload.scheduler.loads import LoadPlanner
 from kv_offload.scheduler.lookup import (
+    Pending,
     Source,
+    expect_tails,
     final_chunk_key,
     first_chunk_held,
     hits_discarded,
@@ -226,19 +228,25 @@ class OffloadScheduler:
         """The loadable run from chunk ``first``, its keys and the token it ends at; with
         partial hits it goes on with part of a chunk: the whole chunk a request ends with,
         to its last token but one (``lookup.final_chunk_key``: asked with the others), or
-        a request tail (``lookup.tail_source``). None while a tier's answer is pending."""
+        a request tail (``lookup.tail_source``). None while a tier's answer is pending
+        (meanwhile the tails that a complete miss or a full hit would need are asked for
+        too: ``lookup.expect_tails``)."""
         chunk, per_hash, request = self.config.chunk_tokens, self.config.tokens_per_hash, \
             state.request
         last = None if self.tails is None else final_chunk_key(request, keys, chunk, per_hash)
         asked = list(keys) if last is None else [*keys, last]
         run = loadable_run(self.cpu, self.tiers, request.request_id, asked, first)
-        if run is None:
+        if run is None:  # pending: the tails the run will likely need are asked alongside
+            if self.tails is not None:
+                expect_tails(self.tiers, request, keys, first, chunk_tokens=chunk)
             return None
         end = first + len(run)
         if end > len(keys):  # the chunk the request ends with: all of it but its last token
             return run, asked, request.num_tokens - 1
         partial = None if self.tails is None else tail_source(
             self.cpu, self.tiers, self.tails, request, keys, end, chunk_tokens=chunk)
+        if partial is Pending.PENDING:  # a tier's tails answer is pending: vLLM asks next step
+            return None
         if partial is None:
             return run, list(keys), end * chunk
         source, num_tokens = partial

@@ -44,7 +44,7 @@ class StorePlanner:
         """One StoreJob for ``chunks`` (key, engine blocks, request), each key once; a
         chunk that finds no CPU slot is skipped (counted). None when none found a slot.
         ``tail``: request tails (``tails.py``), kept in the CPU tier and the tiers that
-        keep tails (the disk's; the remote tier keeps whole chunks only).
+        keep tails (``keeps_tails``).
         All or nothing: if a step raises, the slots reserved so far are given back
         before the exception propagates (no chunk is left STORING for a job that never
         runs)."""

@@ -56,9 +56,18 @@ def exact_prompts() -> dict[str, tuple[str, int, int]]:
     return out
 
 
+def tail_prompts() -> dict[int, str]:
+    """Prompts that end inside a chunk (issue 33: request tails), by length: five whole
+    chunks and 4 tokens (neither a multiple of the chunk nor of vLLM's block, 32), five
+    and a block (a multiple of the block), and one shorter than a chunk (its tail's
+    parent is the seed, not a chunk)."""
+    return {n: make_prompt(n, seed=290 + n % 97) for n in (5 * CHUNK + 4, 5 * CHUNK + 32, 45)}
+
+
 def all_prompts() -> list[str]:
     """Every prompt host A computes (the reference)."""
-    return prompts() + later_prompts() + [text for text, _, _ in exact_prompts().values()]
+    return (prompts() + later_prompts() + [text for text, _, _ in exact_prompts().values()]
+            + list(tail_prompts().values()))
 
 
 def offload(store: Path | None, **remote) -> dict:
@@ -109,13 +118,16 @@ def expected(reference, texts: list[str]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def second_host(model, redis_server, first_host, tmp_path_factory) -> dict:
     """Host B: its own empty store, the same Redis; then ``head_prompt`` and each of
-    ``exact_prompts`` alone, vLLM's own prefix cache reset before each."""
+    ``exact_prompts`` and ``tail_prompts`` alone, vLLM's own prefix cache reset before
+    each."""
     store = tmp_path_factory.mktemp("host-b") / "store"
     phases = [{"name": "remote", "prompts": prompts()},
               {"name": "cpu", "prompts": prompts(), "reset_prefix_cache": True},
               {"name": "head", "prompts": [head_prompt()]},
               *[{"name": f"exact-{case}", "prompts": [text], "reset_prefix_cache": True}
-                for case, (text, _, _) in exact_prompts().items()]]
+                for case, (text, _, _) in exact_prompts().items()],
+              *[{"name": f"tail-{n}", "prompts": [text], "reset_prefix_cache": True}
+                for n, text in tail_prompts().items()]]
     out = run_in_subprocess(spec(model, offload(store, remote_url=redis_server.url), phases),
                             tmp_path_factory.mktemp("run-b"))
     out["store"] = store
@@ -156,6 +168,25 @@ def test_remote_tier_serves_a_final_whole_chunk_but_its_last_token(second_host, 
     assert hits["kv_offload_hit_tokens_total{tier=cpu}"] == from_cpu
     assert hits["kv_offload_hit_tokens_total{tier=remote}"] == n - 1 - from_cpu
     assert hits.get("kv_offload_tail_hit_tokens_total{}", 0) == 0
+    assert phase["metrics"]["hits_disk"] == 0
+
+
+@pytest.mark.parametrize("n", list(tail_prompts()))
+def test_remote_tier_serves_a_request_tail_to_the_last_token_but_one(second_host, reference,
+                                                                      n):
+    """Request tails from the remote tier (issue 33): host A stored each prompt's tail
+    (the tokens past its last whole chunk) in Redis with a record under its parent; host
+    B, which never saw the prompt, loads its whole chunks and its tail from Redis, N - 1
+    tokens, and its greedy tokens equal recompute. Without tails on the remote tier it
+    loaded the whole chunks only (N - 1 - (N - 1) % 64 tokens; none for N = 45)."""
+    text = tail_prompts()[n]
+    phase = next(p for p in second_host["phases"] if p["name"] == f"tail-{n}")
+    assert phase["tokens"] == expected(reference, [text])
+    assert phase["metrics"]["external_hits"] == n - 1
+    hits = phase["kv_offload"]
+    assert hits["kv_offload_hit_tokens_total{tier=remote}"] == n - 1
+    assert hits.get("kv_offload_hit_tokens_total{tier=cpu}", 0) == 0
+    assert hits["kv_offload_tail_hit_tokens_total{}"] == (n - 1) % CHUNK
     assert phase["metrics"]["hits_disk"] == 0
 
 

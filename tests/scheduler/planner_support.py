@@ -1,5 +1,7 @@
 """Builders shared by the planner tests: fake requests with chained hashes, schedulers."""
 
+import time
+
 from kv_offload.jobs import WorkerReport
 from kv_offload.scheduler import OffloadScheduler, PlannerConfig
 from kv_offload.testing.requests import FakeRequest
@@ -23,13 +25,13 @@ def skipping(req: FakeRequest, attribute: str, value: bool = True) -> FakeReques
 
 
 def make_scheduler(*, num_ranks=1, num_cpu_slots=16, disk_index=None, blocks=None,
-                   remote=None, partial_hits=False):
+                   remote=None, partial_hits=False, clock=time.monotonic):
     blocks = blocks if blocks is not None else {}
     config = PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
                            num_ranks=num_ranks, num_cpu_slots=num_cpu_slots,
                            partial_hits=partial_hits)
     sched = OffloadScheduler(config, tiers=secondary_tiers(disk_index, remote),
-                             block_ids_of=lambda rid: blocks[rid])
+                             block_ids_of=lambda rid: blocks[rid], clock=clock)
     return sched, blocks
 
 

@@ -119,7 +119,8 @@ def schedule(sched, blocks, req):
 def test_the_remote_tier_is_announced_remote_and_withdrawn_on_reset():
     never_asked = SimpleNamespace(close=lambda: None)  # lookups bound at start, unused
     remote = SimpleNamespace(close=lambda: None, health=SimpleNamespace(num_failures=0),
-                             async_lookups=lambda clock: never_asked)
+                             async_lookups=lambda clock, **kwargs: never_asked,
+                             tail_records=lambda: SimpleNamespace(tails_many=None))
     sched, blocks = make_scheduler(remote=remote)
     events = tier_events()
     connect(sched, events)

@@ -11,6 +11,7 @@ remote write finished; a chunk gone between lookup and load is recomputed.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from planner_support import make_request, make_scheduler, store_request
@@ -19,6 +20,8 @@ from kv_offload.jobs import WorkerReport
 from kv_offload.remote.health import RemoteHealth
 from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.scheduler import SlotState
+from kv_offload.scheduler.tails import tail_key
+from kv_offload.testing.clock import FakeClock
 from kv_offload.testing.tiers import fill_of, key_in
 
 
@@ -31,6 +34,8 @@ class FakeRemote:
         self.down = False
         self.health = RemoteHealth("fake")
         self.closed = False
+        self.tails: dict[bytes, list] = {}  # parent -> [(key, tokens)] (FakeTails)
+        self.gate: threading.Event | None = None  # set: tails questions wait for it
 
     def lookup(self, keys) -> int:
         self.calls += 1
@@ -47,12 +52,39 @@ class FakeRemote:
     def lookup_many(self, requests) -> list[int]:
         return [self.lookup(keys) for keys in requests]
 
-    def async_lookups(self, *, clock) -> RemoteLookups:
-        self.lookups = RemoteLookups(self, budget_s=10.0, clock=clock, num_threads=1)
-        return self.lookups
+    def async_lookups(self, *, clock, **kwargs) -> RemoteLookups:
+        kwargs.setdefault("num_threads", 1)
+        made = RemoteLookups(self, budget_s=10.0, clock=clock, **kwargs)
+        if "fetch" not in kwargs:
+            self.lookups = made
+        else:
+            self.tail_lookups = made
+        return made
+
+    def tail_records(self) -> FakeTails:
+        return FakeTails(self)
 
     def close(self) -> None:
         self.closed = True
+
+
+class FakeTails:
+    """The tails' records of a ``FakeRemote`` (``RemoteTails``): parent -> (key, tokens),
+    a tail loadable while its key is in ``remote.keys``."""
+
+    def __init__(self, remote: FakeRemote) -> None:
+        self.remote = remote
+
+    def tails_many(self, questions) -> list[dict]:
+        if self.remote.gate is not None:
+            self.remote.gate.wait(30)
+        return [{bytes(p): [t for t in self.remote.tails.get(bytes(p), [])
+                            if t[0] in self.remote.keys] for p in q} for q in questions]
+
+    def write(self, records, *, stamp: int) -> bool:
+        for parent, key, tokens in records:
+            self.remote.tails.setdefault(parent, []).append((key, tuple(tokens)))
+        return True
 
 
 def remote_scheduler(remote, **kwargs):
@@ -231,6 +263,16 @@ def test_the_lookup_threads_stop_with_the_scheduler():
     assert remote.closed and not remote.lookups.running
 
 
+def test_the_tails_lookup_thread_starts_with_the_engine_and_stops_with_it():
+    """Like the chunks' (test_planner_remote_start): the first tails question pays no
+    thread start nor connection set-up within its budget."""
+    remote = FakeRemote()
+    sched, _ = remote_scheduler(remote, partial_hits=True)
+    assert remote.tail_lookups.running, "started at bind, before any question"
+    sched.close()
+    assert not remote.tail_lookups.running
+
+
 def test_a_prompt_ending_with_a_whole_chunk_is_served_it_from_the_remote_tier_in_part():
     """Issue 33: the remote tier is asked for the whole chunk a prompt ends with too, and
     serves it up to the prompt's last token but one (the CPU and disk tiers do so by
@@ -297,3 +339,102 @@ def _published(sched, key) -> int:
     sched.cpu.publish(slot)
     sched.cpu.unpin([slot])
     return slot
+
+
+def _store_with_tail(sched, blocks, req, block_ids, *, ranks_ok):
+    """Schedule ``req`` (ending inside a chunk) fully; every rank copies its stores, and
+    the remote writes of its tail succeed on the ranks in ``ranks_ok`` (of 2). Returns
+    the tail's key."""
+    blocks[req.request_id] = block_ids
+    plan = sched.plan_step([(req.request_id, req.num_tokens)])
+    chunks = [j for j in plan.stores if j.audited]  # none when the CPU tier holds them
+    (tail,) = [j for j in plan.stores if not j.audited]
+    sched.on_report(WorkerReport(host_stored={j.job_id: 2 for j in plan.stores}))
+    sched.on_report(WorkerReport(written={j.job_id: {"remote": {
+        r: (True,) * len(j.chunks) for r in range(2)}} for j in chunks}))
+    (move,) = tail.chunks
+    assert key_in(move) is not None, "a request tail is written to the remote tier"
+    sched.on_report(WorkerReport(written={tail.job_id: {"remote": {
+        r: (True,) if r in ranks_ok else (None,) for r in range(2)}}}))
+    assert sched.tier("remote").wait_tails_written()
+    return key_in(move)
+
+
+def test_a_request_tail_is_recorded_remotely_only_after_every_rank_wrote_it():
+    """The record that makes a remote tail findable names tokens whose KV every rank's
+    value holds: a tail one rank failed to write gets no record (a record without it
+    would serve that rank's missing KV); one all ranks wrote does."""
+    remote = FakeRemote()
+    sched, blocks = remote_scheduler(remote, num_ranks=2, partial_hits=True)
+    first = make_request("a", list(range(20)))  # 2 whole chunks, a tail of 4 tokens
+    matched(sched, first)
+    _store_with_tail(sched, blocks, first, [0, 1, 2, 3, 4], ranks_ok={0})
+    assert remote.tails == {}, "rank 1 did not write it: no record"
+    second = make_request("b", list(range(16)) + [50, 51, 52])
+    matched(sched, second)
+    key = _store_with_tail(sched, blocks, second, [5, 6, 7, 8, 9], ranks_ok={0, 1})
+    assert remote.tails == {second.block_hashes[3]: [(key, (50, 51, 52))]}
+    assert sched.counters.chunks_stored_remote == 3  # two chunks, the second tail
+    assert sched.counters.tails_stored == 2, "both are in the CPU tier"
+
+
+def test_a_remote_tail_is_pending_then_served_to_the_last_token_but_one(disk_index):
+    """Issue 33 on the remote tier: another host stored a 20-token prompt (two chunks and
+    a tail of 4 tokens) in Redis; this one asks for its chunks and, alongside (pending:
+    vLLM asks again next step), for the tails of the last chunk, and loads 19 tokens from Redis, the
+    tail staged into the CPU tier and filled into the local disk with its record (found
+    there by its parent after a restart)."""
+    remote = FakeRemote()
+    writer_sched, blocks = remote_scheduler(remote, num_ranks=2, partial_hits=True)
+    writer = make_request("w", list(range(20)))
+    matched(writer_sched, writer)
+    key = _store_with_tail(writer_sched, blocks, writer, [0, 1, 2, 3, 4], ranks_ok={0, 1})
+    remote.keys.update([writer.block_hashes[1], writer.block_hashes[3], key])
+    sched, _ = remote_scheduler(remote, num_ranks=2, partial_hits=True, disk_index=disk_index)
+    reader = make_request("r", list(range(20)))
+    answer, pending = matched(sched, reader)
+    assert answer == 19 and pending >= 1, "the chunks' and the tail's answers are awaited"
+    assert sched.num_matched_tokens(reader, 0) == 19, "memoised"
+    sched.plan_load(reader, [10, 11, 12, 13, 14], 19)
+    assert sched.hit_tokens_by_tier("r") == {"remote": 19}
+    assert sched.counters.hit_tokens_tail == 3
+    (load,) = sched.plan_step([]).loads
+    assert [key_in(m) for m in load.chunks] == [writer.block_hashes[1],
+                                                 writer.block_hashes[3], key]
+    assert all(fill_of(m) is not None for m in load.chunks)
+    sched.on_report(WorkerReport(loaded={load.job_id: {0: frozenset(), 1: frozenset()}}))
+    sched.on_report(WorkerReport(written={load.job_id: {"disk": {0: (1, 2, 3), 1: (4, 5, 6)}}}))
+    sched.plan_step([])
+    disk = sched.tier("disk")
+    assert disk.tails_of("x", writer.block_hashes[3]) == [(key, (16, 17, 18, 19))]
+
+
+def test_a_remote_tail_is_not_served_when_the_tails_answer_times_out():
+    """The tails question keeps the lookup budget: past it, the request loads its whole
+    chunks only (a miss for the tail), and is never held longer."""
+    remote = FakeRemote()
+    clock = FakeClock()
+    sched, _ = remote_scheduler(remote, partial_hits=True, clock=clock)
+    req = make_request("r", list(range(20)))
+    tail = tail_key(req.block_hashes[3], (16, 17, 18, 19))
+    remote.keys.update([req.block_hashes[1], req.block_hashes[3], tail])
+    remote.tails[req.block_hashes[3]] = [(tail, (16, 17, 18, 19))]  # served 19 if asked
+    remote.gate = threading.Event()  # the tails' round trip does not come back
+    answer = None
+    for _ in range(10_000):  # vLLM's steps; the chunks' answer arrives on its own
+        answer = sched.num_matched_tokens(req, 0)
+        if answer is not None:
+            break
+        clock.now += 0.05  # the budget: 10 s
+        time.sleep(0.001)
+    assert answer == 16, "the tail's question timed out: whole chunks only"
+    remote.gate.set()
+    assert sched.num_matched_tokens(req, 0) == 16, "a miss, also once the answer came"
+    # The round trip held past the budget marks the tails' questions slow: the next is
+    # skipped (a miss at once) and its probe, answered in time, ends that.
+    for _ in range(100):
+        sched.request_finished("r")
+        if matched(sched, make_request("r", list(range(20))))[0] == 19:
+            break
+        time.sleep(0.01)
+    assert sched.num_matched_tokens(req, 0) == 19, "the timed-out miss was forgotten"

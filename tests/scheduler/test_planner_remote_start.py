@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 from planner_support import BLOCK, CHUNK, make_request
 
@@ -56,8 +57,12 @@ class SlowToConnect:
             out.append(hits)
         return out
 
-    def async_lookups(self, *, clock) -> RemoteLookups:
-        return RemoteLookups(self, budget_s=BUDGET, clock=clock, num_threads=1)
+    def async_lookups(self, *, clock, **kwargs) -> RemoteLookups:
+        kwargs.setdefault("num_threads", 1)
+        return RemoteLookups(self, budget_s=BUDGET, clock=clock, **kwargs)
+
+    def tail_records(self):  # no request tails here (partial_hits off)
+        return SimpleNamespace(tails_many=lambda questions: [{} for _ in questions])
 
     def close(self) -> None:
         pass

@@ -4,7 +4,11 @@ and the in-memory test tier (``test_memory_tier``), both halves together, two ra
 What the planner relies on: a reserved place is invisible until every rank wrote it and
 ``written`` committed it; a rank's failed write, or a chunk named ``failed``, is never
 committed; what is found reads back the bytes each rank wrote; a tier turned off finds
-and reserves nothing while what was handed out is still released.
+and reserves nothing while what was handed out is still released. A tier that keeps
+request tails (all three) finds a noted tail by its parent once every rank wrote it,
+answering ``tails_of`` at once or pending first (the remote tier), and then ``find``s
+it at once; ``expect_tails`` (a hint) changes no answer, and on the remote tier one
+question answers every expected parent.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kv_offload.disk.tier import DiskTier
 from kv_offload.remote import RemoteTarget, RemoteTier
 from kv_offload.remote.index import RemoteIndex
 from kv_offload.remote.io import RemoteIO
+from kv_offload.scheduler.tails import tail_key
 
 SLOT_BYTES, RANKS = 256, 2
 NS = "c0417ac7" * 4
@@ -176,3 +181,56 @@ def test_a_disabled_tier_finds_and_reserves_nothing_and_still_releases(tier):
     assert tier.scheduler.reserve([key(13)]) == [None]
     tier.scheduler.release([p for p in places if p is not None])  # jobs in flight end
     tier.scheduler.end_step()
+
+
+def tails_of(tier: Tier, parent: bytes, until: int) -> list:
+    """``tails_of`` until it answers with ``until`` tails (the remote tier answers off the
+    calling thread, and writes its records on a thread of its own); each try a new
+    question."""
+    deadline = time.monotonic() + 30  # bounds a hang only
+    while True:
+        found = tier.scheduler.tails_of("r/tail", parent)
+        if found is not None:
+            tier.scheduler.forget("r/tail")
+            if len(found) >= until:
+                return list(found)
+        assert time.monotonic() < deadline, "tails_of never answered"
+        time.sleep(0.001)
+
+
+def test_a_request_tail_is_found_by_its_parent_once_every_rank_wrote_it(tier):
+    parent = key(20)
+    lost, kept = (parent, (1, 2, 3)), (parent, (1, 2, 3, 4))
+    lost_key, kept_key = tail_key(*lost), tail_key(*kept)
+    tier.scheduler.note_tail(lost_key, *lost)
+    assert store(tier, [lost_key], failing_rank=1) == 0
+    tier.scheduler.note_tail(kept_key, *kept)
+    assert store(tier, [kept_key]) == 1
+    assert tails_of(tier, parent, until=1) == [(kept_key, (1, 2, 3, 4))], \
+        "a tail one rank did not write is never reported"
+    while tier.scheduler.tails_of("s/tail", parent) is None:
+        time.sleep(0.001)
+    assert len(tier.scheduler.find("s/tail", [kept_key])) == 1, "found at once"
+    assert tails_of(tier, key(21), until=0) == []
+
+
+def test_expected_tails_are_answered_by_tails_of_as_without_the_hint(tier):
+    """``expect_tails`` is a hint (the planner's, while a chunk question is pending): a
+    tier answers ``tails_of`` of each expected parent as it would have without it; the
+    remote tier asks for them all in one question, so once one is answered the others
+    are too, at once, and ``find`` of a tail it reported answers at once."""
+    parent, bare = key(22), key(23)
+    kept = tail_key(parent, (5, 6, 7))
+    tier.scheduler.note_tail(kept, parent, (5, 6, 7))
+    assert store(tier, [kept]) == 1
+    assert tails_of(tier, parent, until=1) == [(kept, (5, 6, 7))]  # its record is there
+    tier.scheduler.expect_tails("e/tail", [bare, parent, bare])
+    deadline = time.monotonic() + 30  # bounds a hang only
+    while (found := tier.scheduler.tails_of("e/tail", parent)) is None:
+        assert time.monotonic() < deadline, "tails_of never answered"
+        time.sleep(0.001)
+    assert list(found) == [(kept, (5, 6, 7))]
+    assert tier.scheduler.tails_of("e/tail", bare) == [], "answered with it"
+    assert len(tier.scheduler.find("e/tail", [kept])) == 1, "found at once"
+    tier.scheduler.expect_tails("e/tail", [parent])  # answered already: nothing asked
+    assert list(tier.scheduler.tails_of("e/tail", parent)) == [(kept, (5, 6, 7))]

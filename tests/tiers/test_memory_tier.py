@@ -77,8 +77,11 @@ class MemoryTier:
     def forget(self, asker: str) -> None:
         pass
 
-    def tails_of(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+    def tails_of(self, asker: str, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
         return list(self.tails.get(parent, {}).items())
+
+    def expect_tails(self, asker: str, parents: Sequence[bytes]) -> None:
+        pass  # tails_of answers at once
 
     def note_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
         self.notes[key] = (parent, tokens)
