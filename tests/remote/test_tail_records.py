@@ -173,3 +173,31 @@ def test_a_tails_question_past_the_budget_is_a_miss():
     assert lookups.ask("s/tail", (PARENT,)) is None
     lookups.run_once()
     assert lookups.ask("s/tail", (PARENT,)) == [(b"k", (1,))]
+
+
+def test_a_server_that_refuses_the_tails_commands_keeps_serving_chunks(server):
+    """ACLs (or a managed service) may refuse the hash commands of the tails' records:
+    then no tail is kept remotely, and the tier stays up. Such a refusal was counted as
+    a failed call: the tier backed off (up to 30 s, again at every tail), and every chunk
+    lookup meanwhile answered a miss on a server that held the chunks."""
+    server.cli("acl", "setuser", "nohash", "on", ">pw", "~*", "+@all", "-@hash")
+    tier = RemoteTier(RemoteTarget(server.url.replace("redis://", "redis://nohash@"),
+                                   password="pw"), namespace=NS, num_ranks=RANKS,
+                      payload_bytes=SLOT, timeout_s=2.0, key_prefix=PREFIX,
+                      lookup_budget_s=10.0)
+    index = RemoteIndex(tier)
+    index.bind(SchedulerCounters(), time.monotonic)
+    try:
+        chunk = b"C" * 32
+        write_values(tier, chunk)
+        store_tail(index, PARENT, (1, 2, 3))  # its record is refused
+        assert tails_of(index, PARENT)[0] == []  # so is the question
+        assert tier.health.up and tier.health.num_failures == 0
+        deadline = time.monotonic() + 30  # bounds a hang only
+        while (found := index.find("r", [chunk])) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert [p.address for p in found] == [chunk], "the chunks are still found"
+    finally:
+        index.close()
+        server.cli("acl", "deluser", "nohash")
