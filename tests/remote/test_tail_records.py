@@ -155,6 +155,22 @@ def test_inspect_counts_tail_records(index, server):
     assert ns["tails"] == 3 and ns["chunks"] == 3, "tail values counted as chunks, records apart"
 
 
+def test_inspect_counts_the_tails_whose_values_are_there_not_every_record(index, server):
+    """A record outlives its values when the server evicts them (LRU: each lookup reads
+    the records, not the values): such a tail is gone, and ``inspect`` counted the
+    records: "2 chunks ..., 2 of them request tails" of a server holding a chunk and
+    (one rank of) one tail."""
+    store_tail(index, PARENT, (1,))
+    lost = store_tail(index, PARENT, (2,))
+    write_values(index.remote, b"C" * 32)  # a chunk
+    for rank in range(RANKS):
+        server.cli("del", index.remote.name(lost, rank).decode())
+    server.cli("del", index.remote.name(tail_key(PARENT, (1,)), 0).decode())  # one rank
+    (ns,) = inspect_remote(RemoteTarget(server.url), key_prefix=PREFIX)["namespaces"]
+    assert ns["chunks"] == 2 and ns["partial"]
+    assert ns["tails"] == 1, "the tail some rank still holds; not the one the server lost"
+
+
 def test_a_tails_question_past_the_budget_is_a_miss():
     """The tails question keeps the lookups' rules: past its budget, [] (not a wait)."""
 
