@@ -1,8 +1,9 @@
 """What a Redis/Valkey server holds for kv-offload: namespaces, chunks, bytes, server state.
 
-Read-only (SCAN, STRLEN, HLEN, GET, INFO); safe while engines run. Request tails are
-counted by their records (``<prefix>:{<namespace>:<parent>}:tails``, one field per
-tail); their values are chunk values like any other. Used by
+Read-only (SCAN, STRLEN, HKEYS, GET, INFO); safe while engines run. Request tails are
+the chunks named by a record (``<prefix>:{<namespace>:<parent>}:tails``, one field per
+tail): their values are chunk values like any other, and a record whose values the
+server evicted counts no tail. Used by
 ``kv-offload inspect --remote``. Namespaces are named by the descriptor that each
 engine's scheduler publishes at start (``<prefix>:meta:<namespace>``); a descriptor the
 server evicted shows as unknown.
@@ -64,19 +65,23 @@ def inspect_remote(target: RemoteTarget, *, key_prefix: str, namespace: str | No
             tail_hashes.append((name, tails["ns"].decode()))
     if batch:
         flush()
-    for at in range(0, len(tail_hashes), 1000):  # records: one per tail (HLEN)
+    tail_keys: dict[str, set[bytes]] = {}  # namespace -> recorded tails (key hex)
+    for at in range(0, len(tail_hashes), 1000):  # records: one field per tail (HKEYS)
         pipe = client.pipeline(transaction=False)
         for name, _ in tail_hashes[at:at + 1000]:
-            pipe.hlen(name)
-        for (_, ns_id), count in zip(tail_hashes[at:at + 1000], pipe.execute()):
-            ns_entry(ns_id)["tails"] += int(count)
+            pipe.hkeys(name)
+        for (_, ns_id), fields in zip(tail_hashes[at:at + 1000], pipe.execute()):
+            ns_entry(ns_id)
+            tail_keys.setdefault(ns_id, set()).update(bytes(f).hex().encode() for f in fields)
+    for ns_id, keys in tail_keys.items():  # a record whose values are gone holds no tail
+        found[ns_id]["tails"] = len(keys & found[ns_id]["chunks"])
     namespaces = []
     for ns_id, ns in sorted(found.items()):
         raw = client.get(meta_key(key_prefix, ns_id))
         namespaces.append({
             "namespace_id": ns_id, "values": ns["values"], "bytes": ns["bytes"],
             "chunks": len(ns["chunks"]), "num_ranks": ns["num_ranks"],
-            "tails": ns["tails"],  # request tails recorded (their values count as chunks)
+            "tails": ns["tails"],  # chunks that are recorded request tails
             # Some ranks' values were evicted: those chunks miss until stored again.
             "partial": ns["values"] != len(ns["chunks"]) * ns["num_ranks"],
             "descriptor": json.loads(raw) if raw else None})

@@ -105,6 +105,7 @@ class RemoteTier:
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._use_script = True
+        self._commands_refused = False  # ``pipeline``'s commands (tails' records)
         self._cluster = ClusterCounter()
         # key_name's parts, precomputed: lookups name every rank of every chunk.
         self._name_head = f"{key_prefix}:{{{namespace}:".encode()
@@ -198,10 +199,12 @@ class RemoteTier:
         """Send single-key commands (the key second, as in ``HGETALL name``) in one round
         trip (per cluster node: each command to its key's node) and return the raw
         replies in order; None on any failure or while backing off (recorded like any
-        call's). Blocks: lookup and writer threads only."""
+        call's). A server that refuses these commands (ACLs, a managed service) is not
+        failing: logged once, then None without a call (the tier stays up for its
+        chunks). Blocks: lookup and writer threads only."""
         if not commands:
             return []
-        if not self.health.should_try():
+        if self._commands_refused or not self.health.should_try():
             return None
         try:
             client = self._get_client()
@@ -221,6 +224,11 @@ class RemoteTier:
             if _is_redirect(exc):  # resharded: refresh the topology, no backoff
                 self.close()
                 self.health.record_success()
+            elif _refused(exc):
+                self._commands_refused = True
+                logger.info("kv-offload: the remote server refuses the request tails' "
+                            "commands (%s); tails are not kept in the remote tier", exc)
+                self.health.record_success()  # it answered (ends a probe too)
             else:
                 self._failed(exc)
             return None
@@ -353,6 +361,17 @@ class RemoteTier:
                         redis_node.connection_pool.disconnect(inuse_connections=False)
             with contextlib.suppress(Exception):
                 client.close()
+
+
+def _refused(exc: Exception) -> bool:
+    """An error reply that says the server will never run the command for us (ACLs, a
+    command a managed service lacks); not a passing state (-OOM, -MISCONF, -BUSY...),
+    which is a failed call."""
+    from redis.exceptions import NoPermissionError, ResponseError
+
+    text = str(exc).lower()
+    return isinstance(exc, NoPermissionError) or (isinstance(exc, ResponseError) and any(
+        s in text for s in ("noperm", "no permissions", "unknown command")))
 
 
 def _is_redirect(exc: Exception) -> bool:

@@ -133,7 +133,8 @@ class SchedulerHarness:
                  connector_reset: str = "cpu", windows: tuple[int, ...] = (),
                  mamba: bool = False, model_runner: str | None = None,
                  max_num_inflight_kv_loads: int | None = None, sync_load_budget_ms: float = 20.0,
-                 partial_hits: bool = True, extra_tiers: tuple[str, ...] = ()) -> None:
+                 partial_hits: bool = True, extra_tiers: tuple[str, ...] = (),
+                 remote_url: str | None = None) -> None:
         """``copy_thread``: the worker copies loads on its copy thread, as with a CUDA
         engine (the default: a copy's delay is what races); False: on vLLM's thread, as
         with the CPU backend's synchronous engine. ``connector_reset``: the option of that
@@ -145,7 +146,8 @@ class SchedulerHarness:
         model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on).
         ``max_num_inflight_kv_loads``: vLLM's option of that name (0.34 on), which lets
         loads the connector says may be asynchronous start while the batch is full.
-        ``partial_hits``, ``extra_tiers``: the options of those names."""
+        ``partial_hits``, ``extra_tiers``, ``remote_url``: the options of those names (a
+        remote tier's lookups run on real threads: vLLM is told to ask again meanwhile)."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
@@ -171,7 +173,8 @@ class SchedulerHarness:
             load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1,
             cpu_background_stores=background_stores, connector_reset=connector_reset,
             sync_load_budget_ms=sync_load_budget_ms, partial_hits=partial_hits,
-            extra_tiers=list(extra_tiers) or None)
+            extra_tiers=list(extra_tiers) or None, remote_url=remote_url,
+            remote_lookup_budget_ms=5000.0)  # answers come in real time; steps are fast
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)

@@ -155,6 +155,22 @@ def test_inspect_counts_tail_records(index, server):
     assert ns["tails"] == 3 and ns["chunks"] == 3, "tail values counted as chunks, records apart"
 
 
+def test_inspect_counts_the_tails_whose_values_are_there_not_every_record(index, server):
+    """A record outlives its values when the server evicts them (LRU: each lookup reads
+    the records, not the values): such a tail is gone, and ``inspect`` counted the
+    records: "2 chunks ..., 2 of them request tails" of a server holding a chunk and
+    (one rank of) one tail."""
+    store_tail(index, PARENT, (1,))
+    lost = store_tail(index, PARENT, (2,))
+    write_values(index.remote, b"C" * 32)  # a chunk
+    for rank in range(RANKS):
+        server.cli("del", index.remote.name(lost, rank).decode())
+    server.cli("del", index.remote.name(tail_key(PARENT, (1,)), 0).decode())  # one rank
+    (ns,) = inspect_remote(RemoteTarget(server.url), key_prefix=PREFIX)["namespaces"]
+    assert ns["chunks"] == 2 and ns["partial"]
+    assert ns["tails"] == 1, "the tail some rank still holds; not the one the server lost"
+
+
 def test_a_tails_question_past_the_budget_is_a_miss():
     """The tails question keeps the lookups' rules: past its budget, [] (not a wait)."""
 
@@ -173,3 +189,31 @@ def test_a_tails_question_past_the_budget_is_a_miss():
     assert lookups.ask("s/tail", (PARENT,)) is None
     lookups.run_once()
     assert lookups.ask("s/tail", (PARENT,)) == [(b"k", (1,))]
+
+
+def test_a_server_that_refuses_the_tails_commands_keeps_serving_chunks(server):
+    """ACLs (or a managed service) may refuse the hash commands of the tails' records:
+    then no tail is kept remotely, and the tier stays up. Such a refusal was counted as
+    a failed call: the tier backed off (up to 30 s, again at every tail), and every chunk
+    lookup meanwhile answered a miss on a server that held the chunks."""
+    server.cli("acl", "setuser", "nohash", "on", ">pw", "~*", "+@all", "-@hash")
+    tier = RemoteTier(RemoteTarget(server.url.replace("redis://", "redis://nohash@"),
+                                   password="pw"), namespace=NS, num_ranks=RANKS,
+                      payload_bytes=SLOT, timeout_s=2.0, key_prefix=PREFIX,
+                      lookup_budget_s=10.0)
+    index = RemoteIndex(tier)
+    index.bind(SchedulerCounters(), time.monotonic)
+    try:
+        chunk = b"C" * 32
+        write_values(tier, chunk)
+        store_tail(index, PARENT, (1, 2, 3))  # its record is refused
+        assert tails_of(index, PARENT)[0] == []  # so is the question
+        assert tier.health.up and tier.health.num_failures == 0
+        deadline = time.monotonic() + 30  # bounds a hang only
+        while (found := index.find("r", [chunk])) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert [p.address for p in found] == [chunk], "the chunks are still found"
+    finally:
+        index.close()
+        server.cli("acl", "deluser", "nohash")
