@@ -8,11 +8,10 @@ thread pools are ``StepExecutor``s and its clock is the harness's, so a seeded r
 deterministic; ``Faults`` injects slow reads (held past ``load_timeout_s``), corrupt and
 failing disk reads, engine copy failures and a full disk (ENOSPC) from a seeded RNG.
 
-``mamba=True`` adds a mamba group in vLLM's "align" mode (states at block boundaries,
-handed to the connector as ``boundary_state_offloads``). kv-offload's engine check refuses
-mamba hybrids (``engine_info.refuse_mamba_hybrids``: vLLM's CPU backend cannot run them
-with prefix caching); the harness replaces that one check, so its runs prove the state
-entries at the scheduler level only.
+``mamba=True`` adds a mamba group in vLLM's "align" mode (states at block boundaries, as
+``boundary_state_offloads``); the harness replaces the one engine check that refuses mamba
+hybrids (``engine_info.refuse_mamba_hybrids``), so it proves state entries at the
+scheduler level only.
 
 ``check_idle()`` lists what is left over once every request finished: stuck requests,
 blocks of vLLM's pool, pins, reservations and jobs on either side, CPU or disk slots
@@ -119,9 +118,8 @@ class _FaultyEngine:
 class SchedulerHarness:
     """One engine: vLLM's scheduler, kv-offload on both sides, a fake model runner.
 
-    ``add``/``abort``/``reset_prefix_cache`` act between steps, as the engine core
-    does; ``step`` is one engine-core step (with the batch queue of two when
-    ``async_scheduling``); ``run`` steps until nothing is left or ``max_steps``.
+    ``add``/``abort``/``reset_prefix_cache`` act between steps; ``step`` is one engine-core
+    step (a batch queue of two with ``async_scheduling``); ``run`` steps until done.
     """
 
     def __init__(self, tmp_path: Path, *, async_scheduling: bool = False, num_blocks: int = 64,
@@ -146,8 +144,7 @@ class SchedulerHarness:
         model runner, "v1" or "v2" (None: the installed vLLM's, V2 from 0.34 on).
         ``max_num_inflight_kv_loads``: vLLM's option of that name (0.34 on), which lets
         loads the connector says may be asynchronous start while the batch is full.
-        ``partial_hits``, ``extra_tiers``, ``remote_url``: the options of those names (a
-        remote tier's lookups run on real threads: vLLM is told to ask again meanwhile)."""
+        ``partial_hits``, ``extra_tiers``, ``remote_url``: the options of those names."""
         self.copy_thread = copy_thread
         self.block_size, self.chunk_tokens = block_size, 2 * block_size
         self.faults, self.rng = faults, random.Random(faults.seed)
