@@ -4,7 +4,9 @@ A load is READING while its disk and remote reads (and the reads of jobs it shar
 chunks with) run; its engine copy moves it to COPYING, then DONE. A load still READING
 past the worker's timeout, or when vLLM takes the KV cache away (the worker's pause), is
 CANCELLED: all its blocks are reported failed at once and its copy never runs. The
-worker changes a load's phase under its own lock only.
+worker changes a load's phase under its own lock only. With a synchronous engine (the CPU
+backend) the chunks already read of a READING load may be copied before the rest
+(``copied``); the copy then takes the others.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class WorkerLoad:
     phase: WorkerLoadPhase = WorkerLoadPhase.READING
     failed: set[int] = field(default_factory=set)  # chunk indexes not loaded
     bad_reads: set[int] = field(default_factory=set)  # staged reads that failed
+    copied: set[int] = field(default_factory=set)  # copied while the job still read
     reported_to_vllm: bool = False
 
     def sort_rows(self, reads: dict[int, Future[bool]],
@@ -70,6 +73,19 @@ class WorkerLoad:
         rows = [i for i, m in enumerate(chunks)
                 if m.cpu_slot is not None and m.source is None]
         self.failed.update(set(range(len(chunks))) - set(rows))
+        return rows
+
+    def landed_rows(self, reads: dict[int, Future[bool]], at_least: int = 1) -> list[int]:
+        """The chunk indexes whose own read succeeded and that were not copied yet, while
+        the job still reads others, if there are ``at_least`` of them; marks them copied
+        (the caller copies them now)."""
+        if self.phase is not WorkerLoadPhase.READING:
+            return []
+        rows = [i for i, read in reads.items()
+                if i not in self.copied and read.done() and succeeded(read)]
+        if len(rows) < at_least:
+            return []
+        self.copied.update(rows)
         return rows
 
     def copy_arrays(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

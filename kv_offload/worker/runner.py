@@ -62,6 +62,10 @@ INLINE_LOAD_MAX_BYTES = 256 << 20
 """Most load bytes (per rank) a synchronous engine copies on vLLM's thread in one call:
 ~15-30 ms at this machine's copy speed, a stall of every running request's step that more
 would stretch; larger loads, and loads past it, use the copy thread."""
+LANDED_COPY_MIN_BYTES = 4 << 20
+"""Fewest bytes of read chunks (or a quarter of the load's reads, if less) a synchronous
+engine copies while their load still reads (``_copy_landed``): fewer copy calls, each of
+which holds the GIL the I/O threads need between their reads."""
 IDLE_STEP_WAIT_S = 0.005
 """Longest an idle ``poll`` (no forward this step) waits for a load in flight, which it then
 reports at once; a request arriving meanwhile is scheduled at most this much later."""
@@ -145,6 +149,10 @@ class OffloadWorker:
         self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
+        # loads still reading whose read chunks vLLM's thread copies as they land
+        # (synchronous engine; ``_copy_landed``): job id -> (load, its reads)
+        self._landing: dict[int, tuple[WorkerLoad, dict[int, Future[bool]]]] = {}
+        self._landed_batch = max(1, LANDED_COPY_MIN_BYTES // host.slot_bytes)
         self._stores = WorkerStores(
             rank=rank, host=host, copies=self._copies, tiers=self.tiers,
             submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._tally.add,
@@ -179,6 +187,8 @@ class OffloadWorker:
                     continue
                 if move.source is not None:
                     fut = self._io.submit(self._read, move)
+                    if self.engine.synchronous:  # vLLM's thread may copy it once it lands
+                        fut.add_done_callback(lambda _: self._progress.set())
                     reads[i] = fut
                     self._staged[(job.job_id, move.cpu_slot)] = _Staged(fut)
                     needed.append(fut)
@@ -193,6 +203,8 @@ class OffloadWorker:
                 self._loads[job.job_id] = load
                 if fills:
                     self._fills[job.job_id] = fills
+                if reads and self.engine.synchronous:
+                    self._landing[job.job_id] = (load, reads)
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
         self._copy_ready()
         return all_loaded
@@ -265,15 +277,16 @@ class OffloadWorker:
         """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
         (``start_loads``, after the step's forward, and ``poll``): the blocks belong to
         requests vLLM does not schedule until the load is reported, and vLLM's cores are
-        idle here, while the I/O threads share the others."""
-        budget = INLINE_LOAD_MAX_BYTES
+        idle here, while the I/O threads share the others. First the chunks already read
+        of loads still reading (``_copy_landed``)."""
+        budget = INLINE_LOAD_MAX_BYTES - self._copy_landed(INLINE_LOAD_MAX_BYTES)
         while True:
             with self._lock:
                 if not self._ready:
                     return
                 load, reads = self._ready.popleft()
             size = self._load_bytes(load)
-            if size > budget:
+            if size > max(budget, 0):
                 self._to_copier(load, reads)
                 continue
             budget -= size
@@ -283,11 +296,37 @@ class OffloadWorker:
                 with self._lock:
                     load.future = completed()
 
+    def _copy_landed(self, budget: int) -> int:
+        """Copy into the engine the chunks whose reads ended of the loads still reading
+        (synchronous engine; vLLM's thread, which makes every copy of such a load until
+        ``_copy_ready`` takes it whole or hands it to the copy thread), so a load's copy
+        overlaps its later reads instead of following them: the I/O threads run on the
+        cores vLLM's compute does not use. The blocks belong to a request vLLM does not
+        schedule until the load is reported; a chunk copied here that the load later fails
+        is reported failed with the rest (vLLM recomputes it). Copies up to about
+        ``budget`` bytes; returns the bytes copied."""
+        if self._paused:  # no copy touches the engine's KV memory
+            return 0
+        landed: list[tuple[WorkerLoad, list[int]]] = []
+        size = 0
+        with self._lock:
+            for load, reads in self._landing.values():
+                if size >= budget:
+                    break
+                rows = load.landed_rows(reads, min(self._landed_batch, max(1, len(reads) // 4)))
+                if rows:
+                    landed.append((load, rows))
+                    size += len(rows) * self.host.slot_bytes
+        for load, rows in landed:
+            self._copy_rows(load, rows)
+        return size
+
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done; any thread): on the
         copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)."""
         if self.engine.synchronous:
             with self._lock:
+                self._landing.pop(load.job.job_id, None)
                 self._ready.append((load, reads))
             self._progress.set()
         else:
@@ -304,7 +343,9 @@ class OffloadWorker:
         future.add_done_callback(lambda _: self._progress.set())
 
     def _load_bytes(self, load: WorkerLoad) -> int:
-        return sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
+        """Bytes left to copy of ``load`` (chunks copied as they landed excluded)."""
+        return (sum(m.cpu_slot is not None for m in load.job.chunks) - len(load.copied)
+                ) * self.host.slot_bytes
 
     def _read(self, move: ChunkMove) -> bool:
         """Read ``move``'s chunk from its source tier into its host slot (read lane);
@@ -367,8 +408,9 @@ class OffloadWorker:
                              load.job.job_id)
 
     def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
-        """Copy the chunks of ``load`` whose reads succeeded into the engine."""
-        ok_rows = load.sort_rows(reads, self._wait_staged)
+        """Copy the chunks of ``load`` whose reads succeeded into the engine (those not
+        copied as they landed)."""
+        ok_rows = [i for i in load.sort_rows(reads, self._wait_staged) if i not in load.copied]
         with self._lock:
             if not load.begin_copy():
                 return
