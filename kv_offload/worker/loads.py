@@ -21,6 +21,11 @@ import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob
 
+LANDED_COPY_MIN_BYTES = 4 << 20
+"""Fewest bytes of read chunks (or a quarter of the load's reads, if less) a synchronous
+engine copies while their load still reads (``LandedChunks``): fewer copy calls, each of
+which holds the GIL the I/O threads need between their reads."""
+
 
 class WorkerLoadPhase(enum.Enum):
     """Where a load job is on one rank (the planner's ``LoadPhase`` is another machine)."""
@@ -150,6 +155,37 @@ class WorkerLoad:
         if self.phase is WorkerLoadPhase.CANCELLED:
             return frozenset(range(len(self.job.chunks)))
         return frozenset(self.failed)
+
+
+class LandedChunks:
+    """The loads still reading whose chunks a synchronous engine copies as their reads
+    land (``OffloadWorker._copy_landed``). Not thread-safe: the worker's lock guards it."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self._batch = max(1, LANDED_COPY_MIN_BYTES // slot_bytes)
+        self._loads: dict[int, tuple[WorkerLoad, dict[int, Future[bool]]]] = {}
+
+    def add(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
+        self._loads[load.job.job_id] = (load, reads)
+
+    def discard(self, job_id: int) -> None:
+        """The load's reads are all done: its copy takes the rest."""
+        self._loads.pop(job_id, None)
+
+    def take(self, budget: int) -> list[tuple[WorkerLoad, list[int]]]:
+        """The chunks to copy now, up to about ``budget`` bytes: of each load, those read
+        and not copied yet, once there are ``LANDED_COPY_MIN_BYTES`` of them or a quarter
+        of the load's reads; marks them copied."""
+        out: list[tuple[WorkerLoad, list[int]]] = []
+        size = 0
+        for load, reads in self._loads.values():
+            if size >= budget:
+                break
+            if rows := load.landed_rows(reads, min(self._batch, max(1, len(reads) // 4))):
+                out.append((load, rows))
+                size += len(rows) * self.slot_bytes
+        return out
 
 
 def completed() -> Future[None]:

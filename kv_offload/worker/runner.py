@@ -34,15 +34,15 @@ import numpy as np
 
 from kv_offload.counters import WorkerCounters, WorkerTally
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
-from kv_offload.tier_contract import Place, TierIO
+from kv_offload.tier_contract import TierIO
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.host_copies import HostCopies
 from kv_offload.worker.layer_loads import LayerWaits
 from kv_offload.worker.loads import (
+    LandedChunks,
     WorkerLoad,
     WorkerLoadPhase,
     completed,
-    succeeded,
     when_all_done,
 )
 from kv_offload.worker.stores import WorkerStores, all_done, chunk_bytes, results
@@ -62,10 +62,6 @@ INLINE_LOAD_MAX_BYTES = 256 << 20
 """Most load bytes (per rank) a synchronous engine copies on vLLM's thread in one call:
 ~15-30 ms at this machine's copy speed, a stall of every running request's step that more
 would stretch; larger loads, and loads past it, use the copy thread."""
-LANDED_COPY_MIN_BYTES = 4 << 20
-"""Fewest bytes of read chunks (or a quarter of the load's reads, if less) a synchronous
-engine copies while their load still reads (``_copy_landed``): fewer copy calls, each of
-which holds the GIL the I/O threads need between their reads."""
 IDLE_STEP_WAIT_S = 0.005
 """Longest an idle ``poll`` (no forward this step) waits for a load in flight, which it then
 reports at once; a request arriving meanwhile is scheduled at most this much later."""
@@ -149,10 +145,7 @@ class OffloadWorker:
         self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
-        # loads still reading whose read chunks vLLM's thread copies as they land
-        # (synchronous engine; ``_copy_landed``): job id -> (load, its reads)
-        self._landing: dict[int, tuple[WorkerLoad, dict[int, Future[bool]]]] = {}
-        self._landed_batch = max(1, LANDED_COPY_MIN_BYTES // host.slot_bytes)
+        self._landing = LandedChunks(host.slot_bytes)  # synchronous engine: _copy_landed
         self._stores = WorkerStores(
             rank=rank, host=host, copies=self._copies, tiers=self.tiers,
             submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._tally.add,
@@ -194,7 +187,7 @@ class OffloadWorker:
                     needed.append(fut)
                     for sink in move.sinks:
                         fills.setdefault(sink.tier, [None] * len(job.chunks))[i] = (
-                            self._fill_after(fut, move.cpu_slot, sink))
+                            self._stores.fill_after(fut, move.cpu_slot, sink))
                 elif move.after_job is not None:
                     staged = self._staged.get((move.after_job, move.cpu_slot))
                     if staged is not None:
@@ -204,7 +197,7 @@ class OffloadWorker:
                 if fills:
                     self._fills[job.job_id] = fills
                 if reads and self.engine.synchronous:
-                    self._landing[job.job_id] = (load, reads)
+                    self._landing.add(load, reads)
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
         self._copy_ready()
         return all_loaded
@@ -297,36 +290,26 @@ class OffloadWorker:
                     load.future = completed()
 
     def _copy_landed(self, budget: int) -> int:
-        """Copy into the engine the chunks whose reads ended of the loads still reading
-        (synchronous engine; vLLM's thread, which makes every copy of such a load until
-        ``_copy_ready`` takes it whole or hands it to the copy thread), so a load's copy
-        overlaps its later reads instead of following them: the I/O threads run on the
-        cores vLLM's compute does not use. The blocks belong to a request vLLM does not
-        schedule until the load is reported; a chunk copied here that the load later fails
-        is reported failed with the rest (vLLM recomputes it). Copies up to about
-        ``budget`` bytes; returns the bytes copied."""
+        """Copy the read chunks of loads still reading into the engine (synchronous
+        engine, vLLM's thread, which makes every copy of such a load until ``_copy_ready``
+        takes the rest), so the copy overlaps the later reads on the I/O threads' cores.
+        Its request is not scheduled before the load is reported; a chunk copied here
+        whose load fails later is reported failed with the rest (vLLM recomputes it).
+        Copies up to about ``budget`` bytes; returns the bytes copied."""
         if self._paused:  # no copy touches the engine's KV memory
             return 0
-        landed: list[tuple[WorkerLoad, list[int]]] = []
-        size = 0
         with self._lock:
-            for load, reads in self._landing.values():
-                if size >= budget:
-                    break
-                rows = load.landed_rows(reads, min(self._landed_batch, max(1, len(reads) // 4)))
-                if rows:
-                    landed.append((load, rows))
-                    size += len(rows) * self.host.slot_bytes
+            landed = self._landing.take(budget)
         for load, rows in landed:
             self._copy_rows(load, rows)
-        return size
+        return sum(len(rows) for _, rows in landed) * self.host.slot_bytes
 
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done; any thread): on the
         copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)."""
         if self.engine.synchronous:
             with self._lock:
-                self._landing.pop(load.job.job_id, None)
+                self._landing.discard(load.job.job_id)
                 self._ready.append((load, reads))
             self._progress.set()
         else:
@@ -358,31 +341,6 @@ class OffloadWorker:
         except Exception:  # a tier's bug: a miss, vLLM recomputes
             logger.exception("kv-offload: reading a chunk from the %s tier failed", tier.name)
             return False
-
-    def _fill_after(self, read: Future[bool], cpu_slot: int, sink: Place
-                    ) -> Future[object | None]:
-        """Write a chunk read from a later tier to ``sink`` (an earlier tier, e.g. the
-        local disk): queued on the write lane once ``read`` succeeded (no thread waits
-        for the read). Its future: the tier's result, or None when it was not written."""
-        fill: Future[object | None] = Future()
-        tier = self.tiers.get(sink.tier)
-
-        def written(done: Future[list[object | None]]) -> None:
-            results = [] if done.cancelled() or done.exception() else list(done.result())
-            fill.set_result(results[0] if len(results) == 1 else None)
-
-        def queue(ended: Future[bool]) -> None:
-            if tier is None or not succeeded(ended):
-                fill.set_result(None)
-                return
-            try:
-                self._io_writes.submit(self._stores.write_to, tier, [cpu_slot],
-                                       [sink.address]).add_done_callback(written)
-            except RuntimeError:  # shut down by close()
-                fill.set_result(None)
-
-        read.add_done_callback(queue)
-        return fill
 
     def _copy_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """``_run_load``, where a bug fails the whole load (its blocks are recomputed)
