@@ -12,6 +12,7 @@ backend) the chunks already read of a READING load may be copied before the rest
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -166,6 +167,22 @@ class LandedChunks:
         self._batch = max(1, LANDED_COPY_MIN_BYTES // slot_bytes)
         self._loads: dict[int, tuple[WorkerLoad, dict[int, Future[bool]]]] = {}
 
+    def batch(self, num_reads: int) -> int:
+        """How many read chunks of a load of ``num_reads`` reads are copied at once."""
+        return min(self._batch, max(1, num_reads // 4))
+
+    def waker(self, job: LoadJob, progress: threading.Event) -> Callable[[Future], None]:
+        """A done-callback for ``job``'s reads (any thread) that sets ``progress`` at each
+        batch of them, not at every read: each wake-up takes the GIL from the I/O threads."""
+        every = self.batch(sum(m.source is not None and m.cpu_slot is not None
+                               for m in job.chunks))
+        landed = itertools.count(1)  # next() is atomic under the GIL
+
+        def wake(_: Future) -> None:
+            if next(landed) % every == 0:
+                progress.set()
+        return wake
+
     def add(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         self._loads[load.job.job_id] = (load, reads)
 
@@ -182,7 +199,7 @@ class LandedChunks:
         for load, reads in self._loads.values():
             if size >= budget:
                 break
-            if rows := load.landed_rows(reads, min(self._batch, max(1, len(reads) // 4))):
+            if rows := load.landed_rows(reads, self.batch(len(reads))):
                 out.append((load, rows))
                 size += len(rows) * self.slot_bytes
         return out

@@ -173,6 +173,7 @@ class OffloadWorker:
             if self._paused:
                 load.cancel()
             reads: dict[int, Future[bool]] = {}
+            wake = self._landing.waker(job, self._progress)
             needed: list[Future[bool]] = []
             fills: dict[str, list[Future[object | None] | None]] = {}
             for i, move in enumerate(job.chunks):
@@ -180,8 +181,8 @@ class OffloadWorker:
                     continue
                 if move.source is not None:
                     fut = self._io.submit(self._read, move)
-                    if self.engine.synchronous:  # vLLM's thread may copy it once it lands
-                        fut.add_done_callback(lambda _: self._progress.set())
+                    if self.engine.synchronous:  # vLLM's thread copies a batch once read
+                        fut.add_done_callback(wake)
                     reads[i] = fut
                     self._staged[(job.job_id, move.cpu_slot)] = _Staged(fut)
                     needed.append(fut)
@@ -270,8 +271,7 @@ class OffloadWorker:
         """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
         (``start_loads``, after the step's forward, and ``poll``): the blocks belong to
         requests vLLM does not schedule until the load is reported, and vLLM's cores are
-        idle here, while the I/O threads share the others. First the chunks already read
-        of loads still reading (``_copy_landed``)."""
+        idle here. First the read chunks of loads still reading (``_copy_landed``)."""
         budget = INLINE_LOAD_MAX_BYTES - self._copy_landed(INLINE_LOAD_MAX_BYTES)
         while True:
             with self._lock:
