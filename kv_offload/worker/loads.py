@@ -4,12 +4,15 @@ A load is READING while its disk and remote reads (and the reads of jobs it shar
 chunks with) run; its engine copy moves it to COPYING, then DONE. A load still READING
 past the worker's timeout, or when vLLM takes the KV cache away (the worker's pause), is
 CANCELLED: all its blocks are reported failed at once and its copy never runs. The
-worker changes a load's phase under its own lock only.
+worker changes a load's phase under its own lock only. With a synchronous engine (the CPU
+backend) the chunks already read of a READING load may be copied before the rest
+(``copied``); the copy then takes the others.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -18,6 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob
+
+LANDED_COPY_MIN_BYTES = 4 << 20
+"""Fewest bytes of read chunks (or a quarter of the load's reads, if less) a synchronous
+engine copies while their load still reads (``LandedChunks``): fewer copy calls, each of
+which holds the GIL the I/O threads need between their reads."""
 
 
 class WorkerLoadPhase(enum.Enum):
@@ -40,6 +48,7 @@ class WorkerLoad:
     phase: WorkerLoadPhase = WorkerLoadPhase.READING
     failed: set[int] = field(default_factory=set)  # chunk indexes not loaded
     bad_reads: set[int] = field(default_factory=set)  # staged reads that failed
+    copied: set[int] = field(default_factory=set)  # copied while the job still read
     reported_to_vllm: bool = False
 
     def sort_rows(self, reads: dict[int, Future[bool]],
@@ -70,6 +79,19 @@ class WorkerLoad:
         rows = [i for i, m in enumerate(chunks)
                 if m.cpu_slot is not None and m.source is None]
         self.failed.update(set(range(len(chunks))) - set(rows))
+        return rows
+
+    def landed_rows(self, reads: dict[int, Future[bool]], at_least: int = 1) -> list[int]:
+        """The chunk indexes whose own read succeeded and that were not copied yet, while
+        the job still reads others, if there are ``at_least`` of them; marks them copied
+        (the caller copies them now)."""
+        if self.phase is not WorkerLoadPhase.READING:
+            return []
+        rows = [i for i, read in reads.items()
+                if i not in self.copied and read.done() and succeeded(read)]
+        if len(rows) < at_least:
+            return []
+        self.copied.update(rows)
         return rows
 
     def copy_arrays(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -134,6 +156,53 @@ class WorkerLoad:
         if self.phase is WorkerLoadPhase.CANCELLED:
             return frozenset(range(len(self.job.chunks)))
         return frozenset(self.failed)
+
+
+class LandedChunks:
+    """The loads still reading whose chunks a synchronous engine copies as their reads
+    land (``OffloadWorker._copy_landed``). Not thread-safe: the worker's lock guards it."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self._batch = max(1, LANDED_COPY_MIN_BYTES // slot_bytes)
+        self._loads: dict[int, tuple[WorkerLoad, dict[int, Future[bool]]]] = {}
+
+    def batch(self, num_reads: int) -> int:
+        """How many read chunks of a load of ``num_reads`` reads are copied at once."""
+        return min(self._batch, max(1, num_reads // 4))
+
+    def waker(self, job: LoadJob, progress: threading.Event) -> Callable[[Future], None]:
+        """A done-callback for ``job``'s reads (any thread) that sets ``progress`` at each
+        batch of them, not at every read: each wake-up takes the GIL from the I/O threads."""
+        every = self.batch(sum(m.source is not None and m.cpu_slot is not None
+                               for m in job.chunks))
+        landed = itertools.count(1)  # next() is atomic under the GIL
+
+        def wake(_: Future) -> None:
+            if next(landed) % every == 0:
+                progress.set()
+        return wake
+
+    def add(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
+        self._loads[load.job.job_id] = (load, reads)
+
+    def discard(self, job_id: int) -> None:
+        """The load's reads are all done: its copy takes the rest."""
+        self._loads.pop(job_id, None)
+
+    def take(self, budget: int) -> list[tuple[WorkerLoad, list[int]]]:
+        """The chunks to copy now, up to about ``budget`` bytes: of each load, those read
+        and not copied yet, once there are ``LANDED_COPY_MIN_BYTES`` of them or a quarter
+        of the load's reads; marks them copied."""
+        out: list[tuple[WorkerLoad, list[int]]] = []
+        size = 0
+        for load, reads in self._loads.values():
+            if size >= budget:
+                break
+            if rows := load.landed_rows(reads, self.batch(len(reads))):
+                out.append((load, rows))
+                size += len(rows) * self.slot_bytes
+        return out
 
 
 def completed() -> Future[None]:

@@ -34,15 +34,15 @@ import numpy as np
 
 from kv_offload.counters import WorkerCounters, WorkerTally
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
-from kv_offload.tier_contract import Place, TierIO
+from kv_offload.tier_contract import TierIO
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.host_copies import HostCopies
 from kv_offload.worker.layer_loads import LayerWaits
 from kv_offload.worker.loads import (
+    LandedChunks,
     WorkerLoad,
     WorkerLoadPhase,
     completed,
-    succeeded,
     when_all_done,
 )
 from kv_offload.worker.stores import WorkerStores, all_done, chunk_bytes, results
@@ -145,6 +145,7 @@ class OffloadWorker:
         self._progress = threading.Event()  # set when a load's reads or copy end
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
+        self._landing = LandedChunks(host.slot_bytes)  # synchronous engine: _copy_landed
         self._stores = WorkerStores(
             rank=rank, host=host, copies=self._copies, tiers=self.tiers,
             submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._tally.add,
@@ -172,6 +173,7 @@ class OffloadWorker:
             if self._paused:
                 load.cancel()
             reads: dict[int, Future[bool]] = {}
+            wake = self._landing.waker(job, self._progress)
             needed: list[Future[bool]] = []
             fills: dict[str, list[Future[object | None] | None]] = {}
             for i, move in enumerate(job.chunks):
@@ -179,12 +181,14 @@ class OffloadWorker:
                     continue
                 if move.source is not None:
                     fut = self._io.submit(self._read, move)
+                    if self.engine.synchronous:  # vLLM's thread copies a batch once read
+                        fut.add_done_callback(wake)
                     reads[i] = fut
                     self._staged[(job.job_id, move.cpu_slot)] = _Staged(fut)
                     needed.append(fut)
                     for sink in move.sinks:
                         fills.setdefault(sink.tier, [None] * len(job.chunks))[i] = (
-                            self._fill_after(fut, move.cpu_slot, sink))
+                            self._stores.fill_after(fut, move.cpu_slot, sink))
                 elif move.after_job is not None:
                     staged = self._staged.get((move.after_job, move.cpu_slot))
                     if staged is not None:
@@ -193,6 +197,8 @@ class OffloadWorker:
                 self._loads[job.job_id] = load
                 if fills:
                     self._fills[job.job_id] = fills
+                if reads and self.engine.synchronous:
+                    self._landing.add(load, reads)
             when_all_done(needed, functools.partial(self._queue_copy, load, reads))
         self._copy_ready()
         return all_loaded
@@ -265,15 +271,15 @@ class OffloadWorker:
         """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
         (``start_loads``, after the step's forward, and ``poll``): the blocks belong to
         requests vLLM does not schedule until the load is reported, and vLLM's cores are
-        idle here, while the I/O threads share the others."""
-        budget = INLINE_LOAD_MAX_BYTES
+        idle here. First the read chunks of loads still reading (``_copy_landed``)."""
+        budget = INLINE_LOAD_MAX_BYTES - self._copy_landed(INLINE_LOAD_MAX_BYTES)
         while True:
             with self._lock:
                 if not self._ready:
                     return
                 load, reads = self._ready.popleft()
             size = self._load_bytes(load)
-            if size > budget:
+            if size > max(budget, 0):
                 self._to_copier(load, reads)
                 continue
             budget -= size
@@ -283,11 +289,27 @@ class OffloadWorker:
                 with self._lock:
                     load.future = completed()
 
+    def _copy_landed(self, budget: int) -> int:
+        """Copy the read chunks of loads still reading into the engine (synchronous
+        engine, vLLM's thread, which makes every copy of such a load until ``_copy_ready``
+        takes the rest), so the copy overlaps the later reads on the I/O threads' cores.
+        Its request is not scheduled before the load is reported; a chunk copied here
+        whose load fails later is reported failed with the rest (vLLM recomputes it).
+        Copies up to about ``budget`` bytes; returns the bytes copied."""
+        if self._paused:  # no copy touches the engine's KV memory
+            return 0
+        with self._lock:
+            landed = self._landing.take(budget)
+        for load, rows in landed:
+            self._copy_rows(load, rows)
+        return sum(len(rows) for _, rows in landed) * self.host.slot_bytes
+
     def _queue_copy(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """Queue the engine copy of ``load`` (its reads are done; any thread): on the
         copy thread, or with a synchronous engine for vLLM's thread (``_copy_ready``)."""
         if self.engine.synchronous:
             with self._lock:
+                self._landing.discard(load.job.job_id)
                 self._ready.append((load, reads))
             self._progress.set()
         else:
@@ -304,7 +326,9 @@ class OffloadWorker:
         future.add_done_callback(lambda _: self._progress.set())
 
     def _load_bytes(self, load: WorkerLoad) -> int:
-        return sum(m.cpu_slot is not None for m in load.job.chunks) * self.host.slot_bytes
+        """Bytes left to copy of ``load`` (chunks copied as they landed excluded)."""
+        return (sum(m.cpu_slot is not None for m in load.job.chunks) - len(load.copied)
+                ) * self.host.slot_bytes
 
     def _read(self, move: ChunkMove) -> bool:
         """Read ``move``'s chunk from its source tier into its host slot (read lane);
@@ -317,31 +341,6 @@ class OffloadWorker:
         except Exception:  # a tier's bug: a miss, vLLM recomputes
             logger.exception("kv-offload: reading a chunk from the %s tier failed", tier.name)
             return False
-
-    def _fill_after(self, read: Future[bool], cpu_slot: int, sink: Place
-                    ) -> Future[object | None]:
-        """Write a chunk read from a later tier to ``sink`` (an earlier tier, e.g. the
-        local disk): queued on the write lane once ``read`` succeeded (no thread waits
-        for the read). Its future: the tier's result, or None when it was not written."""
-        fill: Future[object | None] = Future()
-        tier = self.tiers.get(sink.tier)
-
-        def written(done: Future[list[object | None]]) -> None:
-            results = [] if done.cancelled() or done.exception() else list(done.result())
-            fill.set_result(results[0] if len(results) == 1 else None)
-
-        def queue(ended: Future[bool]) -> None:
-            if tier is None or not succeeded(ended):
-                fill.set_result(None)
-                return
-            try:
-                self._io_writes.submit(self._stores.write_to, tier, [cpu_slot],
-                                       [sink.address]).add_done_callback(written)
-            except RuntimeError:  # shut down by close()
-                fill.set_result(None)
-
-        read.add_done_callback(queue)
-        return fill
 
     def _copy_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
         """``_run_load``, where a bug fails the whole load (its blocks are recomputed)
@@ -367,8 +366,9 @@ class OffloadWorker:
                              load.job.job_id)
 
     def _run_load(self, load: WorkerLoad, reads: dict[int, Future[bool]]) -> None:
-        """Copy the chunks of ``load`` whose reads succeeded into the engine."""
-        ok_rows = load.sort_rows(reads, self._wait_staged)
+        """Copy the chunks of ``load`` whose reads succeeded into the engine (those not
+        copied as they landed)."""
+        ok_rows = [i for i in load.sort_rows(reads, self._wait_staged) if i not in load.copied]
         with self._lock:
             if not load.begin_copy():
                 return

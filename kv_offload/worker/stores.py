@@ -23,8 +23,9 @@ import numpy as np
 
 from kv_offload.counters import WorkerCounters
 from kv_offload.jobs import SKIP_BLOCK, ChunkMove, StoreJob, WorkerReport
-from kv_offload.tier_contract import TierIO
+from kv_offload.tier_contract import Place, TierIO
 from kv_offload.worker.host_copies import ComputedOnFailedLoadError, KVCacheReleasedError
+from kv_offload.worker.loads import succeeded
 
 if TYPE_CHECKING:
     from kv_offload.copy.host_buffer import HostSlots
@@ -148,6 +149,31 @@ class WorkerStores:
                  ) -> list[object | None]:
         """Write host slots to a tier (write lane, their copy done)."""
         return tier.write(addresses, [self.host.slot_view(c) for c in cpu_slots])
+
+    def fill_after(self, read: Future[bool], cpu_slot: int, sink: Place
+                   ) -> Future[object | None]:
+        """Write a chunk read from a later tier to ``sink`` (an earlier tier, e.g. the
+        local disk): queued on the write lane once ``read`` succeeded (no thread waits
+        for the read). Its future: the tier's result, or None when it was not written."""
+        fill: Future[object | None] = Future()
+        tier = self.tiers.get(sink.tier)
+
+        def written(done: Future[list[object | None]]) -> None:
+            results = [] if done.cancelled() or done.exception() else list(done.result())
+            fill.set_result(results[0] if len(results) == 1 else None)
+
+        def queue(ended: Future[bool]) -> None:
+            if tier is None or not succeeded(ended):
+                fill.set_result(None)
+                return
+            try:
+                self._submit(self.write_to, tier, [cpu_slot],
+                             [sink.address]).add_done_callback(written)
+            except RuntimeError:  # shut down by close()
+                fill.set_result(None)
+
+        read.add_done_callback(queue)
+        return fill
 
     def _queue_writes(self, tasks: list[_WriteTask], copied: bool) -> None:
         """Queue ``tasks`` on the write lane now that their copy has ended (vLLM's, the

@@ -85,8 +85,12 @@ def first_engine(model, store, reference, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def restarted_engine(model, store, first_engine, tmp_path_factory) -> dict:
-    """A new process on the same store: the CPU tier is empty, the disk tier is not."""
-    return run_in_subprocess(spec(model, offload(store), [{"name": "disk", "prompts": prompts()}]),
+    """A new process on the same store: the CPU tier is empty, the disk tier is not. Then
+    the disk tier again, vLLM's prefix cache and the CPU tier dropped
+    (``connector_reset="cpu"``)."""
+    phases = [{"name": "disk", "prompts": prompts()},
+              {"name": "disk again", "prompts": prompts(), "reset_connector": True}]
+    return run_in_subprocess(spec(model, offload(store, connector_reset="cpu"), phases),
                              tmp_path_factory.mktemp("restart"))
 
 
@@ -126,6 +130,16 @@ def test_restarted_engine_hits_disk_tier(restarted_engine, reference):
     assert phase["metrics"]["hits_disk"] >= PREFIX_TOKENS
     # Disk chunks are staged into host RAM first: those loads wait outside the batch.
     assert phase["kv_offload"].get("kv_offload_loads_same_step_total{}", 0) < len(prompts())
+
+
+def test_disk_loads_in_one_batch_copied_as_their_chunks_land_equal_recompute(
+        restarted_engine, reference):
+    """Issue 29: the CPU backend copies a disk load's chunks into the engine as their
+    reads land, interleaved with the reads of its later chunks and of the batch's other
+    loads (``OffloadWorker._copy_landed``); every request's tokens are still vLLM's."""
+    phase = restarted_engine["phases"][1]
+    assert phase["tokens"] == reference
+    assert phase["metrics"]["hits_disk"] >= PREFIX_TOKENS, "the CPU tier was dropped"
 
 
 def test_other_model_never_hits(other_model, store, restarted_engine, tmp_path_factory):
