@@ -233,7 +233,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             store_generated=self.config.store_generated,
             eviction_policy=self.config.eviction_policy, groups=self.layout.groups,
             same_step_budget_s=self._same_step_budget_s(),
-            chunk_bytes=self.layout.slot_bytes, partial_hits=self.config.partial_hits)
+            chunk_bytes=self.layout.slot_bytes, partial_hits=self.config.partial_hits,
+            min_async_hit_tokens=self.layout.block_size)
         self._scheduler = OffloadScheduler(planner_config, block_ids_of=self._block_ids_of,
                                            tiers=tiers)
         self._guard = HookGuard(self._scheduler.counters)

@@ -78,6 +78,8 @@ class PlannerConfig:
     same_step_budget_s: float = 0.0  # copy time a step may spend on same-step loads (0: off)
     chunk_bytes: int = 0  # one chunk's bytes on one rank (KVLayout.slot_bytes)
     partial_hits: bool = False  # serve to the last cached token (tails.py), one group only
+    # An asynchronous hit of fewer tokens is not reported (the connector: vLLM's block size;
+    min_async_hit_tokens: int = 0  # docs/architecture.md, "Hits to the last cached token")
 
 
 class OffloadScheduler:
@@ -164,8 +166,9 @@ class OffloadScheduler:
     def num_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int | None:
         """Tokens past ``num_computed_tokens`` that the tiers can load and stage now
         (``lookup.loadable_run``); 0 while ``paused``, and 0 without a lookup for a
-        request whose hits vLLM discards (``lookup.hits_discarded``). No side effects
-        beyond a per-request memo.
+        request whose hits vLLM discards (``lookup.hits_discarded``) or for a hit that
+        would load asynchronously for fewer than ``min_async_hit_tokens`` (vLLM computes
+        them). No side effects beyond a per-request memo.
 
         None ("ask again later") once for a request whose previous load vLLM gave up
         as a whole, then 0 until it ran: see docs/vllm-bugs.md (vLLM 0.32 would stall
@@ -197,6 +200,8 @@ class OffloadScheduler:
             hit_tokens = max(0, end - num_computed_tokens)
             state.same_step = (hit_tokens > 0 and self.same_step is not None
                                and all_ready_in_cpu(run) and self.same_step.take(len(run)))
+            if not state.same_step and hit_tokens < self.config.min_async_hit_tokens:
+                hit_tokens = 0  # a step outside the batch costs more than computing them
         state.lookup = (num_computed_tokens, hit_tokens)
         return hit_tokens
 

@@ -150,3 +150,34 @@ def test_why_same_step_loads_are_off():
     assert why_off(**base) == ""
     for name in base:
         assert why_off(**{**base, name: True}), name
+
+
+def test_an_asynchronous_hit_under_min_async_hit_tokens_past_vllms_hit_is_not_reported():
+    """The chat benchmark's turn 1: vLLM's own prefix cache holds the shared system prompt
+    to its last whole block, and a request tail in the CPU tier holds a few tokens more.
+    Loaded asynchronously those few tokens cost the request a step outside the batch, more
+    than computing them: not reported. Same-step, or more tokens past vLLM's hit (counted
+    from ``num_computed_tokens``, not from 0), they are."""
+    def planner(*, budget_s, min_tokens=BLOCK):
+        config = PlannerConfig(chunk_tokens=CHUNK, block_size=BLOCK, tokens_per_hash=BLOCK,
+                               num_ranks=1, num_cpu_slots=16, partial_hits=True,
+                               same_step_budget_s=budget_s, chunk_bytes=MB,
+                               min_async_hit_tokens=min_tokens)
+        blocks: dict = {}
+        sched = OffloadScheduler(config, block_ids_of=lambda r: blocks[r])
+        stored_req = make_request("w", list(range(14)))  # chunk 0, then a 6-token tail
+        sched.num_matched_tokens(stored_req, 0)
+        store_request(sched, blocks, stored_req, [0, 1, 2, 3])
+        assert sched.counters.tails_stored == 1
+        return sched
+
+    three_past = make_request("r", [*range(11), 100, 101, 102])  # 3 tail tokens past 8
+    six_past = make_request("s", [*range(14), 100])
+    sched = planner(budget_s=0)  # every hit loads asynchronously
+    assert sched.num_matched_tokens(three_past, 8) == 0  # vLLM holds 2 blocks (8 tokens)
+    assert sched.num_matched_tokens(three_past, 0) == 11  # the chunk and the 3 tokens
+    assert sched.num_matched_tokens(six_past, 8) == 6
+    assert planner(budget_s=0, min_tokens=0).num_matched_tokens(three_past, 8) == 3
+    same_step = planner(budget_s=1.0)
+    assert same_step.num_matched_tokens(three_past, 8) == 3
+    assert not same_step.load_is_async("r")

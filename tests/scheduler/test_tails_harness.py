@@ -129,3 +129,27 @@ def test_a_tail_is_served_from_the_disk_tier_once_the_cpu_tier_lost_it(harness):
     reference = harness(disk=False, partial_hits=False)
     assert out == _serve(reference, "b", _doc(37, 0) + _doc(10, 500), reset=False)
     assert h.check_idle() == []
+
+
+@pytest.mark.parametrize("scheduling", ["same_step", "async_scheduling", "budget_off"])
+def test_a_tail_under_a_block_past_vllms_own_hit_loads_only_same_step(harness, scheduling):
+    """The chat benchmark's turn 1: vLLM's prefix cache holds the shared prefix to its last
+    whole block (32 of 37 tokens) and a tail in the CPU tier 5 tokens more. Same-step, the
+    5 tokens are served in the step that schedules the request; where the load would go
+    asynchronously (async scheduling, same-step loads off) the request would wait a step
+    outside the batch for them: not reported, vLLM computes them. Outputs equal either way."""
+    options = {"same_step": {}, "async_scheduling": {"async_scheduling": True},
+               "budget_off": {"sync_load_budget_ms": 0}}[scheduling]
+    h = harness(disk=False, **options)
+    reference = harness(disk=False, partial_hits=False)
+    first = _doc(37, 0)  # chunks 0 and 1, then a tail of 5 tokens (a block and 5)
+    second = _doc(37, 0) + _doc(10, 500)
+    for run in (h, reference):
+        _serve(run, "a", first, reset=False)
+        assert run.scheduler_side.counters.tails_stored == (run is h)
+    out = _serve(h, "b", second, reset=False)  # vLLM's cache keeps a's 4 whole blocks
+    assert out == _serve(reference, "b", second, reset=False)
+    served = 5 if scheduling == "same_step" else 0
+    counters = h.scheduler_side.counters
+    assert counters.hit_tokens_tail == counters.hit_tokens_cpu == served
+    assert h.check_idle() == [] and reference.check_idle() == []
