@@ -66,8 +66,10 @@ def tail_prompts() -> dict[int, str]:
 
 def all_prompts() -> list[str]:
     """Every prompt host A computes (the reference)."""
-    return (prompts() + later_prompts() + [text for text, _, _ in exact_prompts().values()]
-            + list(tail_prompts().values()))
+    # Tails before the whole-chunk prompts: a tail's record is written after its request,
+    # so host A's last prompt must not be one whose record could be cut off by its exit.
+    return (prompts() + list(tail_prompts().values()) + later_prompts()
+            + [text for text, _, _ in exact_prompts().values()])
 
 
 def offload(store: Path | None, **remote) -> dict:
