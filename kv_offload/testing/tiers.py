@@ -4,12 +4,16 @@ that build a planner or a worker by hand (``OffloadScheduler(tiers=...)``,
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kv_offload.disk.io import DiskIO
 from kv_offload.disk.tier import DiskTier
 from kv_offload.remote.index import RemoteIndex
 from kv_offload.remote.io import RemoteIO
+
+T = TypeVar("T")
 
 
 def secondary_tiers(disk_index: Any = None, remote: Any = None) -> list[Any]:
@@ -57,3 +61,15 @@ def key_in(move: Any) -> Any:
     """The remote key ``move`` reads or writes, or None."""
     place = place_in(move, "remote")
     return None if place is None else place.address
+
+
+def until_answered(ask: Callable[[], T | None], what: str) -> tuple[T, int]:
+    """(the answer of ``ask``, how many times it was pending first), asked as vLLM's
+    steps do while a tier's answer is pending; ``what`` names it if it never comes."""
+    deadline = time.monotonic() + 30  # bounds a hang only
+    pending = 0
+    while (answer := ask()) is None:
+        pending += 1
+        assert time.monotonic() < deadline, f"{what} never answered"
+        time.sleep(0.001)
+    return answer, pending

@@ -24,6 +24,7 @@ from kv_offload.remote.tail_records import RemoteTails
 from kv_offload.remote.values import encode_tail_record, tails_name
 from kv_offload.scheduler.tails import MAX_TAILS_PER_PARENT, tail_key
 from kv_offload.testing.clock import FakeClock
+from kv_offload.testing.tiers import until_answered
 
 NS, OTHER_NS = "7a" * 16, "7b" * 16
 SLOT, RANKS, PREFIX = 1024, 2, "kvo-tails"
@@ -75,12 +76,7 @@ def store_tail(index: RemoteIndex, parent: bytes, tokens: tuple[int, ...],
 
 def tails_of(index: RemoteIndex, parent: bytes, asker: str = "r/tail") -> tuple[list, int]:
     """(the answer, how many times it was pending first), asked as vLLM's steps do."""
-    deadline = time.monotonic() + 30  # bounds a hang only
-    pending = 0
-    while (found := index.tails_of(asker, parent)) is None:
-        pending += 1
-        assert time.monotonic() < deadline, "tails_of never answered"
-        time.sleep(0.001)
+    found, pending = until_answered(lambda: index.tails_of(asker, parent), "tails_of")
     index.forget(asker)
     return list(found), pending
 

@@ -22,7 +22,7 @@ from kv_offload.remote.lookups import RemoteLookups
 from kv_offload.scheduler import SlotState
 from kv_offload.scheduler.tails import tail_key
 from kv_offload.testing.clock import FakeClock
-from kv_offload.testing.tiers import fill_of, key_in
+from kv_offload.testing.tiers import fill_of, key_in, until_answered
 
 
 class FakeRemote:
@@ -94,13 +94,8 @@ def remote_scheduler(remote, **kwargs):
 def matched(sched, request, num_computed_tokens: int = 0) -> tuple[int, int]:
     """(the answer, how many times vLLM was told to ask again first): what vLLM does,
     one step after another, while the remote answer is pending."""
-    deadline = time.monotonic() + 30  # bounds a hang only
-    pending = 0
-    while (answer := sched.num_matched_tokens(request, num_computed_tokens)) is None:
-        pending += 1
-        assert time.monotonic() < deadline, "the remote lookup never answered"
-        time.sleep(0.001)
-    return answer, pending
+    return until_answered(lambda: sched.num_matched_tokens(request, num_computed_tokens),
+                          "the remote lookup")
 
 
 def test_remote_hits_extend_the_local_hit_with_one_check_per_request():
