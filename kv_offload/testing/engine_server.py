@@ -22,7 +22,7 @@ Commands (stdin) and answers (one JSON line each, ``{"ok": true, ...}`` or
     {"op": "kv_events_sent", "timeout_s": 60}
                                        -> {"sent": n}: vLLM's ZMQ KV event batches sent
                                           once none is queued (engine_state.kv_events_sent)
-    {"op": "quit"}
+    {"op": "quit"}                     (an in-process engine drains first, as "drain")
 
 The first answer, once the engine has started, is ``{"ok": true, "startup_s": ...}``.
 vLLM logs to stdout, so stdout is moved to stderr (the parent's log file) before anything
@@ -164,7 +164,21 @@ def serve(spec: dict[str, Any], commands: queue.Queue, reply: Any) -> None:
         except Exception as exc:  # report, keep serving: the parent decides
             traceback.print_exc()  # into the log, which the parent's error message ends with
             send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    _drain_before_quit(llm)
     del llm
+
+
+def _drain_before_quit(llm: Any, timeout_s: float = 60.0) -> None:
+    """Step an in-process engine until its connector's jobs in flight reported, as a
+    served engine's own loop does while it lives: otherwise what the last requests
+    stored (disk commits, remote tail records) is lost with the quit, and a host run
+    before another in a test would keep less than a server that stays up."""
+    if getattr(llm.llm_engine.engine_core, "engine_core", None) is None:
+        return  # multi-process: out of reach (its core steps on while the connector works)
+    try:
+        engine_state.drain(llm, timeout_s)
+    except Exception:  # into the log; quit anyway
+        traceback.print_exc()
 
 
 def _read_lines(stream: Any, out: queue.Queue) -> None:

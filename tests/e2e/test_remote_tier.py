@@ -66,8 +66,9 @@ def tail_prompts() -> dict[int, str]:
 
 def all_prompts() -> list[str]:
     """Every prompt host A computes (the reference)."""
-    # Tails before the whole-chunk prompts: a tail's record is written after its request,
-    # so host A's last prompt must not be one whose record could be cut off by its exit.
+    # A tail's record is written once the scheduler hears its value was, after the
+    # request; the engine's quit steps until it has (engine_server: a CI dry run lost the
+    # 45-token tail, host A's last prompt, before it did).
     return (prompts() + list(tail_prompts().values()) + later_prompts()
             + [text for text, _, _ in exact_prompts().values()])
 
