@@ -57,13 +57,15 @@ def __getattr__(name: str) -> Any:
 
 def make_copy_engine(planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int, *,
                      thread_initializer: Callable[[], None] | None = None,
+                     layer_thread_initializer: Callable[[], None] | None = None,
                      copy_mode: str = "auto") -> CopyEngine:
     """Build the engine for the planes' device: ``TorchCopyEngine`` for host memory,
     ``CupyCopyEngine`` for CUDA, with ``copy_mode`` (``cupy_engine.COPY_MODES``; the CPU
     engine has one). Raises ValueError for no planes, another device or an unknown mode,
     and ``CudaUnavailableError`` for CUDA planes without CuPy. The caller owns the engine
     (``close()`` it) and keeps ``planes`` and ``host`` alive as long as it.
-    ``thread_initializer`` runs first on each of the CPU engine's helper threads."""
+    ``thread_initializer`` runs first on each of the CPU engine's helper threads,
+    ``layer_thread_initializer`` on the one that copies same-step loads per layer."""
     if not planes:
         raise ValueError("make_copy_engine needs at least one plane")
     device = planes[0].device
@@ -71,7 +73,8 @@ def make_copy_engine(planes: list[torch.Tensor], host: HostSlots, blocks_per_chu
         from kv_offload.copy.torch_engine import TorchCopyEngine
 
         return TorchCopyEngine(planes, host, blocks_per_chunk,
-                               thread_initializer=thread_initializer)
+                               thread_initializer=thread_initializer,
+                               layer_thread_initializer=layer_thread_initializer)
     if device.type == "cuda":
         from kv_offload.copy.cupy_engine import CupyCopyEngine
 

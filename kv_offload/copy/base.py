@@ -99,6 +99,13 @@ class CopyEngine(abc.ABC):
         self.fence(handle)
         return LayeredCopy(handle, (None,) * layers.num_layers)
 
+    def took_s(self, handle: CopyHandle) -> float | None:
+        """Seconds from issue to end of a copy that ``wait`` saw end, where the engine
+        timed it itself (a copy on a thread of its own, which the caller waits for only
+        later); None elsewhere (the caller's own timing is the copy's)."""
+        del handle
+        return None
+
     def fence_mark(self, mark: object | None) -> None:
         """Make compute issued later on the calling thread's stream start after the
         copies issued before ``mark`` (a layer mark of ``load_by_layer``), device-side:

@@ -13,6 +13,12 @@ compiled one with the thread split and non-temporal stores forced on):
   the engine blocks are consecutive, else ``np.take(out=)`` (store) or a fancy-index
   scatter (load). Single-threaded.
 
+``load_by_layer`` (a same-step load, compiled strategy) is the one copy that does not
+end before it returns: a thread of its own copies one layer after the other and sets each
+layer's mark, and the forward, on vLLM's thread, waits for a layer's mark right before
+that layer reads its KV (``fence_mark``), so layer i+1's copy runs while layer i computes
+(docs/architecture.md, "One same-step load").
+
 Measured side by side (``benchmarks/bench_copy.py``, docs/benchmarks.md): the numpy
 strategy pays ~1 us of Python per piece (a 256 KiB chunk of a 16-layer model is 16
 pieces of 16 KiB) and one core moves ~0.7x what torch's two-thread memcpy does, so it
@@ -25,15 +31,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from kv_offload.copy import cpu_kernel
-from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle
+from kv_offload.copy.base import CopyEngine, CopyEngineClosedError, CopyHandle, LayeredCopy
 from kv_offload.copy.host_buffer import HostSlots
+from kv_offload.copy.layers import PlaneLayers
 from kv_offload.copy.plan import (
     BlockMap,
     Direction,
@@ -57,6 +66,9 @@ STREAM_MIN_BYTES = 4 << 20
 """Requests at least this large are written with non-temporal stores (``cpu_kernel``):
 they would not stay in cache anyway, and skipping the destination's reads is ~1.4x
 faster; smaller ones use ``memmove`` and leave the bytes in cache for what reads them."""
+PlaneTable = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Per plane: address of block 0, row stride, bytes per block, offset in a slot
+(``cpu_kernel.copy_pieces``)."""
 MAX_DEFAULT_THREADS = 4  # memory bandwidth, not cores, bounds a copy beyond a few threads
 
 
@@ -87,7 +99,8 @@ class TorchCopyEngine(CopyEngine):
 
     def __init__(self, planes: list[torch.Tensor], host: HostSlots, blocks_per_chunk: int,
                  *, strategy: str | None = None, num_threads: int | None = None,
-                 thread_initializer: Callable[[], None] | None = None) -> None:
+                 thread_initializer: Callable[[], None] | None = None,
+                 layer_thread_initializer: Callable[[], None] | None = None) -> None:
         """``strategy``: "compiled" or "numpy" (default: compiled where numba is
         installed). ``num_threads``: threads one compiled copy may use, the caller's
         included (default: torch's thread count, at most 4). Raises ValueError when the
@@ -129,6 +142,11 @@ class TorchCopyEngine(CopyEngine):
         self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kv-copy",
                                          initializer=thread_initializer)
                       if self.num_threads > 1 else None)
+        self._layer_thread_initializer = layer_thread_initializer
+        self._layer_pool: ThreadPoolExecutor | None = None  # load_by_layer's thread, lazily
+        self._layered: dict[int, Future[float]] = {}  # handle seq -> its copy in flight
+        self._took: dict[int, float] = {}  # handle seq -> seconds, once waited for
+        self._lock = threading.Lock()
         self._seq = itertools.count()
         self._closed = False
 
@@ -159,17 +177,96 @@ class TorchCopyEngine(CopyEngine):
         self.strategy = "numpy"
         return self.strategy
 
+    def load_by_layer(self, slots: np.ndarray, block_ids: np.ndarray, layers: PlaneLayers,
+                      ) -> LayeredCopy:
+        """Copy host slots into engine blocks one layer of ``layers`` at a time, in their
+        order, on a thread of its own, and return at once: ``layer_marks[i]`` is set once
+        layer i's copies ended (``fence_mark`` waits for it on the calling thread, the one
+        that computes on the CPU backend); ``wait``/``is_done`` follow the whole copy
+        (``wait`` raises what the copy raised). The request is checked first (ValueError,
+        nothing copied). The numpy strategy copies whole before it returns, as ``load``."""
+        if self._closed:
+            raise CopyEngineClosedError("TorchCopyEngine is closed")
+        if layers.num_planes != self.layout.num_planes:
+            raise ValueError(f"layers cover {layers.num_planes} planes, the engine has "
+                             f"{self.layout.num_planes}")
+        if self.strategy != "compiled":
+            return super().load_by_layer(slots, block_ids, layers)
+        ids, sl = validated_chunks(block_ids, slots, self.layout.blocks_per_chunk)
+        cpu_kernel.check_request(False, ids, sl, self.num_blocks, self.num_slots)
+        handle = CopyHandle(next(self._seq), Direction.LOAD)
+        if not (ids >= 0).any():
+            return LayeredCopy(handle, (None,) * layers.num_layers)
+        marks = tuple(threading.Event() for _ in range(layers.num_layers))
+        slot_addr = sl * self.layout.slot_bytes + self._host.ctypes.data
+        bounds = (*layers.starts, layers.num_planes)
+        addresses, strides, sizes, offsets = self._plane_table
+        tables: list[PlaneTable] = [
+            (addresses[lo:hi], strides[lo:hi], sizes[lo:hi], offsets[lo:hi])
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
+        stream = ids.size * self._chunk_row_bytes >= STREAM_MIN_BYTES
+        with self._lock:
+            if self._layer_pool is None:
+                self._layer_pool = ThreadPoolExecutor(
+                    1, thread_name_prefix="kv-copy-layers",
+                    initializer=self._layer_thread_initializer)
+            self._layered[handle.seq] = self._layer_pool.submit(
+                self._copy_layers, stream, ids, slot_addr, tables, marks)
+        return LayeredCopy(handle, marks)
+
+    @staticmethod
+    def _copy_layers(stream: bool, ids: np.ndarray, slot_addr: np.ndarray,
+                     tables: list[PlaneTable], marks: tuple[threading.Event, ...]) -> float:
+        """``load_by_layer``'s thread: each layer's planes in turn, then its mark; returns
+        the seconds it took. A copy that raises sets every mark left (no forward waits for
+        ever) and raises on."""
+        start = time.perf_counter()
+        try:
+            for table, mark in zip(tables, marks):
+                cpu_kernel.copy_pieces(False, stream, ids, slot_addr, table, 0,
+                                       ids.shape[0] * table[0].shape[0])
+                mark.set()
+        finally:
+            for mark in marks:
+                mark.set()
+        return time.perf_counter() - start
+
+    def fence_mark(self, mark: object | None) -> None:
+        """Block the calling thread (which computes: no streams) until the layer of
+        ``mark`` (``load_by_layer``) is copied."""
+        if isinstance(mark, threading.Event):
+            mark.wait()
+
     def is_done(self, handle: CopyHandle) -> bool:
-        return True
+        future = self._layered.get(handle.seq)
+        return future is None or future.done()
 
     def wait(self, handle: CopyHandle) -> None:
-        return None
+        """Return once the copy of ``handle`` ended; raises what a ``load_by_layer`` copy
+        raised (the first ``wait`` only). Other copies ended when they returned."""
+        future = self._layered.get(handle.seq)
+        if future is not None:
+            try:
+                took = future.result()
+            finally:
+                with self._lock:
+                    self._layered.pop(handle.seq, None)
+            with self._lock:
+                self._took[handle.seq] = took
+
+    def took_s(self, handle: CopyHandle) -> float | None:
+        """How long a ``load_by_layer`` copy took on its thread (once, after ``wait``)."""
+        with self._lock:
+            return self._took.pop(handle.seq, None)
 
     def close(self) -> None:
-        """Refuse further copies (nothing is in flight) and stop the pool. Idempotent."""
+        """Refuse further copies, wait for those of ``load_by_layer`` in flight and stop
+        the threads. Idempotent."""
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        with self._lock:
+            pools = [p for p in (self._layer_pool, self._pool) if p is not None]
+        for pool in pools:
+            pool.shutdown(wait=True)
 
     def _copy(self, direction: Direction, block_ids: np.ndarray, slots: np.ndarray) -> CopyHandle:
         if self._closed:

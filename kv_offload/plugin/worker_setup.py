@@ -165,7 +165,9 @@ def build_copy_engine(planes: list[torch.Tensor], host: HostSlots, *, layout: KV
     from kv_offload.copy import make_copy_engine
 
     engine = make_copy_engine(planes, host, layout.blocks_per_chunk,
-                              thread_initializer=placement.anywhere, copy_mode=config.copy_mode)
+                              thread_initializer=placement.anywhere,
+                              layer_thread_initializer=placement.background,
+                              copy_mode=config.copy_mode)
     try:
         audit = build_audit(planes, host, layout.blocks_per_chunk, engine=engine,
                             rate=config.audit_rate)

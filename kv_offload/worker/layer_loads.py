@@ -85,6 +85,7 @@ class LayerWaits:
         self._waited: set[int] = set()
         self._failed_blocks: set[int] = set()
         self._discard = False
+        self._told = False  # logged the first load copied per layer
 
     def expect(self, forward_context: Any) -> None:
         """Note whether this step's attention layers wait per layer
@@ -110,6 +111,10 @@ class LayerWaits:
             handle = engine.load(slots, block_ids)
             engine.fence(handle)
             return handle
+        if not self._told:
+            self._told = True
+            logger.info("kv-offload: same-step loads are copied layer by layer, each "
+                        "attention layer waiting for its own (%s)", engine.copy_path)
         last, rest = last_blocks_apart(block_ids, [len(rows) for _, rows in loads])
         if (last != SKIP_BLOCK).any():
             engine.fence(engine.load(slots, last))

@@ -37,7 +37,7 @@ from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.tier_contract import TierIO
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.host_copies import HostCopies
-from kv_offload.worker.layer_loads import LayerWaits
+from kv_offload.worker.layer_loads import LayerWaits, last_blocks_apart
 from kv_offload.worker.loads import (
     LandedChunks,
     WorkerLoad,
@@ -146,6 +146,10 @@ class OffloadWorker:
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
         self._landing = LandedChunks(host.slot_bytes)  # synchronous engine: _copy_landed
+        # a synchronous engine's same-step loads per layer, for poll to settle (and end)
+        self._unsettled: collections.deque[
+            tuple[Callable[[], None], Future[None], list[WorkerLoad]]] = collections.deque()
+        self._spoiled = False  # a settled same-step load failed: discard the next stores
         self._stores = WorkerStores(
             rank=rank, host=host, copies=self._copies, tiers=self.tiers,
             submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._tally.add,
@@ -219,9 +223,9 @@ class OffloadWorker:
                     continue
                 load.begin_copy()
             rows = load.same_step_rows()
-            if rows and self.engine.synchronous:
+            if rows and self.engine.synchronous and not self.layer_waits.per_layer:
                 self._copy_rows(load, rows)
-            elif rows:
+            elif rows:  # a synchronous engine's copy per layer ends with the forward
                 issue.append((load, rows))
         future = self._issue_before_forward(issue) if issue else None  # None: no copy left
         issued = {id(load) for load, _ in issue}
@@ -250,9 +254,12 @@ class OffloadWorker:
         def settle() -> None:
             try:
                 self.engine.wait(handle)
+                took = self.engine.took_s(handle)  # a copy per layer on the CPU: not ours
                 self._tally.add(WorkerCounters(
                     bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
-                    seconds_load=self._clock() - start))
+                    seconds_load=self._clock() - start if took is None else took))
+                if self._audit is not None and self.engine.synchronous:
+                    self._audit_same_step(issue, slots, blocks)
             except Exception:  # a device error: too late for this step's load errors
                 logger.exception("kv-offload: same-step loads %s failed after their step "
                                  "used them", job_ids)
@@ -262,10 +269,40 @@ class OffloadWorker:
                 for load, _ in issue:
                     load.end_copy()
 
+        if self.engine.synchronous:  # its copy per layer ends with the forward: poll settles
+            unsettled: Future[None] = Future()
+            self._unsettled.append((settle, unsettled, [load for load, _ in issue]))
+            return unsettled
         try:
             return self._copier.submit(settle)
         except RuntimeError:  # shut down by close(), which waited for the engine
             return None
+
+    def _audit_same_step(self, issue: list[tuple[WorkerLoad, list[int]]], slots: np.ndarray,
+                         blocks: np.ndarray) -> None:
+        """The runtime audit of a synchronous engine's same-step copy per layer, after the
+        forward (``poll`` waits for it): each load's last block is left out (the forward
+        wrote the hit's next tokens into it: ``last_blocks_apart``); a mismatch fails its
+        chunk (a load error of this step)."""
+        _, rest = last_blocks_apart(blocks, [len(rows) for _, rows in issue])
+        bad = set(self._audit.check_load(rest, slots)) if self._audit is not None else set()
+        row = 0
+        for load, rows in issue:
+            load.failed.update(r for i, r in enumerate(rows) if row + i in bad)
+            row += len(rows)
+
+    def _settle_same_step(self) -> None:
+        """Settle a synchronous engine's same-step loads copied per layer, on vLLM's
+        thread: their copies ended with the forward (each layer waited for its own, or
+        ``end_forward`` fenced them), and this step's ``poll`` must report their failures,
+        the only step in which vLLM takes load errors of a running request. One that
+        failed spoils the next ``run_stores`` (this step's: the forward read it)."""
+        while self._unsettled:
+            settle, future, loads = self._unsettled.popleft()
+            settle()  # catches what the copy raised: the load's chunks fail
+            future.set_result(None)
+            # the forward read them: the next stores (this step's) must not keep its KV
+            self._spoiled |= any(load.failed for load in loads)
 
     def _copy_ready(self) -> None:
         """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
@@ -411,7 +448,10 @@ class OffloadWorker:
         ``fence`` and ``hold`` (invariant 3). ``discard``: the step's forward read a
         same-step load that failed (``start_loads`` returned False, or ``LayerWaits`` saw
         a layer read before its copy): reported failed uncopied, storing none of that KV."""
-        self._stores.run(jobs, discard=self.layer_waits.take_discard() or discard)
+        discard = self.layer_waits.take_discard() or discard  # closes the step's layers
+        self._settle_same_step()
+        spoiled, self._spoiled = self._spoiled, False
+        self._stores.run(jobs, discard=discard or spoiled)
 
     def fence(self, req_ids: Sequence[str]) -> None:
         """Order this step's forward after the copies of these (preempted) requests'
@@ -479,6 +519,7 @@ class OffloadWorker:
     def _wait_for_load_copies(self) -> None:
         """Block until no load is copying into the engine (the copy thread's; with a
         synchronous engine vLLM's own thread copies, which is the caller)."""
+        self._settle_same_step()
         while True:
             self._progress.clear()  # before looking: a copy ending later sets it again
             with self._lock:
@@ -503,6 +544,7 @@ class OffloadWorker:
         self._copy_ready()
         finished: set[str] = set()
         failed_blocks: set[int] = self.layer_waits.take_failed_blocks()
+        self._settle_same_step()
         failed_reqs: set[str] = set()
         now = self._clock()
         with self._lock:

@@ -471,3 +471,63 @@ def test_default_falls_back_to_numpy_when_the_loop_cannot_build(monkeypatch, cap
     assert torch.equal(host.tensor[1, :planes[0].shape[1]], planes[0][3])
     with pytest.raises(cpu_kernel.KernelUnavailableError):
         TorchCopyEngine(planes, host, 2, strategy="compiled")
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "shuffled"])
+def test_load_by_layer_writes_what_load_writes_each_layer_by_its_mark(pattern, new_engine):
+    """A same-step load per layer (issue 29): the same bytes as ``load``, and once a
+    layer's mark was waited for (``fence_mark``, what that layer's attention does) its
+    planes hold the chunk, whichever strategy copies (numpy copies whole at once)."""
+    from kv_offload.copy.layers import PlaneLayers
+
+    rng = np.random.default_rng(7)
+    _, planes = cpu_kv_planes(num_layers=4)  # one plane per layer; two layers of two
+    layers = PlaneLayers.from_counts(["a", "b"], [2, 2])
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 4)
+    host = make_host(8, layout.slot_bytes)
+    engine = new_engine(planes, host, 4)
+    ids, slots = request(rng, n_chunks=3, bpc=4, num_slots=8, pattern=pattern)
+    reference = [p.clone() for p in planes]
+    engine.load(slots, ids)
+    want = [p.clone() for p in planes]
+    for p, r in zip(planes, reference):
+        p.copy_(r)
+    copy = engine.load_by_layer(slots, ids, layers)
+    for layer, mark in enumerate(copy.layer_marks):
+        engine.fence_mark(mark)
+        for p in (2 * layer, 2 * layer + 1):
+            assert torch.equal(planes[p], want[p])
+    engine.wait(copy.handle)
+    assert engine.is_done(copy.handle)
+    with pytest.raises(ValueError, match="layers cover"):
+        engine.load_by_layer(slots, ids, PlaneLayers.from_counts(["a"], [3]))
+    with pytest.raises(ValueError):
+        engine.load_by_layer(slots, np.full_like(ids, NUM_BLOCKS), layers)
+
+
+def test_a_failed_copy_by_layer_releases_every_mark_and_raises_in_wait(monkeypatch):
+    """A copy that raises on the layer thread never leaves a layer waiting, and ``wait``
+    raises it (the worker then fails the load's chunks)."""
+    from kv_offload.copy.layers import PlaneLayers
+
+    if not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    _, planes = cpu_kv_planes(num_layers=4)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
+    engine = TorchCopyEngine(planes, make_host(4, layout.slot_bytes), 2, strategy="compiled")
+
+    def broken(*args):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cpu_kernel, "copy_pieces", broken)
+    copy = engine.load_by_layer(np.array([1]), np.array([[3, 4]]),
+                                PlaneLayers.from_counts(["a", "b"], [2, 2]))
+    for mark in copy.layer_marks:
+        engine.fence_mark(mark)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        engine.wait(copy.handle)
+    assert engine.took_s(copy.handle) is None
+    engine.close()
+    with pytest.raises(CopyEngineClosedError):
+        engine.load_by_layer(np.array([1]), np.array([[3, 4]]),
+                             PlaneLayers.from_counts(["a", "b"], [2, 2]))

@@ -5,14 +5,17 @@ load errors of this step: the request is running, so it is never a finished rece
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from test_runner import blocks_of, make_worker
+from test_runner import SLOT_BYTES, blocks_of, make_worker
 from worker_support import drain
 
+from kv_offload.copy import cpu_kernel
 from kv_offload.copy.base import CopyEngine, CopyHandle
+from kv_offload.copy.layers import PlaneLayers
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob
 
 
@@ -144,4 +147,102 @@ def test_async_and_same_step_jobs_in_one_call_each_take_their_path(planes):
     for p, orig in zip(planes, original):
         assert torch.equal(p[[9, 10]], orig) and torch.equal(p[[11, 12]], orig)
     assert np.array_equal(sorted(worker.take_report().loaded), [2, 3])
+    worker.close()
+
+
+# -- the CPU backend copies a same-step load layer by layer ----------------------------------
+
+LAYERS = ("model.layers.0.attn", "model.layers.1.attn")  # the fixture's two planes
+
+
+def _per_layer(worker) -> None:
+    """The step's forward waits per layer, as vLLM's attention layers do
+    (``wait_for_layer_load``), with the worker's two planes as two layers."""
+    worker.layer_waits.layers = PlaneLayers.from_counts(LAYERS, [1, 1])
+    worker.layer_waits.expect(SimpleNamespace(attn_metadata=object(), ubatch_slices=None,
+                                              cudagraph_runtime_mode=None))
+
+
+@pytest.fixture
+def gated_layers(monkeypatch):
+    """Holds the layer thread's copy of layer 1 until ``release`` is set (layer 0 goes
+    through); ``raise_on`` makes the copy of that layer raise instead."""
+    gate = SimpleNamespace(release=threading.Event(), raise_on=None, copied=[])
+    real = cpu_kernel.copy_pieces
+
+    def copy_pieces(store, stream, ids, slot_addr, table, lo, hi):
+        layer = len(gate.copied)
+        if threading.current_thread().name.startswith("kv-copy-layers"):
+            gate.copied.append(layer)
+            if layer == gate.raise_on:
+                raise RuntimeError("copy failed")
+            if layer == 1:
+                assert gate.release.wait(10)
+        return real(store, stream, ids, slot_addr, table, lo, hi)
+
+    monkeypatch.setattr(cpu_kernel, "copy_pieces", copy_pieces)
+    return gate
+
+
+def test_a_cpu_same_step_load_lands_each_layer_before_that_layer_waits(planes, gated_layers):
+    """Issue 29 on the CPU backend: a same-step load is copied on a thread of its own, one
+    layer after the other, and each attention layer waits for its own layer only: layer 0
+    is read while layer 1 is still copying (the overlap), and every byte is in place when
+    its layer reads it. The load's last block, which the forward writes into, is copied
+    whole before the forward."""
+    worker = make_worker(planes, None)
+    original = _stored(worker, planes, (3, 7), 1)
+    for p in planes:
+        p[[9, 10]] = 0
+    _per_layer(worker)
+    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),), same_step=True)])
+    worker.layer_waits.wait(LAYERS[0])
+    assert torch.equal(planes[0][[9, 10]], original[0][[0, 1]])
+    assert torch.equal(planes[1][10], original[1][1])  # the last block: before the forward
+    assert torch.count_nonzero(planes[1][9]) == 0  # layer 1 still copying
+    gated_layers.release.set()
+    worker.layer_waits.wait(LAYERS[1])
+    assert torch.equal(planes[1][[9, 10]], original[1][[0, 1]])
+    result = worker.poll()
+    assert result.failed_block_ids == set() and result.finished_req_ids == set()
+    assert worker.take_report().loaded == {2: {0: frozenset()}}
+    assert worker.take_stats()["bytes_load"] == SLOT_BYTES
+    worker.close()
+
+
+def test_a_cpu_copy_per_layer_that_fails_is_a_load_error_of_its_step_and_spoils_its_stores(
+        planes, gated_layers):
+    """The layer thread's copy raises after the forward started: the step's ``poll``
+    reports the load's blocks failed (vLLM recomputes them), and the stores of that step,
+    computed on them, are discarded (reported failed, never published)."""
+    worker = make_worker(planes, None)
+    _stored(worker, planes, (3, 7), 1)
+    gated_layers.raise_on = 1
+    _per_layer(worker)
+    assert worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),), same_step=True)])
+    for name in LAYERS:
+        worker.layer_waits.wait(name)  # a layer whose copy raised does not wait for ever
+    worker.run_stores([StoreJob(5, (ChunkMove((9, 10), 2),))])
+    result = worker.poll()
+    assert result.failed_block_ids == {9, 10} and result.finished_req_ids == set()
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(x.host_failed for x in r))
+    assert any(x.loaded.get(2) == {0: frozenset({0})} for x in reports)
+    assert all(5 not in x.host_stored for x in reports)
+    worker.close()
+
+
+def test_without_per_layer_waits_the_cpu_copies_before_the_forward(planes, gated_layers):
+    """A forward whose layers will not wait (no attention metadata, e.g.) gets the whole
+    load before ``start_loads`` returns, on vLLM's thread, as before."""
+    worker = make_worker(planes, None)
+    original = _stored(worker, planes, (3, 7), 1)
+    for p in planes:
+        p[[9, 10]] = 0
+    worker.layer_waits.layers = PlaneLayers.from_counts(LAYERS, [1, 1])
+    worker.layer_waits.expect(SimpleNamespace(attn_metadata=None))
+    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),), same_step=True)])
+    for p, orig in zip(planes, original):
+        assert torch.equal(p[[9, 10]], orig)
+    assert gated_layers.copied == []  # no layer thread
+    assert worker.poll().failed_block_ids == set()
     worker.close()
