@@ -8,8 +8,10 @@ without a load (``none``); after a load fenced whole (``whole``: the old same-st
 before its work (``per_layer``: what ``wait_for_layer_load`` does). The loaded blocks are
 zeroed before each run, so a layer that read them before its copy ended sums wrong; the
 bytes are compared after each run too. ``gpu_check`` runs it on CUDA (the CuPy engine);
-on the CPU it runs with the torch engine (synchronous: every mode loads whole), which
-checks the harness and its byte checks, not the overlap.
+on the CPU it runs with the torch engine, whose per-layer load copies on a thread of its
+own (compiled copy loop; numpy: whole), a check of the harness and its byte checks more
+than a measure (the fake attention's gather dominates there; bench_concurrent measures
+the CPU backend's overlap in vLLM).
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ Every method runs on vLLM's thread (the engine's device current).
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
     from kv_offload.copy.layers import PlaneLayers
     from kv_offload.worker.loads import WorkerLoad
 
-__all__ = ["LayerWaits", "attention_waits_per_layer", "last_blocks_apart"]
+__all__ = ["LayerWaits", "Unsettled", "attention_waits_per_layer", "audit_failed_rows",
+           "last_blocks_apart"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,3 +184,54 @@ class LayerWaits:
         self.end_forward()
         discard, self._discard = self._discard, False
         return discard
+
+
+def audit_failed_rows(loads: Sequence[tuple[WorkerLoad, Sequence[int]]], slots: np.ndarray,
+                      block_ids: np.ndarray, check: Callable[[np.ndarray, np.ndarray], set[int]],
+                      ) -> None:
+    """Audit a same-step copy per layer after the forward: ``check(block_ids, slots)``
+    (``CopyAudit.check_load``) over every block but each load's last one (the forward
+    wrote the hit's next tokens into it: ``last_blocks_apart``); a row it finds wrong
+    fails its chunk (``load.failed``: a load error of this step)."""
+    _, rest = last_blocks_apart(block_ids, [len(rows) for _, rows in loads])
+    bad = check(rest, slots)
+    row = 0
+    for load, rows in loads:
+        load.failed.update(r for i, r in enumerate(rows) if row + i in bad)
+        row += len(rows)
+
+
+class Unsettled:
+    """Same-step copies per layer on an engine without streams (the CPU backend), which
+    end with the forward: each layer waited for its own, or ``LayerWaits.end_forward``
+    fenced them. vLLM's thread settles them (``settle``) before the step's stores and its
+    ``poll``: this step must report their failures, the only step in which vLLM takes
+    load errors of a running request, and a failed one spoils the step's stores (the
+    forward read it). vLLM's thread only."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[
+            tuple[Callable[[], None], Future[None], list[WorkerLoad]]] = collections.deque()
+        self._spoiled = False
+
+    def add(self, settle: Callable[[], None], loads: list[WorkerLoad]) -> Future[None]:
+        """Queue ``settle`` (which never raises: it fails the loads' chunks) for
+        ``loads``; returns the future that ends with it."""
+        future: Future[None] = Future()
+        self._queue.append((settle, future, loads))
+        return future
+
+    def settle(self) -> None:
+        """Run every queued settle, in order, and end their futures."""
+        while self._queue:
+            settle, future, loads = self._queue.popleft()
+            settle()
+            future.set_result(None)
+            self._spoiled |= any(load.failed for load in loads)
+
+    def take_spoiled(self) -> bool:
+        """Whether a load settled since the last call failed (once): the stores planned
+        with its step must be discarded."""
+        self.settle()
+        spoiled, self._spoiled = self._spoiled, False
+        return spoiled

@@ -243,3 +243,19 @@ def succeeded(read: Future[bool]) -> bool:
         return bool(read.result())
     except Exception:
         return False
+
+
+@dataclass(slots=True)
+class StagedRead:
+    """A read into a host slot that later jobs sharing the chunk wait for (``after_job``);
+    the worker keeps it until ``STAGED_READ_TTL_S`` after the first poll that saw it end."""
+
+    read: Future[bool]
+    ended: float | None = None
+
+    def succeeded(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the read; whether it filled the slot."""
+        try:
+            return bool(self.read.result(timeout=timeout_s))
+        except Exception:  # failed, or still reading
+            return False

@@ -1,20 +1,20 @@
 """OffloadWorker: the worker-side muscle that executes load and store jobs on one rank.
 
 Owns the rank's host slots, copy engine and the worker halves of the secondary tiers
-(``tier_contract.TierIO``: the disk's, the remote's); makes no policy decisions. Reads
-from a tier run on a thread pool (the read lane), so the engine never waits on disk
-(invariant 6); writes run on a pool of their own (the write lane), so a read for a load
-never queues behind a store. Engine copies of loads run on one copy thread, or, with a
-synchronous engine (the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on
-vLLM's thread once the reads they need are done (in ``start_loads`` or the next
-``poll``), so the copy is reported in the same step (same-step loads: ``layer_loads.py``).
-Store jobs: ``WorkerStores`` (``worker/stores.py``). What it finished is reported through
-``poll()``: finished requests for vLLM, failed blocks, a ``WorkerReport`` for the scheduler.
+(``tier_contract.TierIO``: the disk's, the remote's); makes no policy decisions. Reads from
+a tier run on a thread pool (the read lane), so the engine never waits on disk (invariant
+6); writes run on a pool of their own (the write lane), so a read for a load never queues
+behind a store. Engine copies of loads run on one copy thread, or, with a synchronous engine
+(the CPU backend) and up to ``INLINE_LOAD_MAX_BYTES`` per call, on vLLM's thread once the
+reads they need are done (in ``start_loads`` or the next ``poll``), so the copy is reported
+in the same step (same-step loads: ``layer_loads.py``). Store jobs: ``WorkerStores``
+(``worker/stores.py``). What it finished is reported through ``poll()``: finished requests
+for vLLM, failed blocks, a ``WorkerReport`` for the scheduler.
 
 ``pause``/``resume`` follow vLLM taking the KV cache away and giving it back
 (``unregister_kv_caches``/``restore_kv_caches``): a pause, not a shutdown. While paused no
-copy touches the engine's KV memory; host slots and the secondary tiers keep what
-they hold, and their reads and writes go on.
+copy touches the engine's KV memory; host slots and the secondary tiers keep what they hold,
+and their reads and writes go on.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from kv_offload.jobs import ChunkMove, LoadJob, StoreJob, WorkerReport
 from kv_offload.tier_contract import TierIO
 from kv_offload.worker.affinity import ThreadPlacement
 from kv_offload.worker.host_copies import HostCopies
-from kv_offload.worker.layer_loads import LayerWaits, last_blocks_apart
+from kv_offload.worker.layer_loads import LayerWaits, Unsettled, audit_failed_rows
 from kv_offload.worker.loads import (
     LandedChunks,
+    StagedRead,
     WorkerLoad,
     WorkerLoadPhase,
     completed,
@@ -65,15 +66,6 @@ would stretch; larger loads, and loads past it, use the copy thread."""
 IDLE_STEP_WAIT_S = 0.005
 """Longest an idle ``poll`` (no forward this step) waits for a load in flight, which it then
 reports at once; a request arriving meanwhile is scheduled at most this much later."""
-
-
-@dataclass(slots=True)
-class _Staged:
-    """A read into a host slot that later jobs sharing the chunk wait for (``after_job``);
-    kept until ``STAGED_READ_TTL_S`` after the first poll that saw it end."""
-
-    read: Future[bool]
-    ended: float | None = None
 
 
 @dataclass(slots=True)
@@ -133,7 +125,7 @@ class OffloadWorker:
                                   audit=audit)
         self._lock = threading.Lock()
         self._loads: dict[int, WorkerLoad] = {}
-        self._staged: dict[tuple[int, int], _Staged] = {}
+        self._staged: dict[tuple[int, int], StagedRead] = {}
         # load job -> tier -> per chunk, its fill write (the chunk's sinks)
         self._fills: dict[int, dict[str, list[Future[object | None] | None]]] = {}
         self._report = WorkerReport()
@@ -146,10 +138,7 @@ class OffloadWorker:
         self._ready: collections.deque[tuple[WorkerLoad, dict[int, Future[bool]]]] = (
             collections.deque())  # loads read, for vLLM's thread to copy (synchronous engine)
         self._landing = LandedChunks(host.slot_bytes)  # synchronous engine: _copy_landed
-        # a synchronous engine's same-step loads per layer, for poll to settle (and end)
-        self._unsettled: collections.deque[
-            tuple[Callable[[], None], Future[None], list[WorkerLoad]]] = collections.deque()
-        self._spoiled = False  # a settled same-step load failed: discard the next stores
+        self._unsettled = Unsettled()  # a synchronous engine's same-step loads per layer
         self._stores = WorkerStores(
             rank=rank, host=host, copies=self._copies, tiers=self.tiers,
             submit=lambda fn, *args: self._io_writes.submit(fn, *args), count=self._tally.add,
@@ -158,16 +147,16 @@ class OffloadWorker:
     # -- loads -----------------------------------------------------------------------------
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> bool:
-        """Start ``jobs`` in the background: reads from their sources' tiers on the read
-        lane (writes to the chunks' sinks, fills, on the write lane once read), then the engine copy of
-        each job, once the reads it needs (its own and those of jobs it shares chunks
-        with) are done, so a slow disk never holds up the copies of other jobs. Returns at
-        once, except that a synchronous engine copies a job that needs no read right here.
-        While paused, each job is cancelled at once (its blocks are reported failed by the
-        next poll, vLLM recomputes them); its reads still fill the host slots it stages.
+        """Start ``jobs`` in the background: reads from their sources' tiers on the read lane
+        (writes to the chunks' sinks, fills, on the write lane once read), then the engine copy of
+        each job, once the reads it needs (its own and those of jobs it shares chunks with) are
+        done, so a slow disk never holds up the copies of other jobs. Returns at once, except that
+        a synchronous engine copies a job that needs no read right here. While paused, each job is
+        cancelled at once (its blocks are reported failed by the next poll, vLLM recomputes them);
+        its reads still fill the host slots it stages.
 
-        Same-step jobs (``LoadJob.same_step``) are copied, or issued before the forward,
-        here (``_load_same_step``). False when one failed: the forward reads wrong KV."""
+        Same-step jobs (``LoadJob.same_step``) are copied, or issued before the forward, here
+        (``_load_same_step``). False when one failed: the forward reads wrong KV."""
         now = self._clock()
         all_loaded = self._load_same_step([job for job in jobs if job.same_step], now)
         for job in (job for job in jobs if not job.same_step):
@@ -188,7 +177,7 @@ class OffloadWorker:
                     if self.engine.synchronous:  # vLLM's thread copies a batch once read
                         fut.add_done_callback(wake)
                     reads[i] = fut
-                    self._staged[(job.job_id, move.cpu_slot)] = _Staged(fut)
+                    self._staged[(job.job_id, move.cpu_slot)] = StagedRead(fut)
                     needed.append(fut)
                     for sink in move.sinks:
                         fills.setdefault(sink.tier, [None] * len(job.chunks))[i] = (
@@ -240,7 +229,8 @@ class OffloadWorker:
 
     def _issue_before_forward(self, issue: list[tuple[WorkerLoad, list[int]]]) -> Future | None:
         """Issue these same-step copies as one before the compute that reads them (no host
-        wait: ``LayerWaits.issue``); the future that ends them on the copy thread, or None."""
+        wait: ``LayerWaits.issue``); the future that ends them on the copy thread (with a
+        synchronous engine: on vLLM's thread after the forward, ``Unsettled``), or None."""
         slots, blocks = (np.concatenate(a) for a in zip(*(ld.copy_arrays(r) for ld, r in issue)))
         start, job_ids = self._clock(), [load.job.job_id for load, _ in issue]
         try:
@@ -255,12 +245,11 @@ class OffloadWorker:
             try:
                 self.engine.wait(handle)
                 took = self.engine.took_s(handle)  # a copy per layer on the CPU: not ours
-                self._tally.add(WorkerCounters(
-                    bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
-                    seconds_load=self._clock() - start if took is None else took))
+                self._tally.add(WorkerCounters(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
+                                               seconds_load=took or self._clock() - start))
                 if self._audit is not None and self.engine.synchronous:
-                    self._audit_same_step(issue, slots, blocks)
-            except Exception:  # a device error: too late for this step's load errors
+                    audit_failed_rows(issue, slots, blocks, self._audit.check_load)
+            except Exception:  # on a device, too late for this step's load errors
                 logger.exception("kv-offload: same-step loads %s failed after their step "
                                  "used them", job_ids)
                 for load, rows in issue:
@@ -270,39 +259,11 @@ class OffloadWorker:
                     load.end_copy()
 
         if self.engine.synchronous:  # its copy per layer ends with the forward: poll settles
-            unsettled: Future[None] = Future()
-            self._unsettled.append((settle, unsettled, [load for load, _ in issue]))
-            return unsettled
+            return self._unsettled.add(settle, [load for load, _ in issue])
         try:
             return self._copier.submit(settle)
         except RuntimeError:  # shut down by close(), which waited for the engine
             return None
-
-    def _audit_same_step(self, issue: list[tuple[WorkerLoad, list[int]]], slots: np.ndarray,
-                         blocks: np.ndarray) -> None:
-        """The runtime audit of a synchronous engine's same-step copy per layer, after the
-        forward (``poll`` waits for it): each load's last block is left out (the forward
-        wrote the hit's next tokens into it: ``last_blocks_apart``); a mismatch fails its
-        chunk (a load error of this step)."""
-        _, rest = last_blocks_apart(blocks, [len(rows) for _, rows in issue])
-        bad = set(self._audit.check_load(rest, slots)) if self._audit is not None else set()
-        row = 0
-        for load, rows in issue:
-            load.failed.update(r for i, r in enumerate(rows) if row + i in bad)
-            row += len(rows)
-
-    def _settle_same_step(self) -> None:
-        """Settle a synchronous engine's same-step loads copied per layer, on vLLM's
-        thread: their copies ended with the forward (each layer waited for its own, or
-        ``end_forward`` fenced them), and this step's ``poll`` must report their failures,
-        the only step in which vLLM takes load errors of a running request. One that
-        failed spoils the next ``run_stores`` (this step's: the forward read it)."""
-        while self._unsettled:
-            settle, future, loads = self._unsettled.popleft()
-            settle()  # catches what the copy raised: the load's chunks fail
-            future.set_result(None)
-            # the forward read them: the next stores (this step's) must not keep its KV
-            self._spoiled |= any(load.failed for load in loads)
 
     def _copy_ready(self) -> None:
         """Copy the loads of a synchronous engine whose reads are done, on vLLM's thread
@@ -432,12 +393,7 @@ class OffloadWorker:
 
     def _wait_staged(self, job_id: int, cpu_slot: int) -> bool:
         entry = self._staged.get((job_id, cpu_slot))
-        if entry is None:
-            return False
-        try:
-            return bool(entry.read.result(timeout=self.load_timeout_s))
-        except Exception:
-            return False
+        return entry is not None and entry.succeeded(self.load_timeout_s)
 
     # -- stores ----------------------------------------------------------------------------
 
@@ -449,9 +405,7 @@ class OffloadWorker:
         same-step load that failed (``start_loads`` returned False, or ``LayerWaits`` saw
         a layer read before its copy): reported failed uncopied, storing none of that KV."""
         discard = self.layer_waits.take_discard() or discard  # closes the step's layers
-        self._settle_same_step()
-        spoiled, self._spoiled = self._spoiled, False
-        self._stores.run(jobs, discard=discard or spoiled)
+        self._stores.run(jobs, discard=self._unsettled.take_spoiled() or discard)
 
     def fence(self, req_ids: Sequence[str]) -> None:
         """Order this step's forward after the copies of these (preempted) requests'
@@ -519,7 +473,7 @@ class OffloadWorker:
     def _wait_for_load_copies(self) -> None:
         """Block until no load is copying into the engine (the copy thread's; with a
         synchronous engine vLLM's own thread copies, which is the caller)."""
-        self._settle_same_step()
+        self._unsettled.settle()
         while True:
             self._progress.clear()  # before looking: a copy ending later sets it again
             with self._lock:
@@ -544,7 +498,7 @@ class OffloadWorker:
         self._copy_ready()
         finished: set[str] = set()
         failed_blocks: set[int] = self.layer_waits.take_failed_blocks()
-        self._settle_same_step()
+        self._unsettled.settle()
         failed_reqs: set[str] = set()
         now = self._clock()
         with self._lock:

@@ -106,6 +106,8 @@ def test_cpu_tier_serves_after_prefix_cache_reset(first_engine, reference):
     assert warm["metrics"]["hits_host"] >= PREFIX_TOKENS
     # ... in the step that scheduled each request (CPU-tier chunks load before the forward)
     assert warm["kv_offload"]["kv_offload_loads_same_step_total{}"] >= 1  # within the budget
+    # ... copied layer by layer while the forward runs, each layer waiting for its own
+    assert "same-step loads are copied layer by layer" in first_engine["log"]
 
 
 def test_prompt_logprobs_requests_are_not_looked_up_and_equal_recompute(first_engine,

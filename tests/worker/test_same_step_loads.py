@@ -13,10 +13,14 @@ import torch
 from test_runner import SLOT_BYTES, blocks_of, make_worker
 from worker_support import drain
 
-from kv_offload.copy import cpu_kernel
+from kv_offload.copy import cpu_kernel, make_copy_engine
 from kv_offload.copy.base import CopyEngine, CopyHandle
+from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.copy.layers import PlaneLayers
 from kv_offload.jobs import ChunkMove, LoadJob, StoreJob
+from kv_offload.testing.tiers import tier_ios
+from kv_offload.worker import OffloadWorker
+from kv_offload.worker.audit import build_audit
 
 
 def _stored(worker, planes, blocks, slot):
@@ -245,4 +249,34 @@ def test_without_per_layer_waits_the_cpu_copies_before_the_forward(planes, gated
         assert torch.equal(p[[9, 10]], orig)
     assert gated_layers.copied == []  # no layer thread
     assert worker.poll().failed_block_ids == set()
+    worker.close()
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_the_audit_of_a_cpu_copy_per_layer_skips_the_block_the_forward_writes(planes, corrupt):
+    """The runtime audit re-reads a same-step copy per layer after the forward: the load's
+    last block, which the forward wrote its next tokens into, is not compared (no false
+    mismatch); a loaded block that differs from its host slot fails the chunk in that
+    step and spoils the step's stores."""
+    host = allocate_host_slots(4, SLOT_BYTES, pinned=False)
+    engine = make_copy_engine(planes, host, 2)
+    worker = OffloadWorker(rank=0, engine=engine, host=host, io_threads=2,
+                           tiers=tier_ios(None, slot_bytes=SLOT_BYTES),
+                           audit=build_audit(planes, host, 2, engine=engine, rate=1.0))
+    _stored(worker, planes, (3, 7), 1)
+    _per_layer(worker)
+    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),), same_step=True)])
+    for name in LAYERS:
+        worker.layer_waits.wait(name)
+    for p in planes:  # the forward writes the hit's next tokens into its last block
+        p[10, -8:] = 255 - p[10, -8:]
+    if corrupt:
+        planes[1][9, 0] ^= 1
+    worker.run_stores([StoreJob(5, (ChunkMove((11, 12), 2),))])
+    result = worker.poll()
+    assert result.failed_block_ids == ({9, 10} if corrupt else set())
+    reports, _, _ = drain(worker, until=lambda r, f, b: any(
+        x.host_failed or x.host_stored for x in r))
+    assert any(5 in (x.host_failed if corrupt else x.host_stored) for x in reports)
+    assert worker.take_stats()["audit_chunks"] >= 1
     worker.close()
