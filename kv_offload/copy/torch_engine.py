@@ -193,6 +193,7 @@ class TorchCopyEngine(CopyEngine):
         if self.strategy != "compiled":
             return super().load_by_layer(slots, block_ids, layers)
         ids, sl = validated_chunks(block_ids, slots, self.layout.blocks_per_chunk)
+        ids = ids.copy()  # the thread reads it after we return; the caller's array is theirs
         cpu_kernel.check_request(False, ids, sl, self.num_blocks, self.num_slots)
         handle = CopyHandle(next(self._seq), Direction.LOAD)
         if not (ids >= 0).any():

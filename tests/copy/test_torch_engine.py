@@ -531,3 +531,35 @@ def test_a_failed_copy_by_layer_releases_every_mark_and_raises_in_wait(monkeypat
     with pytest.raises(CopyEngineClosedError):
         engine.load_by_layer(np.array([1]), np.array([[3, 4]]),
                              PlaneLayers.from_counts(["a", "b"], [2, 2]))
+
+
+def test_load_by_layer_keeps_no_caller_array_its_thread_still_reads(monkeypatch):
+    """The copy contract: callers own the arrays, which are not kept. ``load_by_layer``
+    returns before its thread copies; a caller reusing its block-id array after the call
+    must not move the copy to other blocks (checked ones or not: the loop trusts them)."""
+    from kv_offload.copy.layers import PlaneLayers
+
+    if not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    _, planes = cpu_kv_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
+    host = make_host(4, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, 2, strategy="compiled")
+    release, real = threading.Event(), cpu_kernel.copy_pieces
+
+    def gated(*args):
+        if threading.current_thread().name.startswith("kv-copy-layers"):
+            assert release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernel, "copy_pieces", gated)
+    before = [p.clone() for p in planes]
+    ids = np.array([[3, 4]], dtype=np.int64)
+    copy = engine.load_by_layer(np.array([1]), ids, PlaneLayers.from_counts(["a", "b"], [1, 1]))
+    ids[:] = [[5, 6]]  # the caller's array, reused
+    release.set()
+    engine.wait(copy.handle)
+    for p, b in zip(planes, before):
+        assert torch.equal(p[[5, 6]], b[[5, 6]])  # untouched
+        assert not torch.equal(p[[3, 4]], b[[3, 4]])  # loaded
+    engine.close()
