@@ -211,8 +211,12 @@ class TorchCopyEngine(CopyEngine):
                 self._layer_pool = ThreadPoolExecutor(
                     1, thread_name_prefix="kv-copy-layers",
                     initializer=self._layer_thread_initializer)
-            self._layered[handle.seq] = self._layer_pool.submit(
+            future = self._layer_pool.submit(
                 self._copy_layers, stream, ids, slot_addr, tables, marks)
+            self._layered[handle.seq] = future
+        # a copy that never ran (its pool broken: an initializer that raised) leaves no
+        # layer waiting for ever either; ``wait`` raises it
+        future.add_done_callback(lambda _: _set_all(marks))
         return LayeredCopy(handle, marks)
 
     @staticmethod
@@ -329,3 +333,8 @@ class TorchCopyEngine(CopyEngine):
                     np.take(engine, ids, axis=0, out=host_rows, mode="clip")
                 else:
                     engine[ids] = host_rows
+
+
+def _set_all(marks: tuple[threading.Event, ...]) -> None:
+    for mark in marks:
+        mark.set()

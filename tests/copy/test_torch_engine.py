@@ -8,6 +8,7 @@ the thread split and non-temporal stores forced on for every request size."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import BrokenExecutor
 
 import numpy as np
 import pytest
@@ -562,4 +563,32 @@ def test_load_by_layer_keeps_no_caller_array_its_thread_still_reads(monkeypatch)
     for p, b in zip(planes, before):
         assert torch.equal(p[[5, 6]], b[[5, 6]])  # untouched
         assert not torch.equal(p[[3, 4]], b[[3, 4]])  # loaded
+    engine.close()
+
+
+def test_a_copy_by_layer_that_never_runs_releases_every_mark(caplog):
+    """The layer thread's initializer raising breaks its pool: the copy never runs, so
+    ``_copy_layers`` never sets the marks. A layer waiting for one (vLLM's forward) must
+    not wait for ever; ``wait`` raises (the worker fails the load's chunks)."""
+    from kv_offload.copy.layers import PlaneLayers
+
+    if not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    _, planes = cpu_kv_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
+
+    def broken() -> None:
+        raise OSError("no such CPU")
+
+    engine = TorchCopyEngine(planes, make_host(4, layout.slot_bytes), 2, strategy="compiled",
+                             layer_thread_initializer=broken)
+    copy = engine.load_by_layer(np.array([1]), np.array([[3, 4]]),
+                                PlaneLayers.from_counts(["a", "b"], [1, 1]))
+    waiter = threading.Thread(target=lambda: [engine.fence_mark(m) for m in copy.layer_marks],
+                              daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive(), "a layer waits for ever"
+    with pytest.raises(BrokenExecutor):
+        engine.wait(copy.handle)
     engine.close()
