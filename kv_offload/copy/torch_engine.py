@@ -193,6 +193,7 @@ class TorchCopyEngine(CopyEngine):
         if self.strategy != "compiled":
             return super().load_by_layer(slots, block_ids, layers)
         ids, sl = validated_chunks(block_ids, slots, self.layout.blocks_per_chunk)
+        ids = ids.copy()  # the thread reads it after we return; the caller's array is theirs
         cpu_kernel.check_request(False, ids, sl, self.num_blocks, self.num_slots)
         handle = CopyHandle(next(self._seq), Direction.LOAD)
         if not (ids >= 0).any():
@@ -210,8 +211,12 @@ class TorchCopyEngine(CopyEngine):
                 self._layer_pool = ThreadPoolExecutor(
                     1, thread_name_prefix="kv-copy-layers",
                     initializer=self._layer_thread_initializer)
-            self._layered[handle.seq] = self._layer_pool.submit(
+            future = self._layer_pool.submit(
                 self._copy_layers, stream, ids, slot_addr, tables, marks)
+            self._layered[handle.seq] = future
+        # a copy that never ran (its pool broken: an initializer that raised) leaves no
+        # layer waiting for ever either; ``wait`` raises it
+        future.add_done_callback(lambda _: _set_all(marks))
         return LayeredCopy(handle, marks)
 
     @staticmethod
@@ -328,3 +333,8 @@ class TorchCopyEngine(CopyEngine):
                     np.take(engine, ids, axis=0, out=host_rows, mode="clip")
                 else:
                     engine[ids] = host_rows
+
+
+def _set_all(marks: tuple[threading.Event, ...]) -> None:
+    for mark in marks:
+        mark.set()

@@ -119,6 +119,7 @@ def layer_overlap(setup: OverlapSetup = OverlapSetup(), *, device: str = "cuda",
             forward(lambda i: engine.fence_mark(copy.layer_marks[i]))
             for mark in copy.layer_marks:
                 engine.release_mark(mark)
+            engine.wait(copy.handle)  # the CPU engine keeps a copy's future until waited for
         else:
             forward(lambda i: None)
         return timer.stop()

@@ -165,8 +165,11 @@ class LayerWaits:
             for load, rows in self._loads:
                 load.failed.update(rows)
                 load.reported_to_vllm = True  # here: every row failed, reported now
+                # every failed chunk, those failed before the copy too (a vanished chunk):
+                # vLLM keeps the blocks before the first one reported as computed
                 self._failed_blocks.update(
-                    b for i in rows for b in load.job.chunks[i].block_ids if b != SKIP_BLOCK)
+                    b for i in load.failed for b in load.job.chunks[i].block_ids
+                    if b != SKIP_BLOCK)
         self._marks, self._loads, self._waited = [], [], set()
 
     def take_failed_blocks(self) -> set[int]:

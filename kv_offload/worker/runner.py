@@ -240,13 +240,17 @@ class OffloadWorker:
             for load, rows in issue:
                 load.failed.update(rows)
             return None
+        issued_s = self._clock() - start  # a synchronous engine's copies made at issue
 
         def settle() -> None:
             try:
                 self.engine.wait(handle)
-                took = self.engine.took_s(handle)  # a copy per layer on the CPU: not ours
+                if self.engine.synchronous:  # settled after the forward: not its seconds
+                    seconds = issued_s + (self.engine.took_s(handle) or 0.0)  # + per layer
+                else:  # the copy thread, as the copy ends
+                    seconds = self._clock() - start
                 self._tally.add(WorkerCounters(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
-                                               seconds_load=took or self._clock() - start))
+                                               seconds_load=seconds))
                 if self._audit is not None and self.engine.synchronous:
                     audit_failed_rows(issue, slots, blocks, self._audit.check_load)
             except Exception:  # on a device, too late for this step's load errors

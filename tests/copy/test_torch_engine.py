@@ -8,6 +8,7 @@ the thread split and non-temporal stores forced on for every request size."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import BrokenExecutor
 
 import numpy as np
 import pytest
@@ -531,3 +532,63 @@ def test_a_failed_copy_by_layer_releases_every_mark_and_raises_in_wait(monkeypat
     with pytest.raises(CopyEngineClosedError):
         engine.load_by_layer(np.array([1]), np.array([[3, 4]]),
                              PlaneLayers.from_counts(["a", "b"], [2, 2]))
+
+
+def test_load_by_layer_keeps_no_caller_array_its_thread_still_reads(monkeypatch):
+    """The copy contract: callers own the arrays, which are not kept. ``load_by_layer``
+    returns before its thread copies; a caller reusing its block-id array after the call
+    must not move the copy to other blocks (checked ones or not: the loop trusts them)."""
+    from kv_offload.copy.layers import PlaneLayers
+
+    if not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    _, planes = cpu_kv_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
+    host = make_host(4, layout.slot_bytes)
+    engine = TorchCopyEngine(planes, host, 2, strategy="compiled")
+    release, real = threading.Event(), cpu_kernel.copy_pieces
+
+    def gated(*args):
+        if threading.current_thread().name.startswith("kv-copy-layers"):
+            assert release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernel, "copy_pieces", gated)
+    before = [p.clone() for p in planes]
+    ids = np.array([[3, 4]], dtype=np.int64)
+    copy = engine.load_by_layer(np.array([1]), ids, PlaneLayers.from_counts(["a", "b"], [1, 1]))
+    ids[:] = [[5, 6]]  # the caller's array, reused
+    release.set()
+    engine.wait(copy.handle)
+    for p, b in zip(planes, before):
+        assert torch.equal(p[[5, 6]], b[[5, 6]])  # untouched
+        assert not torch.equal(p[[3, 4]], b[[3, 4]])  # loaded
+    engine.close()
+
+
+def test_a_copy_by_layer_that_never_runs_releases_every_mark(caplog):
+    """The layer thread's initializer raising breaks its pool: the copy never runs, so
+    ``_copy_layers`` never sets the marks. A layer waiting for one (vLLM's forward) must
+    not wait for ever; ``wait`` raises (the worker fails the load's chunks)."""
+    from kv_offload.copy.layers import PlaneLayers
+
+    if not cpu_kernel.AVAILABLE:
+        pytest.skip("numba is not installed")
+    _, planes = cpu_kv_planes(num_layers=2)
+    layout = SlotLayout.packed([p.shape[1] for p in planes], 2)
+
+    def broken() -> None:
+        raise OSError("no such CPU")
+
+    engine = TorchCopyEngine(planes, make_host(4, layout.slot_bytes), 2, strategy="compiled",
+                             layer_thread_initializer=broken)
+    copy = engine.load_by_layer(np.array([1]), np.array([[3, 4]]),
+                                PlaneLayers.from_counts(["a", "b"], [1, 1]))
+    waiter = threading.Thread(target=lambda: [engine.fence_mark(m) for m in copy.layer_marks],
+                              daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive(), "a layer waits for ever"
+    with pytest.raises(BrokenExecutor):
+        engine.wait(copy.handle)
+    engine.close()

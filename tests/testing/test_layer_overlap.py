@@ -41,6 +41,8 @@ def test_a_load_that_leaves_a_layer_unwritten_is_a_mismatch(monkeypatch):
 
         def load_by_layer(slots, block_ids, layers):
             done = inner(slots, block_ids, layers)
+            for mark in done.layer_marks:  # the CPU engine's thread copies after we return
+                engine.fence_mark(mark)
             for plane in planes[-2:]:  # the last layer's K and V: "not yet copied"
                 plane[block_ids.reshape(-1)] = 0
             return LayeredCopy(done.handle, done.layer_marks)

@@ -5,6 +5,7 @@ load errors of this step: the request is running, so it is never a finished rece
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +18,7 @@ from kv_offload.copy import cpu_kernel, make_copy_engine
 from kv_offload.copy.base import CopyEngine, CopyHandle
 from kv_offload.copy.host_buffer import allocate_host_slots
 from kv_offload.copy.layers import PlaneLayers
-from kv_offload.jobs import ChunkMove, LoadJob, StoreJob
+from kv_offload.jobs import SKIP_BLOCK, ChunkMove, LoadJob, StoreJob
 from kv_offload.testing.tiers import tier_ios
 from kv_offload.worker import OffloadWorker
 from kv_offload.worker.audit import build_audit
@@ -279,4 +280,59 @@ def test_the_audit_of_a_cpu_copy_per_layer_skips_the_block_the_forward_writes(pl
         x.host_failed or x.host_stored for x in r))
     assert any(5 in (x.host_failed if corrupt else x.host_stored) for x in reports)
     assert worker.take_stats()["audit_chunks"] >= 1
+    worker.close()
+
+
+def test_a_layer_never_waited_for_reports_every_failed_chunk_of_the_load(planes):
+    """Review of the per-layer CPU path: a load whose first chunk vanished from the CPU
+    tier (a failed move) and whose second is copied per layer, in a step where layer 1
+    never waits. ``end_forward`` fails the load and reports it to vLLM itself: every
+    failed chunk's blocks must be among this step's load errors, the vanished chunk's
+    too. Else vLLM truncates the request at the first block reported (chunk 1) and keeps
+    chunk 0's never-loaded blocks as computed KV (and in its prefix cache)."""
+    worker = make_worker(planes, None)
+    _stored(worker, planes, (3, 7), 1)
+    _per_layer(worker)
+    assert not worker.start_loads([LoadJob(2, "req", (
+        ChunkMove((9, 10), None), ChunkMove((11, 12), 1)), same_step=True)])
+    worker.layer_waits.wait(LAYERS[0])  # layer 1 never waits
+    result = worker.poll()
+    assert result.failed_block_ids == {9, 10, 11, 12}
+    assert worker.take_report().loaded == {2: {0: frozenset({0, 1})}}
+    worker.close()
+
+
+def test_the_load_bandwidth_of_a_cpu_copy_per_layer_counts_its_copies_not_the_forward(
+        planes):
+    """``bytes_load / seconds_load`` sizes the same-step budget: the seconds of a copy per
+    layer are those of its copies, the last block's made before the forward included,
+    and never the forward's (a load whose only block is its last one has nothing to copy
+    per layer)."""
+    worker = make_worker(planes, None)
+    _stored(worker, planes, (3, 7), 1)
+    worker.take_stats()
+    _per_layer(worker)
+    worker.start_loads([LoadJob(2, "a", (ChunkMove((SKIP_BLOCK, 10), 1),), same_step=True)])
+    for name in LAYERS:
+        worker.layer_waits.wait(name)
+    time.sleep(0.3)  # the forward
+    assert worker.poll().failed_block_ids == set()
+    stats = worker.take_stats()
+    assert stats["bytes_load"] == SLOT_BYTES // 2
+    assert stats["seconds_load"] < 0.3
+
+    real_load = worker.engine.load
+
+    def slow_load(slots, block_ids, **kwargs):  # the last block's copy, on vLLM's thread
+        time.sleep(0.2)
+        return real_load(slots, block_ids, **kwargs)
+
+    worker.engine.load = slow_load
+    _per_layer(worker)
+    worker.start_loads([LoadJob(3, "b", (ChunkMove((11, 12), 1),), same_step=True)])
+    for name in LAYERS:
+        worker.layer_waits.wait(name)
+    assert worker.poll().failed_block_ids == set()
+    stats = worker.take_stats()
+    assert stats["bytes_load"] == SLOT_BYTES and stats["seconds_load"] >= 0.2
     worker.close()
