@@ -114,14 +114,14 @@ class LayerWaits:
             handle = engine.load(slots, block_ids)
             engine.fence(handle)
             return handle
-        if not self._told:
-            self._told = True
-            logger.info("kv-offload: same-step loads are copied layer by layer, each "
-                        "attention layer waiting for its own (%s)", engine.copy_path)
         last, rest = last_blocks_apart(block_ids, [len(rows) for _, rows in loads])
         if (last != SKIP_BLOCK).any():
             engine.fence(engine.load(slots, last))
         copy = engine.load_by_layer(slots, rest, self.layers)
+        if not self._told and any(m is not None for m in copy.layer_marks):
+            self._told = True
+            logger.info("kv-offload: same-step loads are copied layer by layer, each "
+                        "attention layer waiting for its own (%s)", engine.copy_path)
         self._marks.append(copy.layer_marks)
         self._loads.extend(loads)
         return copy.handle
@@ -191,13 +191,14 @@ class LayerWaits:
 
 def audit_failed_rows(loads: Sequence[tuple[WorkerLoad, Sequence[int]]], slots: np.ndarray,
                       block_ids: np.ndarray, check: Callable[[np.ndarray, np.ndarray], set[int]],
-                      ) -> None:
-    """Audit a same-step copy per layer after the forward: ``check(block_ids, slots)``
-    (``CopyAudit.check_load``) over every block but each load's last one (the forward
-    wrote the hit's next tokens into it: ``last_blocks_apart``); a row it finds wrong
-    fails its chunk (``load.failed``: a load error of this step)."""
-    _, rest = last_blocks_apart(block_ids, [len(rows) for _, rows in loads])
-    bad = check(rest, slots)
+                      *, last: bool) -> None:
+    """Audit a same-step copy per layer: ``check(block_ids, slots)``
+    (``CopyAudit.check_load``) over each load's last block (``last``: right after
+    ``LayerWaits.issue`` copied them, before the forward writes the hit's next tokens
+    into them) or over every other block (after the forward: ``last_blocks_apart``); a
+    row it finds wrong fails its chunk (``load.failed``: a load error of this step)."""
+    parts = last_blocks_apart(block_ids, [len(rows) for _, rows in loads])
+    bad = check(parts[0] if last else parts[1], slots)
     row = 0
     for load, rows in loads:
         load.failed.update(r for i, r in enumerate(rows) if row + i in bad)

@@ -228,9 +228,8 @@ class OffloadWorker:
         return not any(load.failed or load.phase is WorkerLoadPhase.CANCELLED for load in loads)
 
     def _issue_before_forward(self, issue: list[tuple[WorkerLoad, list[int]]]) -> Future | None:
-        """Issue these same-step copies as one before the compute that reads them (no host
-        wait: ``LayerWaits.issue``); the future that ends them on the copy thread (with a
-        synchronous engine: on vLLM's thread after the forward, ``Unsettled``), or None."""
+        """Issue these same-step copies as one before the compute that reads them (no host wait:
+        ``LayerWaits.issue``); the future that ends them (copy thread; CPU: ``Unsettled``), or None."""
         slots, blocks = (np.concatenate(a) for a in zip(*(ld.copy_arrays(r) for ld, r in issue)))
         start, job_ids = self._clock(), [load.job.job_id for load, _ in issue]
         try:
@@ -241,18 +240,18 @@ class OffloadWorker:
                 load.failed.update(rows)
             return None
         issued_s = self._clock() - start  # a synchronous engine's copies made at issue
+        if self._audit is not None and self.engine.synchronous and self.layer_waits.per_layer:
+            audit_failed_rows(issue, slots, blocks, self._audit.check_load, last=True)
 
         def settle() -> None:
             try:
                 self.engine.wait(handle)
-                if self.engine.synchronous:  # settled after the forward: not its seconds
-                    seconds = issued_s + (self.engine.took_s(handle) or 0.0)  # + per layer
-                else:  # the copy thread, as the copy ends
-                    seconds = self._clock() - start
+                seconds = (issued_s + (self.engine.took_s(handle) or 0.0)  # + the layer thread's
+                           if self.engine.synchronous else self._clock() - start)  # as it ends
                 self._tally.add(WorkerCounters(bytes_load=chunk_bytes(blocks, self.host.slot_bytes),
                                                seconds_load=seconds))
                 if self._audit is not None and self.engine.synchronous:
-                    audit_failed_rows(issue, slots, blocks, self._audit.check_load)
+                    audit_failed_rows(issue, slots, blocks, self._audit.check_load, last=False)
             except Exception:  # on a device, too late for this step's load errors
                 logger.exception("kv-offload: same-step loads %s failed after their step "
                                  "used them", job_ids)
@@ -574,6 +573,7 @@ class OffloadWorker:
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Finish queued tier writes (bounded by ``timeout_s``), then stop."""
         deadline = self._clock() + timeout_s
+        self._unsettled.settle()  # same-step copies per layer end, and their loads
         self._copies.close()  # copies already issued finish (the writes read them)
         pending = self._stores.pending_writes()
         pending += [f for fills in list(self._fills.values()) for per_chunk in fills.values()

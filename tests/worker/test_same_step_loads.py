@@ -253,12 +253,12 @@ def test_without_per_layer_waits_the_cpu_copies_before_the_forward(planes, gated
     worker.close()
 
 
-@pytest.mark.parametrize("corrupt", [False, True])
+@pytest.mark.parametrize("corrupt", ["", "rest", "last"])
 def test_the_audit_of_a_cpu_copy_per_layer_skips_the_block_the_forward_writes(planes, corrupt):
-    """The runtime audit re-reads a same-step copy per layer after the forward: the load's
-    last block, which the forward wrote its next tokens into, is not compared (no false
-    mismatch); a loaded block that differs from its host slot fails the chunk in that
-    step and spoils the step's stores."""
+    """The runtime audit re-reads a same-step copy per layer: each load's last block right
+    after its copy, before the forward writes its next tokens into it, the other blocks
+    after the forward (so the forward's writes are no false mismatch); a loaded block that
+    differs from its host slot fails the chunk in that step and spoils the step's stores."""
     host = allocate_host_slots(4, SLOT_BYTES, pinned=False)
     engine = make_copy_engine(planes, host, 2)
     worker = OffloadWorker(rank=0, engine=engine, host=host, io_threads=2,
@@ -266,14 +266,24 @@ def test_the_audit_of_a_cpu_copy_per_layer_skips_the_block_the_forward_writes(pl
                            audit=build_audit(planes, host, 2, engine=engine, rate=1.0))
     _stored(worker, planes, (3, 7), 1)
     _per_layer(worker)
-    worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),), same_step=True)])
+    real_load = engine.load
+
+    def load(slots, block_ids, **kwargs):  # the last block's copy flips a bit
+        handle = real_load(slots, block_ids, **kwargs)
+        if corrupt == "last" and (np.asarray(block_ids) == 10).any():
+            planes[0][10, 3] ^= 1
+        return handle
+
+    engine.load = load
+    ok = worker.start_loads([LoadJob(2, "req", (ChunkMove((9, 10), 1),), same_step=True)])
+    assert ok == (corrupt != "last")  # a mismatch before the forward: start_loads says so
     for name in LAYERS:
         worker.layer_waits.wait(name)
     for p in planes:  # the forward writes the hit's next tokens into its last block
         p[10, -8:] = 255 - p[10, -8:]
-    if corrupt:
+    if corrupt == "rest":
         planes[1][9, 0] ^= 1
-    worker.run_stores([StoreJob(5, (ChunkMove((11, 12), 2),))])
+    worker.run_stores([StoreJob(5, (ChunkMove((11, 12), 2),))], discard=not ok)
     result = worker.poll()
     assert result.failed_block_ids == ({9, 10} if corrupt else set())
     reports, _, _ = drain(worker, until=lambda r, f, b: any(
