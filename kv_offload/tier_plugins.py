@@ -11,6 +11,7 @@ after the built-in disk and remote tiers, in the order given. A tier keeps chunk
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,41 @@ def build_tiers(specs: Sequence[str], context: TierContext) -> list[Any]:
         if not isinstance(name, str) or name in names:
             raise ValueError(f"extra_tiers: {spec!r} made a tier named {name!r}; each tier "
                              f"needs a name of its own (not cpu, disk or remote)")
+        missing = contract_mismatches(tier, context.side)
+        if missing:
+            raise ValueError(f"extra_tiers: {spec!r} made a {context.side} tier {name!r} that "
+                             f"does not follow the tier contract: {'; '.join(missing)}. "
+                             f"Update it to kv_offload.tier_contract (its signatures change "
+                             f"with kv-offload's releases)")
         names.add(name)
         tiers.append(tier)
     return tiers
+
+
+def contract_mismatches(tier: Any, side: str) -> list[str]:
+    """What ``tier`` lacks of its side's protocol (``tier_contract.SecondaryTier`` on the
+    scheduler, ``TierIO`` on a worker): each method that is missing, or whose signature
+    cannot take the protocol's arguments (a plugin written against an older contract
+    would fail only when first called, in the middle of serving). Pure."""
+    from kv_offload import tier_contract
+
+    protocol = tier_contract.SecondaryTier if side == "scheduler" else tier_contract.TierIO
+    out = []
+    for method, spec in vars(protocol).items():
+        if method.startswith("_") or not inspect.isfunction(spec):
+            continue
+        ours = getattr(tier, method, None)
+        if not callable(ours):
+            out.append(f"no method {method}")
+            continue
+        params = list(inspect.signature(spec).parameters.values())[1:]  # self
+        args = [None for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        kwargs = {p.name: None for p in params if p.kind is p.KEYWORD_ONLY}
+        try:
+            inspect.signature(ours).bind(*args, **kwargs)
+        except TypeError:
+            out.append(f"{method}{inspect.signature(ours)} cannot take "
+                       f"({', '.join(p.name for p in params)})")
+        except ValueError:  # no signature to read (a builtin): trust it
+            pass
+    return out
