@@ -108,6 +108,7 @@ class RemoteLookups(Generic[A]):
         self._stats_lock = threading.Lock()  # lookup threads only
         self.num_questions = 0  # lookups asked for (sent, or answered from the cache)
         self.num_timeouts = 0  # answered miss because the budget passed
+        self._next_timeout_log = float("-inf")  # scheduler thread (_say_timeout)
         self.num_skipped = 0  # answered miss at once: server backing off or slow
         self.num_round_trips = 0  # lookup threads
         self.seconds_round_trips = 0.0  # lookup threads, network included
@@ -158,7 +159,24 @@ class RemoteLookups(Generic[A]):
             started = [t for t in list(self._trips) if t is not None]
             if started and now - min(started) >= self.budget_s:
                 self._slow = True
+            self._say_timeout(now, started)
         return ask.final
+
+    def _say_timeout(self, now: float, started: list[float]) -> None:
+        """Log a question answered a miss by its budget: the first, then at most one a
+        minute, with what the lookup threads were doing (a round trip held by the server,
+        or questions no thread took: threads stalled, or dead)."""
+        if now < self._next_timeout_log:
+            return
+        self._next_timeout_log = now + 60.0
+        logger.warning(
+            "kv-offload: a remote lookup (%s) passed its budget of %.0f ms and was answered "
+            "a miss (%d so far); round trips in flight for %s s, %d questions queued, %d of "
+            "%d lookup threads alive. Raise remote_lookup_budget_ms if the server is "
+            "slow; otherwise this is a kv-offload bug worth reporting",
+            self.tier.__class__.__name__, self.budget_s * 1e3, self.num_timeouts,
+            [round(now - t, 3) for t in started] or "none", self._queue.qsize(),
+            sum(t.is_alive() for t in self._threads), len(self._threads))
 
     def forget(self, req_id: str) -> None:
         """Drop ``req_id``'s memo (finished or aborted). A lookup in flight for it is

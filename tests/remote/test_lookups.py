@@ -83,13 +83,18 @@ def test_pending_until_the_thread_answers_then_memoised(setup):
     assert lookups.num_pending() == 0
 
 
-def test_past_the_budget_a_miss_that_never_changes(setup):
+def test_past_the_budget_a_miss_that_never_changes(setup, caplog):
     lookups, tier, clock = setup
     tier.keys.update(keys("a", 4))
     assert lookups.ask("r", keys("a", 4)) is None
     clock.now += BUDGET
     assert lookups.ask("r", keys("a", 4)) == 0
     assert lookups.num_timeouts == 1
+    # said once, with what the lookup threads were doing (none runs in this test)
+    assert "passed its budget of 20 ms" in caplog.text and "1 questions queued" in caplog.text
+    assert lookups.ask("r2", keys("a", 4)) is None
+    clock.now += BUDGET
+    assert lookups.ask("r2", keys("a", 4)) == 0 and caplog.text.count("passed its budget") == 1
     lookups.run_once()  # the late answer arrives...
     assert lookups.ask("r", keys("a", 4)) == 0, "...but the request already went on"
 
