@@ -171,7 +171,7 @@ class SchedulerHarness:
             cpu_background_stores=background_stores, connector_reset=connector_reset,
             sync_load_budget_ms=sync_load_budget_ms, partial_hits=partial_hits,
             extra_tiers=list(extra_tiers) or None, remote_url=remote_url,
-            remote_lookup_budget_ms=5000.0)  # answers come in real time; steps are fast
+            remote_lookup_budget_ms=30000.0)  # real time: a loaded CI once held a trip 5 s
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_num_seqs=max_num_seqs)

@@ -80,17 +80,18 @@ def offload(store: Path | None, **remote) -> dict:
     # once; these tests need the hits (a CI dry run lost the one-chunk prompt's 63 so).
     # The lookup threads now connect at engine start, so the first ask no longer pays
     # for connecting, but a descheduled lookup thread still can pass 500 ms; the budget
-    # itself is tested with a fake clock (tests/remote/test_lookups.py).
+    # itself is tested with a fake clock (tests/remote/test_lookups.py). 30 s: two CI dry
+    # runs saw a lookup round trip held 5 s with the server healthy (an open problem).
     return {"cpu_size": "64MiB", "disk_path": str(store) if store else None,
             "disk_size": "256MiB", "chunk_tokens": CHUNK, "io_threads": 2,
-            "remote_max_backoff_s": 2.0, "remote_lookup_budget_ms": 5000.0,
+            "remote_max_backoff_s": 2.0, "remote_lookup_budget_ms": 30000.0,
             "connector_reset": "cpu", **remote}  # a reset leaves the tiers below serving
 
 
 def hits_checkable(phase: dict) -> None:
     """Skip the hit checks of a phase in which a remote lookup passed its budget and was
     answered a miss (its tokens are checked before): twice in CI dry runs a lookup of
-    host B waited the whole 5 s with the server healthy, an open problem
+    host B waited the whole budget (5 s then) with the server healthy, an open problem
     (``RemoteLookups`` now logs such a lookup with what its threads were doing)."""
     errors = phase["kv_offload"].get("kv_offload_remote_lookup_errors_total{}", 0)
     if errors:
