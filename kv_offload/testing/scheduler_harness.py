@@ -5,13 +5,13 @@ Built the way vLLM tests its connectors (tests/v1/kv_connector/unit/utils.py): a
 hand-built ``ModelRunnerOutput``s (``FakeModelRunner``), and a second
 ``KVOffloadConnector`` in role WORKER over fake CPU-backend KV tensors. The worker's
 thread pools are ``StepExecutor``s and its clock is the harness's, so a seeded run is
-deterministic; ``Faults`` injects slow reads (held past ``load_timeout_s``), corrupt and
-failing disk reads, engine copy failures and a full disk (ENOSPC) from a seeded RNG.
+deterministic (no runtime audit: its thread ran held copies early); ``Faults`` injects slow
+reads (held past ``load_timeout_s``), corrupt and failing disk reads, engine copy failures
+and a full disk (ENOSPC) from a seeded RNG.
 
 ``mamba=True`` adds a mamba group in vLLM's "align" mode (states at block boundaries, as
 ``boundary_state_offloads``); the harness replaces the one engine check that refuses mamba
-hybrids (``engine_info.refuse_mamba_hybrids``), so it proves state entries at the
-scheduler level only.
+hybrids (``engine_info.refuse_mamba_hybrids``): state entries proven scheduler-side only.
 
 ``check_idle()`` lists what is left over once every request finished: stuck requests,
 blocks of vLLM's pool, pins, reservations and jobs on either side, CPU or disk slots
@@ -170,7 +170,7 @@ class SchedulerHarness:
             load_timeout_s=load_timeout_steps * STEP_S - STEP_S / 2, io_threads=1,
             cpu_background_stores=background_stores, connector_reset=connector_reset,
             sync_load_budget_ms=sync_load_budget_ms, partial_hits=partial_hits,
-            extra_tiers=list(extra_tiers) or None, remote_url=remote_url,
+            extra_tiers=list(extra_tiers) or None, remote_url=remote_url, audit_rate=0.0,
             remote_lookup_budget_ms=30000.0)  # real time: a loaded CI once held a trip 5 s
         self.vllm_config = build_vllm_config(self.offload, block_size=block_size,
                                              max_num_batched_tokens=max_num_batched_tokens,
