@@ -223,17 +223,13 @@ class TorchCopyEngine(CopyEngine):
     def _copy_layers(stream: bool, ids: np.ndarray, slot_addr: np.ndarray,
                      tables: list[PlaneTable], marks: tuple[threading.Event, ...]) -> float:
         """``load_by_layer``'s thread: each layer's planes in turn, then its mark; returns
-        the seconds it took. A copy that raises sets every mark left (no forward waits for
-        ever) and raises on."""
+        the seconds it took. A copy that raises leaves the marks left to the future's
+        callback (``_set_all``: no forward waits for ever)."""
         start = time.perf_counter()
-        try:
-            for table, mark in zip(tables, marks):
-                cpu_kernel.copy_pieces(False, stream, ids, slot_addr, table, 0,
-                                       ids.shape[0] * table[0].shape[0])
-                mark.set()
-        finally:
-            for mark in marks:
-                mark.set()
+        for table, mark in zip(tables, marks):
+            cpu_kernel.copy_pieces(False, stream, ids, slot_addr, table, 0,
+                                   ids.shape[0] * table[0].shape[0])
+            mark.set()
         return time.perf_counter() - start
 
     def fence_mark(self, mark: object | None) -> None:
